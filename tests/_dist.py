@@ -1,0 +1,62 @@
+"""Run a test body in a real multi-process torch.distributed group (gloo on CPU, NCCL on GPU)."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, args, errq):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        torch.manual_seed(1234 + rank)
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:  # reported to the parent, which fails the test with it
+        errq.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
+    """Run fn(rank, world_size, *args) in world_size processes; re-raise the first failure.
+
+    fn must be a module-level function (it is pickled into spawned processes).
+    """
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if not errq.empty():
+        rank, tb = errq.get()
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"processes exited with errors: {bad}")
