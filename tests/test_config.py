@@ -1,0 +1,246 @@
+"""ep_plugin.config: presets, loading from paths/dicts, overrides, and the error matrix."""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ep_plugin.config import (
+    CommConfig,
+    EPConfig,
+    MoEConfig,
+    OverlapConfig,
+    list_presets,
+    load_config,
+    preset_path,
+)
+from ep_plugin.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = ["deepseek_v3", "mixtral", "qwen_moe", "tiny"]
+
+
+# ----------------------------------------------------------------------------------- presets
+
+
+def test_presets_listed():
+    assert set(PRESETS) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads(name):
+    by_name = load_config(name)
+    by_path = load_config(REPO / "configs" / f"{name}.yaml")
+    by_str_path = load_config(str(REPO / "configs" / f"{name}.yaml"))
+    assert by_name == by_path == by_str_path
+    assert isinstance(by_name, EPConfig)
+    assert by_name.source.endswith(f"{name}.yaml")
+    # round trip through to_dict
+    assert load_config(by_name.to_dict()).to_dict() == by_name.to_dict()
+    assert load_config(by_name) == by_name
+    # presets spell every key out (no silent defaults) and comment each one
+    raw = yaml.safe_load(preset_path(name).read_text())
+    for sec, cls in (("moe", MoEConfig), ("comm", CommConfig), ("overlap", OverlapConfig)):
+        assert set(raw[sec]) == {f.name for f in dataclasses.fields(cls)}, (name, sec)
+    for line in preset_path(name).read_text().splitlines():
+        if ":" in line and not line.lstrip().startswith("#") and line.startswith("  "):
+            assert "#" in line, f"{name}: key without a comment: {line!r}"
+
+
+def test_preset_name_with_yaml_suffix_resolves(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not present in cwd: falls back to the presets
+    assert load_config("tiny.yaml") == load_config("tiny")
+
+
+def test_deepseek_v3_values():
+    c = load_config("deepseek_v3")
+    m = c.moe
+    assert (m.num_experts, m.topk, m.num_groups, m.group_topk) == (256, 8, 8, 4)
+    assert m.score_function == "sigmoid" and m.expert_bias is True
+    assert m.topk_scaling_factor == 2.5
+    assert c.comm.backend == "auto" and c.comm.num_sms == 24
+    assert c.comm.dispatch_dtype == "bf16" and c.comm.max_tokens_per_rank == 4096
+    assert c.comm.timeout_s == 60.0 and isinstance(c.comm.timeout_s, float)
+
+
+def test_other_presets():
+    assert (load_config("mixtral").moe.num_experts, load_config("mixtral").moe.topk) == (8, 2)
+    q = load_config("qwen_moe").moe
+    assert q.score_function == "softmax" and q.num_experts % 8 == 0
+    t = load_config("tiny")
+    assert t.comm.backend == "torch"
+    for ep in (1, 2, 4):
+        t.check_ep_size(ep)
+    assert t.num_local_experts(4) == 2
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def test_defaults():
+    c = load_config(None)
+    assert c == load_config() and c.source == "<defaults>"
+    assert c.moe == MoEConfig() and c.comm == CommConfig() and c.overlap == OverlapConfig()
+    assert c.to_dict() == EPConfig().to_dict()
+
+
+def test_dict_partial_fills_defaults():
+    c = load_config({"moe": {"num_experts": 16, "topk": 4}})
+    assert c.source == "<dict>"
+    assert c.moe.num_experts == 16 and c.moe.topk == 4
+    assert c.moe.score_function == "softmax" and c.comm == CommConfig()
+
+
+def test_empty_sections_and_file(tmp_path):
+    p = tmp_path / "empty.yaml"
+    p.write_text("# nothing\n")
+    assert load_config(p).to_dict() == EPConfig().to_dict()
+    p.write_text("moe:\ncomm:\n")
+    assert load_config(p).to_dict() == EPConfig().to_dict()
+
+
+def test_int_accepted_for_float():
+    c = load_config({"comm": {"timeout_s": 5}, "moe": {"topk_scaling_factor": 2}})
+    assert c.comm.timeout_s == 5.0 and isinstance(c.comm.timeout_s, float)
+    assert isinstance(c.moe.topk_scaling_factor, float)
+
+
+def test_path_loading(tmp_path):
+    p = tmp_path / "my.yaml"
+    p.write_text(yaml.safe_dump({"moe": {"num_experts": 32, "topk": 4, "num_groups": 4,
+                                         "group_topk": 2}, "comm": {"backend": "torch"}}))
+    c = load_config(p)
+    assert c.source == str(p) and c.moe.num_groups == 4 and c.comm.backend == "torch"
+    assert load_config(os.fspath(p)) == c
+
+
+def test_overrides_nested_and_dotted():
+    base = load_config("deepseek_v3")
+    a = load_config("deepseek_v3", {"comm": {"backend": "torch"}, "moe.topk_scaling_factor": 1})
+    assert a.comm.backend == "torch" and a.moe.topk_scaling_factor == 1.0
+    assert a.comm.num_sms == base.comm.num_sms and a.moe == dataclasses.replace(
+        base.moe, topk_scaling_factor=1.0)
+    b = load_config(None, {"overlap.async_dispatch": True})
+    assert b.overlap.async_dispatch is True
+    c = load_config(base, {"comm.dispatch_dtype": "fp8"})
+    assert c.comm.dispatch_dtype == "fp8" and base.comm.dispatch_dtype == "bf16"
+    # the input dict is not mutated
+    d = {"moe": {"topk": 2}}
+    load_config(d, {"moe.topk": 1})
+    assert d == {"moe": {"topk": 2}}
+
+
+def test_override_errors_are_marked():
+    with pytest.raises(ConfigError) as ei:
+        load_config("tiny", {"comm.backnd": "torch"})
+    msg = str(ei.value)
+    assert "tiny.yaml (overrides)" in msg and "comm.backnd" in msg and "backend" in msg
+    with pytest.raises(ConfigError, match="section.key"):
+        load_config(None, {"a.b.c": 1})
+
+
+def test_check_ep_size():
+    c = load_config("deepseek_v3")
+    for ep in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        c.check_ep_size(ep)
+    with pytest.raises(ConfigError) as ei:
+        c.check_ep_size(3)
+    msg = str(ei.value)
+    assert "deepseek_v3.yaml" in msg and "moe.num_experts" in msg and "3" in msg
+    assert "[1, 2, 4, 8, 16, 32, 64, 128, 256]" in msg
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ConfigError):
+            c.check_ep_size(bad)
+    with pytest.raises(ConfigError, match="num_experts"):
+        load_config({"moe": {"num_experts": 6}}).num_local_experts(4)
+
+
+# ------------------------------------------------------------------------------ error matrix
+
+# (config dict, dotted key that the message must name, fragments of the allowed values)
+ERRORS = [
+    ({"mooe": {}}, "mooe", ["moe", "comm", "overlap", "did you mean 'moe'"]),
+    ({"moe": {"num_expert": 8}}, "moe.num_expert", ["num_experts", "did you mean"]),
+    ({"comm": {"sms": 8}}, "comm.sms", ["num_sms"]),
+    ({"overlap": {"async": True}}, "overlap.async", ["async_dispatch"]),
+    ({"moe": {"num_experts": "8"}}, "moe.num_experts", ["positive int"]),
+    ({"moe": {"num_experts": 8.0}}, "moe.num_experts", ["positive int"]),
+    ({"moe": {"topk": True}}, "moe.topk", ["positive int"]),
+    ({"moe": {"topk": 0}}, "moe.topk", [">= 1"]),
+    ({"moe": {"expert_bias": 1, "score_function": "sigmoid"}}, "moe.expert_bias",
+     ["true | false"]),
+    ({"moe": {"topk_scaling_factor": "2.5"}}, "moe.topk_scaling_factor", ["float > 0"]),
+    ({"moe": {"topk_scaling_factor": -1.0}}, "moe.topk_scaling_factor", ["float > 0"]),
+    ({"comm": {"timeout_s": True}}, "comm.timeout_s", ["float > 0"]),
+    ({"comm": {"timeout_s": 0}}, "comm.timeout_s", ["float > 0"]),
+    ({"comm": {"num_sms": None}}, "comm.num_sms", ["positive int"]),
+    ({"moe": {"score_function": "relu"}}, "moe.score_function", ["softmax | sigmoid"]),
+    ({"comm": {"backend": "nccl"}}, "comm.backend", ["auto | torch | nvlink | nvshmem"]),
+    ({"comm": {"dispatch_dtype": "fp16"}}, "comm.dispatch_dtype", ["bf16 | fp8"]),
+    ({"comm": {"combine_dtype": "fp8"}}, "comm.combine_dtype", ["bf16"]),
+    ({"moe": {"num_experts": 10, "num_groups": 4, "group_topk": 2}}, "moe.num_groups",
+     ["divisor of 10", "[1, 2, 5, 10]"]),
+    ({"moe": {"num_experts": 16, "topk": 4, "num_groups": 4, "group_topk": 8}},
+     "moe.group_topk", ["1..4"]),
+    ({"moe": {"num_experts": 16, "num_groups": 4}}, "moe.group_topk", ["together", "neither"]),
+    ({"moe": {"num_experts": 16, "group_topk": 2}}, "moe.num_groups", ["together", "neither"]),
+    ({"moe": {"num_experts": 4, "topk": 5}}, "moe.topk", ["1..4"]),
+    ({"moe": {"num_experts": 16, "topk": 3, "num_groups": 4, "group_topk": 2}},
+     "moe.group_topk", ["divisor of 3", "[1, 3]"]),
+    ({"moe": {"num_experts": 16, "topk": 6, "num_groups": 8, "group_topk": 2}},
+     "moe.topk", ["1..4"]),
+    ({"moe": {"expert_bias": True}}, "moe.expert_bias", ["sigmoid"]),
+    ({"moe": {"score_function": "sigmoid", "use_pre_softmax": True}}, "moe.use_pre_softmax",
+     ["softmax"]),
+    ({"moe": [1, 2]}, "moe", ["num_experts"]),
+]
+
+
+@pytest.mark.parametrize("cfg,key,allowed", ERRORS, ids=[e[1] for e in ERRORS])
+def test_error_matrix_dict(cfg, key, allowed):
+    with pytest.raises(ConfigError) as ei:
+        load_config(cfg)
+    msg = str(ei.value)
+    assert isinstance(ei.value, ValueError)
+    assert msg.startswith("<dict>: "), msg
+    assert f"{key}:" in msg, msg
+    for frag in allowed:
+        assert frag in msg, (frag, msg)
+
+
+@pytest.mark.parametrize("cfg,key,allowed", ERRORS, ids=[e[1] for e in ERRORS])
+def test_error_matrix_file(tmp_path, cfg, key, allowed):
+    p = tmp_path / "bad_config.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert str(p) in msg and "bad_config.yaml" in msg, msg
+    assert f"{key}:" in msg, msg
+    for frag in allowed:
+        assert frag in msg, (frag, msg)
+
+
+def test_yaml_exponent_hint(tmp_path):
+    p = tmp_path / "exp.yaml"
+    p.write_text("comm:\n  timeout_s: 1e3\n")  # PyYAML reads this as a string
+    with pytest.raises(ConfigError, match="1.0e3"):
+        load_config(p)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ConfigError, match="presets"):
+        load_config("no_such_preset")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    p = tmp_path / "broken.yaml"
+    p.write_text("moe: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml.*not valid YAML"):
+        load_config(p)
+    p.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="broken.yaml.*mapping"):
+        load_config(p)
+    with pytest.raises(ConfigError):
+        load_config(42)
