@@ -52,9 +52,12 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     for p in procs:
         if p.is_alive():
             p.kill()
-    if not errq.empty():
-        rank, tb = errq.get()
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors:
+        # Every rank's traceback: the first to fail is often not the first reported.
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]

@@ -1,0 +1,151 @@
+"""Reference backend: torch.distributed all-to-all on any process group (gloo on CPU, NCCL on GPU).
+
+Each direction is one all-to-all of packed byte rows, one copy of a token per destination rank.
+Rows travel as raw bytes, so every dtype (float32, bf16, float8) moves unchanged on every
+process-group backend, and a token's data, scales, local expert ids and weights go in one message.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..layout import dispatch_layout
+from .base import Backend, DispatchOutput, EPEvent, Handle
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [N, bytes per row] uint8 view (t must be contiguous)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def _pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([_as_bytes(p) for p in parts], dim=1) if len(parts) > 1 else _as_bytes(parts[0])
+
+
+def _unpack(buf: torch.Tensor, likes: Sequence[tuple]) -> List[torch.Tensor]:
+    """Split packed rows back into tensors of the given (trailing shape, dtype)."""
+    out, off = [], 0
+    for shape, dtype in likes:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        part = buf[:, off:off + n].contiguous().view(dtype).reshape(buf.shape[0], *shape)
+        out.append(part)
+        off += n
+    return out
+
+
+def send_index(handle: Handle) -> torch.Tensor:
+    """Token index of every row this rank sent, ordered by destination rank then token position."""
+    state = handle.backend_state if isinstance(handle.backend_state, dict) else None
+    if state is not None and "send_idx" in state:
+        return state["send_idx"]
+    idx = handle.is_token_in_rank.t().nonzero()[:, 1]
+    if state is not None:
+        state["send_idx"] = idx
+    return idx
+
+
+def all_to_all_rows(group, rows: torch.Tensor, out_rows: int, out_splits: List[int],
+                    in_splits: List[int], async_op: bool):
+    """Exchange byte rows; returns (received rows, work or None)."""
+    out = rows.new_empty((out_rows, rows.shape[1]))
+    work = dist.all_to_all_single(out, rows, output_split_sizes=out_splits,
+                                  input_split_sizes=in_splits, group=group, async_op=async_op)
+    return out, work
+
+
+def combine_rows(group, x: torch.Tensor, handle: Handle, async_op: bool = False):
+    """Send each received row back to its source and sum per token there (float32 accumulation).
+
+    Works from the generic Handle fields, so it serves any backend's handle (used for the
+    gradient of topk_weights, whose width differs from the hidden size)."""
+    num_sent = sum(handle.send_counts)
+    back, work = all_to_all_rows(group, _as_bytes(x.contiguous()), num_sent, handle.send_counts,
+                                 handle.recv_counts, async_op)
+    y = torch.empty((handle.num_tokens,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+
+    def finish():
+        rows = back.view(x.dtype).reshape((num_sent,) + tuple(x.shape[1:]))
+        acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        acc.index_add_(0, send_index(handle), rows.float())
+        y.copy_(acc)
+
+    if work is None:
+        finish()
+        return y, None
+    return y, EPEvent([work], on_complete=finish)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def _layout(self, topk_idx: torch.Tensor) -> Handle:
+        W, epr = self.world, self.experts_per_rank
+        tokens_per_rank, tokens_per_expert, in_rank = dispatch_layout(topk_idx, self.num_experts, W)
+        counts = torch.cat([tokens_per_rank.view(W, 1), tokens_per_expert.view(W, epr)], 1).long()
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        send_counts = tokens_per_rank.tolist()
+        recv_host = recv.tolist()
+        recv_counts = [row[0] for row in recv_host]
+        per_expert = [sum(row[1 + e] for row in recv_host) for e in range(epr)]
+        return Handle(num_tokens=topk_idx.shape[0], num_recv=sum(recv_counts), num_experts=self.num_experts,
+                      is_token_in_rank=in_rank, send_counts=send_counts, recv_counts=recv_counts,
+                      tokens_per_expert=per_expert, topk_idx=topk_idx, recv_topk_idx=None,
+                      backend_state={})
+
+    def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
+        fresh = handle is None
+        if fresh:
+            handle = self._layout(topk_idx)
+        send_idx = send_index(handle)
+        parts = [x.index_select(0, send_idx)]
+        likes = [((x.shape[1],), x.dtype)]
+        if scales is not None:
+            parts.append(scales.index_select(0, send_idx))
+            likes.append(((scales.shape[1],), scales.dtype))
+        K = handle.topk_idx.shape[1]
+        if fresh or topk_weights is not None:
+            # Local expert ids as the receiver sees them; -1 for experts on other ranks.
+            dest = torch.repeat_interleave(torch.arange(self.world, device=send_idx.device),
+                                           torch.tensor(handle.send_counts, device=send_idx.device))
+            local = handle.topk_idx.index_select(0, send_idx) - (dest * self.experts_per_rank).unsqueeze(1)
+            mine = (local >= 0) & (local < self.experts_per_rank) & (handle.topk_idx.index_select(0, send_idx) >= 0)
+        if fresh:
+            parts.append(torch.where(mine, local, -1))
+            likes.append(((K,), torch.int64))
+        if topk_weights is not None:
+            w = topk_weights.index_select(0, send_idx).float()
+            parts.append(torch.where(mine, w, 0.0))
+            likes.append(((K,), torch.float32))
+
+        recv, work = all_to_all_rows(self.group, _pack(parts), handle.num_recv, handle.recv_counts,
+                                     handle.send_counts, async_op)
+        out_x = x.new_empty((handle.num_recv, x.shape[1]))
+        out_scales = scales.new_empty((handle.num_recv, scales.shape[1])) if scales is not None else None
+        out_w = torch.empty((handle.num_recv, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
+        if fresh:
+            handle.recv_topk_idx = torch.empty((handle.num_recv, K), dtype=torch.int64, device=x.device)
+
+        def finish():
+            got = iter(_unpack(recv, likes))
+            out_x.copy_(next(got))
+            if out_scales is not None:
+                out_scales.copy_(next(got))
+            if fresh:
+                handle.recv_topk_idx.copy_(next(got))
+            if out_w is not None:
+                out_w.copy_(next(got))
+
+        event = None
+        if work is None:
+            finish()
+        else:
+            event = EPEvent([work], on_complete=finish)
+        return DispatchOutput(x=out_x, scales=out_scales, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
+                              tokens_per_expert=handle.tokens_per_expert, handle=handle, event=event)
+
+    def combine(self, x, handle, async_op=False):
+        return combine_rows(self.group, x, handle, async_op)

@@ -1,0 +1,61 @@
+"""Single-process reference of the dispatch/combine contract, differentiable, over all ranks' inputs."""
+from __future__ import annotations
+
+import torch
+
+
+def make_inputs(world, tokens, hidden, num_experts, topk, seed, dtype=torch.float32, mode="random"):
+    """All ranks' inputs, identical on every rank (same seed). tokens: int or per-rank list.
+
+    mode: random (with some -1), skew (every token to expert 0), nowhere (all -1),
+    starve_last (no token picks the last rank's experts)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = tokens if isinstance(tokens, (list, tuple)) else [tokens] * world
+    epr = num_experts // world
+    xs, idxs, ws = [], [], []
+    for T in counts:
+        x = torch.randn(T, hidden, generator=g).to(dtype)
+        pool = num_experts - (epr if mode == "starve_last" else 0)
+        idx = torch.stack([torch.randperm(pool, generator=g)[:topk] for _ in range(T)]) if T else \
+            torch.empty(0, topk, dtype=torch.int64)
+        idx = idx.to(torch.int64)
+        if mode == "random" and T:
+            idx[torch.rand(T, topk, generator=g) < 0.15] = -1
+        elif mode == "skew":
+            idx[:] = -1
+            idx[:, 0] = 0
+        elif mode == "nowhere":
+            idx[:] = -1
+        w = torch.rand(T, topk, generator=g)
+        xs.append(x), idxs.append(idx), ws.append(w)
+    return xs, idxs, ws
+
+
+def reference_dispatch(xs, idxs, ws, rank, num_experts):
+    """What rank `rank` must receive: (rows, local topk_idx, weights, tokens_per_expert)."""
+    world = len(xs)
+    epr = num_experts // world
+    rows, lidx, lw = [], [], []
+    for src in range(world):
+        idx = idxs[src]
+        mine = (idx >= 0) & (idx // epr == rank)
+        sel = mine.any(1).nonzero()[:, 0]
+        rows.append(xs[src].index_select(0, sel))
+        lidx.append(torch.where(mine, idx - rank * epr, -1).index_select(0, sel))
+        lw.append(torch.where(mine, ws[src], 0.0).index_select(0, sel))
+    tpe = [sum(int((i == rank * epr + e).sum()) for i in idxs) for e in range(epr)]
+    return torch.cat(rows), torch.cat(lidx), torch.cat(lw), tpe
+
+
+def reference_combine(per_rank_rows, idxs, src, num_experts):
+    """y on rank `src` from every rank's rows (in each rank's receive order), float32 sum."""
+    world = len(idxs)
+    epr = num_experts // world
+    T = idxs[src].shape[0]
+    y = torch.zeros(T, per_rank_rows[0].shape[1], dtype=torch.float32)
+    for r in range(world):
+        # offset of src's rows inside rank r's receive buffer
+        before = sum(int(((i >= 0) & (i // epr == r)).any(1).sum()) for i in idxs[:src])
+        sel = ((idxs[src] >= 0) & (idxs[src] // epr == r)).any(1).nonzero()[:, 0]
+        y = y.index_add(0, sel, per_rank_rows[r][before:before + len(sel)].float())
+    return y

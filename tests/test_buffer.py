@@ -1,0 +1,147 @@
+"""The EPBuffer contract on the torch backend, in real multi-process gloo groups of 2 and 4."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from tests._dist import spawn
+from tests.reference import make_inputs, reference_combine, reference_dispatch
+
+H, K = 32, 4
+
+
+def make_buffer(world, num_experts, backend="torch", **comm):
+    cfg = {"moe": {"num_experts": num_experts, "topk": K},
+           "comm": {"backend": backend, "max_tokens_per_rank": 256, **comm}}
+    return ep_plugin.EPBuffer(None, cfg, hidden=H)
+
+
+def check_case(buf, rank, world, E, tokens, seed, dtype, mode):
+    xs, idxs, ws = make_inputs(world, tokens, H, E, K, seed, dtype, mode)
+    res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
+    ctx = f"rank {rank} seed {seed} mode {mode} dtype {dtype}"
+    assert res.x.dtype == dtype, ctx
+    assert torch.equal(res.x, rx), ctx                      # order: source rank, then position
+    assert torch.equal(res.topk_idx, ridx), ctx
+    assert torch.equal(res.topk_weights, rw), ctx
+    assert res.tokens_per_expert == tpe, ctx
+    # combine(dispatch(x)) = x * ranks reached; with a rank-dependent factor it checks each source.
+    back = buf.combine(res.x * (rank + 1), res.handle)
+    outs = [None] * world
+    dist.all_gather_object(outs, res.x * (rank + 1))
+    expect = reference_combine(outs, idxs, rank, E).to(dtype)
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(back, expect, **tol, msg=ctx)
+    reached = ((idxs[rank] >= 0).unsqueeze(2) & (idxs[rank].unsqueeze(2) // (E // world) ==
+               torch.arange(world))).any(1).sum(1)
+    torch.testing.assert_close(buf.combine(res.x, res.handle).float(), xs[rank].float() * reached.unsqueeze(1),
+                               **tol, msg=ctx)
+
+
+def contract_body(rank, world):
+    E = 4 * world
+    buf = make_buffer(world, E)
+    assert buf.backend_name == "torch"
+    seed = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("random", "skew", "nowhere", "starve_last"):
+            for tokens in (17, [0] + [9] * (world - 1), 64):
+                for _ in range(2 if mode == "random" else 1):
+                    seed += 1
+                    check_case(buf, rank, world, E, tokens, seed, dtype, mode)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_contract_random_routings(world):
+    spawn(contract_body, world)
+
+
+def grad_body(rank, world):
+    E = 2 * world
+    buf = make_buffer(world, E)
+    xs, idxs, ws = make_inputs(world, [13, 0, 7, 21][:world], H, E, K, seed=7)
+    g = torch.Generator().manual_seed(99)
+    gx = [torch.randn(200, H, generator=g) for _ in range(world)]   # upstream grads per rank (sliced)
+    gwt = [torch.randn(200, K, generator=g) for _ in range(world)]
+    gy = [torch.randn(t.shape[0], H, generator=g) for t in xs]
+
+    # ours: dispatch -> (rows * scale) -> combine, and a loss on the received weights
+    x = xs[rank].clone().requires_grad_(True)
+    w = ws[rank].clone().requires_grad_(True)
+    res = buf.dispatch(x, idxs[rank], w)
+    R = res.x.shape[0]
+    y = buf.combine(res.x * (rank + 2), res.handle)
+    loss = (y * gy[rank]).sum() + (res.x * gx[rank][:R]).sum() + (res.topk_weights * gwt[rank][:R]).sum()
+    loss.backward()
+
+    # reference: the same computation for all ranks in one process
+    rx_ = [t.clone().requires_grad_(True) for t in xs]
+    rw_ = [t.clone().requires_grad_(True) for t in ws]
+    total = 0
+    rows = []
+    for r in range(world):
+        rr, _, rw, _ = reference_dispatch(rx_, idxs, rw_, r, E)
+        rows.append(rr * (r + 2))
+        total = total + (rr * gx[r][:rr.shape[0]]).sum() + (rw * gwt[r][:rr.shape[0]]).sum()
+    for s in range(world):
+        total = total + (reference_combine(rows, idxs, s, E) * gy[s]).sum()
+    total.backward()
+    torch.testing.assert_close(x.grad, rx_[rank].grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, rw_[rank].grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_match_single_process_reference(world):
+    spawn(grad_body, world)
+
+
+def modes_body(rank, world):
+    E = 2 * world
+    buf = make_buffer(world, E)
+    xs, idxs, ws = make_inputs(world, 24, 256 // 8, E, K, seed=3)
+    # async: outputs valid after the event
+    res = buf.dispatch(xs[rank], idxs[rank], ws[rank], async_op=True)
+    assert res.event is not None
+    res.event.current_stream_wait()
+    rx, ridx, rw, _ = reference_dispatch(xs, idxs, ws, rank, E)
+    assert torch.equal(res.x, rx) and torch.equal(res.topk_idx, ridx) and torch.equal(res.topk_weights, rw)
+    y, ev = buf.combine(res.x, res.handle, async_op=True)
+    ev.current_stream_wait()
+    torch.testing.assert_close(y, buf.combine(res.x, res.handle))
+    # cached: reuse the layout for new rows
+    x2 = torch.randn_like(xs[rank])
+    cached = buf.dispatch(x2, handle=res.handle)
+    fresh = buf.dispatch(x2, idxs[rank])
+    assert torch.equal(cached.x, fresh.x) and torch.equal(cached.topk_idx, fresh.topk_idx)
+    assert cached.tokens_per_expert == fresh.tokens_per_expert
+
+
+def fp8_body(rank, world):
+    hidden = 256
+    E = 2 * world
+    cfg = {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": "torch", "dispatch_dtype": "fp8"}}
+    buf = ep_plugin.EPBuffer(None, cfg, hidden=hidden)
+    xs, idxs, ws = make_inputs(world, 20, hidden, E, K, seed=11)
+    x = xs[rank]
+    scales = x.abs().view(20, hidden // 128, 128).amax(-1).clamp(min=1e-4) / 448.0
+    data = (x.view(20, -1, 128) / scales.unsqueeze(-1)).view(20, hidden).to(torch.float8_e4m3fn)
+    res = buf.dispatch((data, scales), idxs[rank], ws[rank])
+    rdata, rscales = res.x
+    assert rdata.dtype == torch.float8_e4m3fn and rscales.dtype == torch.float32
+    # bit-exact transport: compare against a dispatch of the same bytes
+    all_data = [None] * world
+    all_scales = [None] * world
+    dist.all_gather_object(all_data, data.view(torch.uint8))
+    dist.all_gather_object(all_scales, scales)
+    exp_bytes, _, _, _ = reference_dispatch(all_data, idxs, ws, rank, E)
+    exp_scales, _, _, _ = reference_dispatch(all_scales, idxs, ws, rank, E)
+    assert torch.equal(rdata.view(torch.uint8), exp_bytes) and torch.equal(rscales, exp_scales)
+    deq = (rdata.float().view(-1, hidden // 128, 128) * rscales.unsqueeze(-1)).view(-1, hidden)
+    rx, _, _, _ = reference_dispatch(xs, idxs, ws, rank, E)
+    torch.testing.assert_close(deq, rx, atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("body", [modes_body, fp8_body])
+def test_async_cached_fp8(body):
+    spawn(body, 2)
