@@ -1,0 +1,251 @@
+"""DeepSpeed integration: a converted MoE layer equals DeepSpeed's own, engine mode, config errors.
+
+CPU, gloo, world 2, ep_size 2 (tests/_dist.py spawn). Each multi-process test runs many cases in
+one spawn, since importing DeepSpeed costs seconds per process.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from tests._dist import spawn  # noqa: E402
+
+EP_ON = {"enabled": True, "config": "tiny", "overrides": {"comm.backend": "torch"}}
+H = 16
+
+
+def _expert(h=H):
+    return torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h))
+
+
+def _make_pair(rank, k, drop, num_experts=4, ep_size=2, capacity_factor=0.5, min_capacity=2, use_rts=True):
+    """DeepSpeed's MoE and an identical copy converted to ep_plugin (params differ per rank)."""
+    from deepspeed.moe.layer import MoE
+    import ep_plugin.deepspeed as epds
+
+    torch.manual_seed(7)
+    ref = MoE(H, _expert(), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+              eval_capacity_factor=capacity_factor, min_capacity=min_capacity, drop_tokens=drop, use_rts=use_rts)
+    g = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "deepspeed_experts" in name:  # each rank's local experts differ
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    ours = copy.deepcopy(ref)
+    ref.set_deepspeed_parallelism()
+    n = epds.convert_moe_layers(ours, {"train_batch_size": 2, "ep_plugin": EP_ON})
+    assert n == 1
+    assert type(ours.deepspeed_moe) is epds.EPPluginMOELayer
+    assert ours.deepspeed_moe.ep_group is ref.deepspeed_moe.ep_group
+    return ref, ours
+
+
+def _run(layer, x, gy, seed):
+    torch.manual_seed(seed)  # the gate draws random numbers (RTS, 2nd-expert sampling)
+    x = x.detach().clone().requires_grad_(True)
+    out, l_aux, counts = layer(x)
+    ((out * gy).sum() + 0.3 * l_aux).backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+    return out.detach(), l_aux.detach(), counts.detach(), x.grad.detach(), grads
+
+
+def _close(a, b, what, atol=1e-5, rtol=1e-5):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{what}: max abs diff {err}"
+
+
+def _layer_cases(rank, world):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    cases = [(1, True), (1, False), (2, True), (2, False), (3, True), (3, False)]
+    for k, drop in cases:
+        ref, ours = _make_pair(rank, k, drop)
+        for step, shape in enumerate(((2, 12, H), (3, 8, H) if drop else (1, 5, H))):
+            g = torch.Generator().manual_seed(1000 * k + 10 * step + rank)
+            x = torch.randn(shape, generator=g)
+            gy = torch.randn(x.shape, generator=g)
+            seed = 4242 + step + rank
+            r = _run(ref, x, gy, seed)
+            layer, seen = ours.deepspeed_moe, []
+            run_experts = layer._ep_run_experts
+            layer._ep_run_experts = lambda rows, idx, w, counts: seen.append(list(counts)) or run_experts(rows, idx, w, counts)
+            o = _run(ours, x, gy, seed)
+            del layer._ep_run_experts
+            # Exactly the routes DeepSpeed keeps travel: compare with the gate's own sparse routes.
+            torch.manual_seed(seed)
+            kept = (layer.gate(x.reshape(-1, H), None, True, False)[3] >= 0).sum().reshape(1)
+            got = torch.tensor([sum(seen[0])])
+            torch.distributed.all_reduce(kept), torch.distributed.all_reduce(got)
+            assert got.item() == kept.item(), f"{got.item()} rows received, DeepSpeed keeps {kept.item()} routes"
+            if drop:
+                assert kept.item() < world * x.shape[0] * x.shape[1] * k, "capacity dropped nothing"
+            tag = f"rank {rank} k={k} drop_tokens={drop} step {step}"
+            _close(o[0], r[0], f"{tag}: output")
+            _close(o[1], r[1], f"{tag}: l_aux")
+            assert torch.equal(o[2], r[2]), f"{tag}: exp_counts {o[2]} != {r[2]}"
+            _close(o[3], r[3], f"{tag}: input grad")
+            assert o[4].keys() == r[4].keys()
+            for name in r[4]:
+                _close(o[4][name], r[4][name], f"{tag}: grad of {name}")
+            if drop and k == 1:  # the capacity limit really dropped tokens: their output is 0
+                assert (r[0].reshape(-1, H).abs().sum(-1) == 0).any(), f"{tag}: nothing was dropped"
+            ref.zero_grad(set_to_none=True)
+            ours.zero_grad(set_to_none=True)
+    # eval mode (eval capacity factor) and no_grad forward
+    ref.eval(), ours.eval()
+    x = torch.randn(3, 4, H)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        a = ref(x)
+        torch.manual_seed(5)
+        b = ours(x)
+    _close(b[0], a[0], f"rank {rank}: eval output")
+
+
+def test_layer_matches_deepspeed():
+    spawn(_layer_cases, 2, timeout=240)
+
+
+class TinyMoELM(torch.nn.Module):
+    """Embedding -> 2 x (pre-norm residual MoE block) -> LM head."""
+
+    def __init__(self, vocab=32, hidden=H, num_experts=4, ep_size=2, k=2, layers=2):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(hidden) for _ in range(layers))
+        self.moes = torch.nn.ModuleList(
+            MoE(hidden, _expert(hidden), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=2.0,
+                min_capacity=2) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        aux = 0.0
+        for norm, moe in zip(self.norms, self.moes):
+            out, l_aux, _ = moe(norm(h))
+            h = h + out
+            aux = aux + l_aux
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) + 0.01 * aux
+
+
+def _ds_config(flag):
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    if flag is not None:
+        cfg["ep_plugin"] = flag
+    return cfg
+
+
+def _train(engine, rank, steps=6):
+    g = torch.Generator().manual_seed(50 + rank)
+    losses = []
+    ids = torch.randint(0, 32, (4, 8), generator=g)
+    labels = (ids * 3 + 1) % 32  # learnable map
+    for step in range(steps):
+        torch.manual_seed(900 + step + rank)
+        loss = engine(ids, labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _engine_cases(rank, world):
+    import deepspeed
+    from deepspeed.moe.sharded_moe import MOELayer
+    import ep_plugin.deepspeed as epds
+    torch.set_num_threads(1)
+
+    torch.manual_seed(3)
+    base = TinyMoELM()
+    m_off, m_on, m_absent = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+
+    # Flag off: exactly deepspeed.initialize, the model untouched.
+    state = {k: v.clone() for k, v in m_off.state_dict().items()}
+    eng_off, opt, _, _ = epds.initialize(model=m_off, model_parameters=m_off.parameters(),
+                                         config=_ds_config({"enabled": False, "config": "tiny"}))
+    assert all(type(m) is MOELayer for m in m_off.modules() if isinstance(m, MOELayer))
+    assert all(torch.equal(v, m_off.state_dict()[k]) for k, v in state.items())
+    assert epds.convert_moe_layers(m_absent, _ds_config(None)) == 0
+    assert all(type(m) is MOELayer for m in m_absent.modules() if isinstance(m, MOELayer))
+
+    # Flag on.
+    eng_on, opt_on, _, _ = epds.initialize(model=m_on, model_parameters=m_on.parameters(), config=_ds_config(EP_ON))
+    assert isinstance(eng_on, deepspeed.DeepSpeedEngine) and opt_on is not None
+    conv = [m for m in m_on.modules() if isinstance(m, MOELayer)]
+    assert len(conv) == 2 and all(type(m) is epds.EPPluginMOELayer for m in conv)
+    assert [n for n, _ in m_on.named_parameters()] == [n for n, _ in m_off.named_parameters()]
+    assert eng_on.has_moe_layers and len(eng_on.moe_layers) == 2
+    for (n, p), (_, q) in zip(m_on.named_parameters(), m_off.named_parameters()):
+        assert getattr(p, "allreduce", True) == getattr(q, "allreduce", True), n
+        assert getattr(p, "group_name", None) == getattr(q, "group_name", None), n
+    # Converting again does nothing new.
+    assert epds.convert_moe_layers(m_on, _ds_config(EP_ON)) == 0
+
+    l_off = _train(eng_off, rank)
+    l_on = _train(eng_on, rank)
+    assert l_on[-1] < l_on[0] * 0.9, f"loss did not fall: {l_on}"
+    # Same model, same data, same RNG: DeepSpeed's path and ours train identically.
+    assert max(abs(a - b) for a, b in zip(l_on, l_off)) < 1e-4, (l_on, l_off)
+
+    # Checkpoints: same keys as DeepSpeed's own model.
+    assert m_on.state_dict().keys() == m_off.state_dict().keys()
+
+
+def test_engine_flag_on_off_and_training():
+    spawn(_engine_cases, 2, timeout=240)
+
+
+# ---------------------------------------------------------------------------- config errors
+def test_bad_section_unknown_key():
+    import ep_plugin.deepspeed as epds
+    from ep_plugin.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"unknown key 'enable'.*did you mean 'enabled'"):
+        epds.convert_moe_layers(torch.nn.Linear(2, 2), {"ep_plugin": {"enable": True, "config": "tiny"}})
+    with pytest.raises(ConfigError, match=r"ep_plugin.enabled' must be true or false"):
+        epds.ep_plugin_config({"ep_plugin": {"enabled": "yes"}})
+    with pytest.raises(ConfigError, match=r"must be an object"):
+        epds.ep_plugin_config({"ep_plugin": [1]})
+
+
+def test_bad_section_missing_file(tmp_path):
+    import ep_plugin.deepspeed as epds
+    from ep_plugin.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"ep_plugin.config': file not found: 'nope/missing.yaml'"):
+        epds.convert_moe_layers(torch.nn.Linear(2, 2), {"ep_plugin": {"enabled": True, "config": "nope/missing.yaml"}})
+    # A bad ep_plugin YAML names our section and the YAML key.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("comm:\n  backend: carrier_pigeon\n")
+    with pytest.raises(ConfigError, match=r"ep_plugin.config'.*comm.backend"):
+        epds.ep_plugin_config({"ep_plugin": {"enabled": True, "config": str(bad)}})
+    # Through initialize, the error comes before DeepSpeed runs (no process group needed).
+    with pytest.raises(ConfigError, match="file not found"):
+        epds.initialize(model=torch.nn.Linear(2, 2),
+                        config={"train_batch_size": 1, "ep_plugin": {"enabled": True, "config": "missing.yaml"}})
+
+
+def test_section_from_json_file_resolves_relative_yaml(tmp_path):
+    import ep_plugin.deepspeed as epds
+    (tmp_path / "ep.yaml").write_text("moe:\n  num_experts: 4\ncomm:\n  backend: torch\n")
+    p = tmp_path / "ds_config.json"
+    p.write_text(json.dumps({"train_batch_size": 2, "ep_plugin": {"enabled": True, "config": "ep.yaml"}}))
+    cwd = os.getcwd()
+    try:
+        os.chdir("/")
+        cfg = epds.ep_plugin_config(str(p))
+    finally:
+        os.chdir(cwd)
+    assert cfg.comm.backend == "torch" and cfg.moe.num_experts == 4
+    assert epds.ep_plugin_config({"ep_plugin": {"enabled": False, "config": "tiny"}}) is None
+    assert epds.ep_plugin_config({"train_batch_size": 1}) is None
+    assert epds.is_enabled({"ep_plugin": {"enabled": True, "config": {"comm": {"backend": "torch"}}}})
