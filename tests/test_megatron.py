@@ -1,0 +1,316 @@
+"""megatron-core integration (ep_plugin/megatron.py) on CPU: gloo, world 2, torch backend.
+
+For the same weights and inputs, a MoELayer whose dispatcher is ep_plugin gives the same output,
+input gradient and parameter gradients as one with megatron's `alltoall` dispatcher. All
+multi-process work runs in one spawn (megatron-core takes ~10 s to import per process); the
+parametrized tests then check its per-case results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch  # noqa: E402
+
+from tests._dist import spawn  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt_moe.py")
+H = 16
+
+# name -> (ours: kwargs, reference: kwargs, options); common fields in _config()
+CASES = {
+    "topk_softmax": (
+        dict(moe_token_dispatcher_type="ep_plugin"),
+        dict(moe_token_dispatcher_type="alltoall"), {}),
+    "topk_softmax_aux_loss": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_load_balancing_type="aux_loss",
+             moe_aux_loss_coeff=1e-2),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+             moe_aux_loss_coeff=1e-2), {}),
+    "group_limited_sigmoid_expert_bias": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=4, moe_router_num_groups=4,
+             moe_router_group_topk=2, moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+             moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=4, moe_router_num_groups=4,
+             moe_router_group_topk=2, moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+             moe_router_dtype="fp32"), {"expert_bias": "random"}),
+    "skew_rank1_receives_nothing": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"), {"expert_bias": "skew"}),
+    "top1_probs_on_input": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True), {}),
+    "shared_experts": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12), {}),
+    "shared_expert_overlap_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12, moe_shared_expert_overlap=True,
+             moe_shared_expert_gate=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True, moe_shared_expert_gate=True), {}),
+    "shared_expert_overlap_by_name": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True), {}),
+    # megatron's overlap_moe_expert_parallel_comm schedule runs route/preprocess, dispatch, experts
+    # and combine as separate graph segments (detached in between): emulate that split
+    "ep_overlap_stage_split_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12),
+        {"stage_split": True}),
+}
+
+
+def _config(world, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=8,
+                moe_router_topk=2, moe_ffn_hidden_size=8, expert_model_parallel_size=world,
+                use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+                activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+                moe_router_load_balancing_type="none")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _layer(cfg):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    torch.manual_seed(0)
+    return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
+
+
+def _staged_forward(layer, x):
+    """MoELayer.forward cut into the four segments of megatron's EP-overlap (1F1B) schedule."""
+    segs = []
+
+    def cut(*ts):
+        outs = tuple(t.detach().requires_grad_(t.requires_grad) for t in ts)
+        segs.append((ts, outs))
+        return outs
+
+    shared = layer.shared_experts_compute(x)
+    probs, routing_map = layer.route(x)
+    hs, probs = layer.preprocess(x, probs, routing_map)
+    hs, probs = cut(hs, probs)
+    disp, dprobs = layer.dispatch(hs, probs)
+    disp, dprobs = cut(disp, dprobs)
+    out, _ = layer.routed_experts_compute(disp, dprobs)
+    (out,) = cut(out)
+    y = layer.postprocess(layer.combine(out), shared)
+    return y, segs
+
+
+def _staged_backward(y, grad, segs):
+    torch.autograd.backward([y], [grad])
+    for ins, outs in reversed(segs):
+        pairs = [(i, o.grad) for i, o in zip(ins, outs) if i.requires_grad and o.grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def _compare_case(rank, world, name):
+    ours_kw, ref_kw, opts = CASES[name]
+    ref = _layer(_config(world, **ref_kw))
+    ours = _layer(_config(world, **ours_kw))
+    import ep_plugin.megatron as epm
+
+    assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100 + rank)  # experts differ per rank
+        for n, p in ref.named_parameters():
+            if "experts.local_experts" in n or ".experts." in n and "shared" not in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        eb = getattr(ref.router, "expert_bias", None)
+        if opts.get("expert_bias") == "random":
+            eb.copy_(torch.randn(eb.shape, generator=torch.Generator().manual_seed(7)) * 0.1)
+        elif opts.get("expert_bias") == "skew":
+            eb.zero_()
+            eb[:2] = 100.0  # every token picks experts 0 and 1 (rank 0): rank 1 receives nothing
+    missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
+    assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
+
+    S = 5 + 3 * rank  # ranks dispatch different token counts
+    g = torch.Generator().manual_seed(1000 + rank)
+    x0 = torch.randn(S, 2, H, generator=g)
+    wout = torch.randn(S, 2, H, generator=g)
+    res = {}
+    for tag, layer in (("ref", ref), ("ours", ours)):
+        x = x0.clone().requires_grad_()
+        if opts.get("stage_split") and tag == "ours":
+            y, segs = _staged_forward(layer, x)
+            _staged_backward(y, wout, segs)
+        else:
+            y, _ = layer(x)
+            (y * wout).sum().backward()
+        res[tag] = (y.detach(), x.grad.clone(),
+                    {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    (y0, gx0, gp0), (y1, gx1, gp1) = res["ref"], res["ours"]
+    assert set(gp0) == set(gp1), (sorted(set(gp0) ^ set(gp1)))
+    out = {
+        "out": (y0 - y1).abs().max().item(),
+        "grad_x": (gx0 - gx1).abs().max().item(),
+        "grad_params": max(((gp0[n] - gp1[n]).abs().max().item() for n in gp0), default=0.0),
+        "scale": max(y0.abs().max().item(), 1e-6),
+        "num_param_grads": len(gp0),
+        "recv_rows": int(ours.token_dispatcher.num_recv),
+    }
+    return out
+
+
+def _dist_body(rank, world, out_dir):
+    import ep_plugin.megatron as epm
+
+    epm.cpu_stand_ins()
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = _compare_case(rank, world, name)
+        except Exception:  # reported per case by the parametrized test
+            results[name] = {"error": traceback.format_exc()}
+    ps.destroy_model_parallel()
+    epm.clear_buffers()
+
+    # the example: a few steps of GPT-MoE pretraining, loss must fall
+    try:
+        sys.path.insert(0, os.path.dirname(EXAMPLE))
+        import pretrain_gpt_moe
+
+        r = pretrain_gpt_moe.main(["--steps", "12", "--no-progress", "--log-every", "100",
+                                   "--micro-batch-size", "4"])
+        results["example"] = {"losses": r["losses"], "backend": r["backend"], "dispatcher": r["dispatcher"]}
+    except Exception:
+        results["example"] = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("megatron")
+    spawn(_dist_body, 2, str(d), timeout=240)
+    out = []
+    for r in range(2):
+        with open(d / f"rank{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_alltoall(dist_results, case):
+    for rank, results in enumerate(dist_results):
+        r = results[case]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        tol = 1e-5 * max(1.0, r["scale"])
+        assert r["out"] <= tol, (rank, r)
+        assert r["grad_x"] <= tol, (rank, r)
+        assert r["grad_params"] <= tol, (rank, r)
+        assert r["num_param_grads"] > 0
+    if case == "skew_rank1_receives_nothing":
+        assert dist_results[1][case]["recv_rows"] == 0
+        assert dist_results[0][case]["recv_rows"] > 0
+
+
+def test_example_pretraining_loss_falls(dist_results):
+    r = dist_results[0]["example"]
+    assert "error" not in r, r.get("error")
+    losses = r["losses"]
+    assert len(losses) == 12 and all(map(lambda v: v == v, losses))
+    assert r["dispatcher"] == "ep_plugin" and r["backend"] == "torch"
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+# ------------------------------------------------------------------- single process: hooks, YAML
+
+def test_install_uninstall_restores_megatron():
+    import ep_plugin.megatron as epm
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert epm.is_installed()
+    hooked_init = moe_layer.MoELayer.__init__
+    epm.uninstall()
+    try:
+        assert not epm.is_installed()
+        assert moe_layer.MoELayer.__init__ is not hooked_init
+        assert moe_layer.MoEFlexTokenDispatcher.__name__ == "MoEFlexTokenDispatcher"
+        # megatron's own validation is back: it refuses the name with shared-expert overlap
+        with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
+            TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                              moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=8,
+                              moe_shared_expert_overlap=True)
+    finally:
+        epm.install()
+    assert epm.is_installed() and moe_layer.MoELayer.__init__ is hooked_init
+    epm.install()  # idempotent
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                            moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=8,
+                            moe_shared_expert_overlap=True)
+    assert cfg.moe_token_dispatcher_type == "ep_plugin"
+
+
+def test_flex_backend_config_accepts_both_overlaps():
+    import ep_plugin.megatron  # noqa: F401
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                  expert_model_parallel_size=2, moe_token_dispatcher_type="flex",
+                  moe_flex_dispatcher_backend="ep_plugin")
+    c1 = TransformerConfig(**common, moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True)
+    c2 = TransformerConfig(**common, overlap_moe_expert_parallel_comm=True, bf16=True)
+    assert c1.moe_flex_dispatcher_backend == c2.moe_flex_dispatcher_backend == "ep_plugin"
+    c3 = TransformerConfig(**dict(common, moe_token_dispatcher_type="ep_plugin"),
+                           overlap_moe_expert_parallel_comm=True, bf16=True)
+    assert c3.moe_token_dispatcher_type == "ep_plugin"
+
+
+def test_config_from_yaml_deepseek():
+    import ep_plugin.megatron as epm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    old = epm.get_default_config()
+    try:
+        f = epm.config_from_yaml(os.path.join(ROOT, "configs", "deepseek_v3.yaml"),
+                                 **{"comm.backend": "torch", "overlap.shared_expert_overlap": True},
+                                 moe_aux_loss_coeff=0.0)
+        assert f["num_moe_experts"] == 256 and f["moe_router_topk"] == 8
+        assert f["moe_router_num_groups"] == 8 and f["moe_router_group_topk"] == 4
+        assert f["moe_router_score_function"] == "sigmoid"
+        assert f["moe_router_topk_scaling_factor"] == 2.5
+        assert f["moe_router_enable_expert_bias"] is True and f["moe_router_dtype"] == "fp32"
+        assert f["moe_shared_expert_overlap"] is True and f["moe_token_dispatcher_type"] == "ep_plugin"
+        assert f["moe_aux_loss_coeff"] == 0.0
+        assert epm.get_default_config().comm.backend == "torch"
+        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                moe_shared_expert_intermediate_size=64, expert_model_parallel_size=8,
+                                **f)
+        assert cfg.num_moe_experts == 256
+        # flex form
+        f2 = epm.config_from_yaml("tiny", moe_token_dispatcher_type="flex")
+        assert f2["moe_flex_dispatcher_backend"] == "ep_plugin"
+        from ep_plugin.errors import ConfigError
+
+        with pytest.raises(ConfigError):
+            epm.config_from_yaml("tiny", **{"comm.backend": "pigeon"})
+    finally:
+        epm.set_default_config(old)
