@@ -1,0 +1,188 @@
+"""Train a small MoE transformer with DeepSpeed, its MoE layers running through ep_plugin.
+
+The only changes from a plain DeepSpeed MoE script are the ``"ep_plugin"`` section of
+ds_config.json and the call ``ep_plugin.deepspeed.initialize`` in place of ``deepspeed.initialize``.
+
+CPU (gloo, 2 processes):
+    torchrun --nproc-per-node 2 examples/deepspeed/train_moe_ds.py --steps 60
+GPUs (NCCL, one process per GPU):
+    torchrun --nproc-per-node 4 examples/deepspeed/train_moe_ds.py --steps 200 --hidden 512 --seq-len 256
+DeepSpeed's own all-to-all, for comparison:  add --no-ep-plugin
+The deepspeed launcher works too: deepspeed --num_gpus 4 examples/deepspeed/train_moe_ds.py ...
+
+Data: synthetic arithmetic sequences x_t = (a + d*t) mod vocab with a random start a and step d
+per sequence; predicting the next token needs the previous two, so the loss falls from
+log(vocab) towards 0 as the model learns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+from deepspeed.moe.layer import MoE
+
+import ep_plugin.deepspeed as epds
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        B, S, H = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, H))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden, heads, ffn, num_experts, ep_size, k, capacity_factor, drop_tokens):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        expert = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
+        self.moe = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=k,
+                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                       min_capacity=4, drop_tokens=drop_tokens)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        out, l_aux, _ = self.moe(self.ln2(x))
+        return x + out, l_aux
+
+
+class MoETransformer(torch.nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.emb = torch.nn.Embedding(a.vocab, a.hidden)
+        self.pos = torch.nn.Embedding(a.seq_len, a.hidden)
+        self.blocks = torch.nn.ModuleList(
+            Block(a.hidden, a.heads, a.ffn or 2 * a.hidden, a.experts, a.ep_size, a.k, a.capacity_factor,
+                  not a.no_drop_tokens) for _ in range(a.layers))
+        self.ln = torch.nn.LayerNorm(a.hidden)
+        self.head = torch.nn.Linear(a.hidden, a.vocab)
+        self.aux_coef = a.aux_coef
+
+    def forward(self, ids, labels):
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        aux = 0.0
+        for blk in self.blocks:
+            x, l_aux = blk(x)
+            aux = aux + l_aux
+        logits = self.head(self.ln(x)).float()
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return lm + self.aux_coef * aux, lm
+
+
+def batch(gen, n, seq_len, vocab, device):
+    start = torch.randint(0, vocab, (n, 1), generator=gen)
+    step = torch.randint(1, 5, (n, 1), generator=gen)
+    seq = (start + step * torch.arange(seq_len + 1)) % vocab
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", default=os.path.join(HERE, "ds_config.json"))
+    p.add_argument("--no-ep-plugin", action="store_true", help="turn the ep_plugin flag off (DeepSpeed's all-to-all)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=0, help="expert FFN width (default 2*hidden)")
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (default 2*ep_size)")
+    p.add_argument("--ep-size", type=int, default=0, help="expert-parallel size (default: world size)")
+    p.add_argument("--k", type=int, default=2, help="experts per token")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--no-drop-tokens", action="store_true", help="DeepSpeed drop_tokens=False (no capacity limit)")
+    p.add_argument("--aux-coef", type=float, default=0.01)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="write the loss curve and tokens/s here (rank 0)")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    a = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(a.local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    a.ep_size = a.ep_size or world
+    a.experts = a.experts or 2 * a.ep_size
+    device = torch.device("cuda", a.local_rank) if cuda else torch.device("cpu")
+
+    with open(a.deepspeed_config) as f:
+        ds_config = json.load(f)
+    sec = ds_config.setdefault("ep_plugin", {})
+    if a.no_ep_plugin:
+        sec["enabled"] = False
+    if isinstance(sec.get("config"), str) and not os.path.isabs(sec["config"]):  # relative to the JSON file
+        sec["config"] = os.path.join(os.path.dirname(os.path.abspath(a.deepspeed_config)), sec["config"])
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+
+    torch.manual_seed(a.seed)
+    model = MoETransformer(a)
+
+    # The one call that differs from plain DeepSpeed.
+    engine, _, _, _ = epds.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    ep_on = any(isinstance(m, epds.EPPluginMOELayer) for m in model.modules())
+
+    gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
+    tokens_per_step = micro * a.seq_len * engine.dp_world_size * engine.gradient_accumulation_steps()
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+        path = "ep_plugin" if ep_on else "DeepSpeed all-to-all"
+        print(f"world {world}, ep_size {a.ep_size}, {a.experts} experts, top-{a.k}, {a.layers} MoE layers, "
+              f"hidden {a.hidden}, MoE path: {path}", flush=True)
+        bar = tqdm(total=a.steps, desc="train", dynamic_ncols=True, file=sys.stdout)
+    losses, t0, t_start, tok_s = [], None, time.perf_counter(), float("nan")
+    for step in range(a.steps):
+        if step == 2:  # skip warm-up steps in the throughput
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        for _ in range(engine.gradient_accumulation_steps()):
+            ids, labels = batch(gen, micro, a.seq_len, a.vocab, device)
+            loss, lm = engine(ids, labels)
+            engine.backward(loss)
+            engine.step()
+        lm = lm.detach().clone()
+        torch.distributed.all_reduce(lm)
+        lm = lm.item() / world
+        losses.append(lm)
+        if t0 is not None and step > 2:
+            tok_s = tokens_per_step * (step - 2) / (time.perf_counter() - t0)
+        if bar is not None:
+            bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tok_s:,.0f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+        first = sum(losses[:5]) / min(5, len(losses))
+        last = sum(losses[-5:]) / min(5, len(losses))
+        print(f"loss {first:.3f} -> {last:.3f} (log vocab = {math.log(a.vocab):.3f}); {tok_s:,.0f} tokens/s; "
+              f"{time.perf_counter() - t_start:.1f} s", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"ep_plugin": ep_on, "world": world, "losses": losses, "tokens_per_s": tok_s,
+                           "args": vars(a)}, f, indent=1)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
