@@ -7,6 +7,8 @@
 
 namespace py = pybind11;
 
+void ep_bind_nvlink(py::module_& m);  // nvlink_bindings.cpp
+
 namespace {
 
 template <typename T>
@@ -38,4 +40,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_experts"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"),
       py::arg("is_token_in_rank"), py::arg("stream"),
       "Count tokens per rank/expert and mark is_token_in_rank from int64 topk_idx (int32/bool outputs)");
+  ep_bind_nvlink(m);
 }

@@ -1,0 +1,260 @@
+"""The nvlink backend against the torch reference backend, on real NCCL groups of 2 and 4 GPUs.
+
+Each test spawns one process per GPU and runs several checks in it (process and NCCL start-up are
+the expensive part on the device machine). Every check compares the nvlink backend with the torch
+backend on the same inputs and group: dispatch outputs bit-exact, combine within BF16 rounding.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from ep_plugin.errors import EPTimeoutError
+from tests._dist import spawn
+from tests.reference import make_inputs, reference_dispatch
+
+pytestmark = pytest.mark.gpu
+
+
+def _need(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    import ep_plugin._ext as ext
+    if not ext.has_c():
+        pytest.skip("ep_plugin._C is not built")
+
+
+def _buf(backend, E, K, hidden, max_tokens=512, timeout_s=10.0, **comm):
+    cfg = {"moe": {"num_experts": E, "topk": K},
+           "comm": {"backend": backend, "max_tokens_per_rank": max_tokens, "timeout_s": timeout_s, **comm}}
+    return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
+
+
+def _inputs(world, rank, tokens, hidden, E, K, seed, mode="random"):
+    xs, idxs, ws = make_inputs(world, tokens, hidden, E, K, seed, torch.bfloat16, mode)
+    return xs, idxs, ws, xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+
+
+def _same_dispatch(a, b, ctx):
+    assert a.x.dtype == b.x.dtype, ctx
+    assert torch.equal(a.x, b.x), ctx
+    assert torch.equal(a.topk_idx, b.topk_idx), ctx
+    if b.topk_weights is None:
+        assert a.topk_weights is None, ctx
+    else:
+        assert torch.equal(a.topk_weights, b.topk_weights), ctx
+    assert list(a.tokens_per_expert) == list(b.tokens_per_expert), ctx
+    assert a.handle.send_counts == b.handle.send_counts, ctx
+    assert a.handle.recv_counts == b.handle.recv_counts, ctx
+    assert torch.equal(a.handle.is_token_in_rank, b.handle.is_token_in_rank), ctx
+
+
+def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
+    xs, idxs, ws, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, seed, mode)
+    ctx = f"rank {rank} world {world} hidden {hidden} tokens {tokens} mode {mode} seed {seed}"
+    a = nv.dispatch(x, idx, w)
+    b = ref.dispatch(x, idx, w)
+    _same_dispatch(a, b, ctx)
+    rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)      # and the CPU reference
+    assert torch.equal(a.x.cpu(), rx) and torch.equal(a.topk_idx.cpu(), ridx), ctx
+    assert torch.equal(a.topk_weights.cpu(), rw) and list(a.tokens_per_expert) == tpe, ctx
+    rows = (a.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
+    ya = nv.combine(rows, a.handle)
+    yb = ref.combine(rows, b.handle)
+    assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
+    torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=ctx)
+    return a
+
+
+def body_contract(rank, world):
+    torch.cuda.set_device(rank)
+    E, K = 8 * world, 4
+    seed = 100
+    for hidden in (2048, 4096, 5120, 7168):
+        nv, ref = _buf("nvlink", E, K, hidden), _buf("torch", E, K, hidden)
+        assert nv.backend_name == "nvlink"
+        modes = ("random", "skew", "nowhere", "starve_last") if hidden == 2048 else ("random",)
+        for mode in modes:
+            for tokens in (17, [0] + [9] * (world - 1), 300, 512):
+                seed += 1
+                check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode)
+        if hidden == 2048:
+            check_modes(nv, ref, rank, world, E, K, hidden)
+        nv.close()
+        ref.close()
+    # the benchmark's shape: 4096 tokens, hidden 7168, 256 experts, top-8
+    nv, ref = _buf("nvlink", 256, 8, 7168, max_tokens=4096), _buf("torch", 256, 8, 7168, max_tokens=4096)
+    for seed in (7, 8):
+        check_vs_torch(nv, ref, rank, world, 256, 8, 7168, 4096, seed, "random")
+    check_fp8(nv, ref, rank, world, 256, 8, 7168, 4096)
+    nv.close()
+    ref.close()
+
+
+def check_modes(nv, ref, rank, world, E, K, hidden):
+    """Async, cached, out-of-order handles, FP8."""
+    _, _, _, x, idx, w = _inputs(world, rank, 200, hidden, E, K, seed=5)
+    base = nv.dispatch(x, idx, w)
+    # async
+    res = nv.dispatch(x, idx, w, async_op=True)
+    assert res.event is not None
+    res.event.current_stream_wait()
+    _same_dispatch(res, base, "async dispatch")
+    y_async, ev = nv.combine(res.x, res.handle, async_op=True)
+    ev.current_stream_wait()
+    torch.testing.assert_close(y_async, nv.combine(base.x, base.handle), atol=0, rtol=0)
+    # cached: same layout, new rows (and weights)
+    x2 = torch.randn_like(x)
+    w2 = torch.rand_like(w)
+    cached = nv.dispatch(x2, None, w2, handle=base.handle)
+    fresh = ref.dispatch(x2, idx, w2)
+    assert torch.equal(cached.x, fresh.x) and torch.equal(cached.topk_idx, fresh.topk_idx)
+    assert torch.equal(cached.topk_weights, fresh.topk_weights)
+    assert list(cached.tokens_per_expert) == list(fresh.tokens_per_expert)
+    cached2 = nv.dispatch(x2, handle=base.handle)
+    assert torch.equal(cached2.x, fresh.x) and cached2.topk_weights is None
+    # two dispatches in flight, combined in reverse order
+    _, _, _, x3, idx3, w3 = _inputs(world, rank, 150, hidden, E, K, seed=6)
+    d1 = nv.dispatch(x, idx, w)
+    d2 = nv.dispatch(x3, idx3, w3)
+    y2 = nv.combine(d2.x, d2.handle)
+    y1 = nv.combine(d1.x, d1.handle)
+    torch.testing.assert_close(y1, ref.combine(d1.x, ref.dispatch(x, idx, w).handle), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y2, ref.combine(d2.x, ref.dispatch(x3, idx3, w3).handle), atol=2e-2, rtol=1e-2)
+    # float32 rows take the reference path with the same contract
+    f = nv.dispatch(x.float(), idx, w)
+    assert torch.equal(f.x, ref.dispatch(x.float(), idx, w).x)
+    check_fp8(nv, ref, rank, world, E, K, hidden, 200)
+
+
+def check_fp8(nv, ref, rank, world, E, K, hidden, T):
+    _, _, _, x, idx, w = _inputs(world, rank, T, hidden, E, K, seed=11)
+    scales = x.float().abs().view(T, hidden // 128, 128).amax(-1).clamp(min=1e-4) / 448.0
+    data = (x.float().view(T, -1, 128) / scales.unsqueeze(-1)).view(T, hidden).to(torch.float8_e4m3fn)
+    a = nv.dispatch((data, scales), idx, w)
+    b = ref.dispatch((data, scales), idx, w)
+    (ad, asc), (bd, bsc) = a.x, b.x
+    assert ad.dtype == torch.float8_e4m3fn and asc.dtype == torch.float32
+    assert torch.equal(ad.view(torch.uint8), bd.view(torch.uint8)) and torch.equal(asc, bsc)
+    assert torch.equal(a.topk_idx, b.topk_idx) and torch.equal(a.topk_weights, b.topk_weights)
+    # round trip: dequantise, send back, compare with the BF16 path
+    deq = (ad.float().view(-1, hidden // 128, 128) * asc.unsqueeze(-1)).view(-1, hidden).to(torch.bfloat16)
+    y = nv.combine(deq, a.handle)
+    reached = a.handle.is_token_in_rank.sum(1, keepdim=True).float()
+    torch.testing.assert_close(y.float(), x.float() * reached, atol=0.1, rtol=0.1)
+    # cached FP8
+    c = nv.dispatch((data, scales), handle=a.handle)
+    assert torch.equal(c.x[0].view(torch.uint8), ad.view(torch.uint8)) and torch.equal(c.x[1], asc)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nvlink_matches_torch(world):
+    _need(world)
+    spawn(body_contract, world, backend="nccl", timeout=280)
+
+
+def body_graph_autograd_errors(rank, world):
+    torch.cuda.set_device(rank)
+    E, K, H = 8 * world, 4, 2048
+    ref = _buf("torch", E, K, H)
+    # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings
+    nv = _buf("nvlink", E, K, H, max_tokens=256)
+    T = 256
+    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(T, K, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture
+        r0 = nv.dispatch(sx, sidx, sw)
+        nv.combine(r0.x, r0.handle)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = nv.dispatch(sx, sidx, sw)
+        y = nv.combine((res.x.float() * 2).to(torch.bfloat16), res.handle)
+    Rmax = world * 256
+    assert res.x.shape == (Rmax, H) and res.handle.num_recv == Rmax
+    for seed in range(3):
+        _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=40 + seed, mode="random" if seed < 2 else "skew")
+        sx.copy_(x), sidx.copy_(idx), sw.copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        b = ref.dispatch(x, idx, w)
+        R = int(res.handle.backend_state["num_recv"].item())
+        assert R == b.x.shape[0], (R, b.x.shape)
+        assert torch.equal(res.x[:R], b.x) and torch.equal(res.topk_idx[:R], b.topk_idx)
+        assert torch.equal(res.topk_weights[:R], b.topk_weights)
+        assert bool((res.topk_idx[R:] == -1).all()) and bool((res.topk_weights[R:] == 0).all())
+        assert res.tokens_per_expert.tolist() == list(b.tokens_per_expert)
+        yb = ref.combine((b.x.float() * 2).to(torch.bfloat16), b.handle)
+        torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2)
+    del g
+    nv.close()
+
+    # ---- autograd through EPBuffer: grads of x and topk_weights equal the torch backend's
+    nv = _buf("nvlink", E, K, H)
+    _, _, _, x0, idx, w0 = _inputs(world, rank, 97, H, E, K, seed=77)
+    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+    gx = torch.randn(4096, H, device="cuda", generator=gen)
+    gw = torch.randn(4096, K, device="cuda", generator=gen)
+    gy = torch.randn(97, H, device="cuda", generator=gen)
+    grads = []
+    for buf in (nv, ref):
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        res = buf.dispatch(x, idx, w)
+        R = res.x.shape[0]
+        y = buf.combine(res.x * (rank + 2), res.handle)
+        loss = (y.float() * gy).sum() + (res.x.float() * gx[:R]).sum() + (res.topk_weights * gw[:R]).sum()
+        loss.backward()
+        grads.append((x.grad.float(), w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-3, rtol=1e-3)
+
+    # ---- bad input is refused before any kernel runs, and the buffer keeps working
+    _, _, _, x, idx, w = _inputs(world, rank, 64, H, E, K, seed=3)
+    bad = [
+        (lambda: nv.dispatch(torch.randn(600, H, device="cuda", dtype=torch.bfloat16),
+                             torch.zeros(600, K, dtype=torch.int64, device="cuda")), ValueError),  # > max tokens
+        (lambda: nv.dispatch(x, idx.clone().fill_(E)), ValueError),                        # expert out of range
+        (lambda: nv.dispatch(x, idx.int()), TypeError),                                     # wrong index dtype
+        (lambda: nv.dispatch(x[:, :1024], idx), ValueError),                                # wrong hidden
+        (lambda: nv.dispatch(x.t(), idx), ValueError),                                      # not contiguous
+        (lambda: nv.combine(x[:3], nv.dispatch(x, idx).handle), ValueError),                # wrong row count
+        (lambda: nv._backend.dispatch(x, None, torch.zeros(64, 40, dtype=torch.int64, device="cuda"),
+                                      None), ValueError),                                   # topk > 32
+    ]
+    for fn, exc in bad:
+        with pytest.raises(exc):
+            fn()
+    check_vs_torch(nv, ref, rank, world, E, K, H, 64, 9, "random")
+    for hidden in (1000, 64, 100000):
+        with pytest.raises(ValueError, match="hidden"):
+            _buf("nvlink", E, K, hidden)
+    nv.close()
+
+    # ---- timeout on purpose: the last rank skips a dispatch; the others must name it
+    nv = _buf("nvlink", E, K, H, timeout_s=2.0)
+    check_vs_torch(nv, ref, rank, world, E, K, H, 64, 10, "random")
+    missing = world - 1
+    if rank != missing:
+        with pytest.raises(EPTimeoutError) as ei:
+            nv.dispatch(x, idx, w)
+        assert ei.value.missing_ranks == (missing,), ei.value.missing_ranks
+        assert f"[{missing}]" in str(ei.value)
+        with pytest.raises(EPTimeoutError):  # the buffer stays failed
+            nv.dispatch(x, idx, w)
+    # the CUDA context is not poisoned
+    z = torch.ones(1024, device="cuda") * 3
+    torch.cuda.synchronize()
+    assert float(z.sum()) == 3072.0
+    nv.close()
+    ref.close()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nvlink_graph_autograd_errors_timeout(world):
+    _need(world)
+    spawn(body_graph_autograd_errors, world, backend="nccl", timeout=280)
