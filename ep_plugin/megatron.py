@@ -256,6 +256,10 @@ def _make_dispatcher_class():
             assert routing_map.dim() == 2 and routing_map.dtype == torch.bool, "routing_map must be [T, E] bool"
             assert probs.dim() == 2, "probs must be [T, E]"
             hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+            if self.config.overlap_moe_expert_parallel_comm:
+                # megatron's EP-overlap schedule frees the dispatch node's inputs after the
+                # forward (resize_(0)); a view would free the layernorm output the router needs
+                hidden_states = hidden_states.clone()
             with torch.no_grad():
                 topk_idx = self._routing_to_topk(routing_map)
             self.topk_idx = topk_idx
@@ -458,6 +462,8 @@ class GroupedMMLinear(torch.nn.Module):
     torch grouped_mm on GPU (a per-expert loop elsewhere). Builder-compatible with megatron's
     TEGroupedMLP linear_fc1 / linear_fc2 (forward(x, tokens_per_expert) -> (y, None))."""
 
+    impl = None  # what ran last: "grouped_mm" / "_grouped_mm", or "loop"
+
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *, config,
                  init_method=None, bias: bool = False, skip_bias_add: bool = False,
                  is_expert: bool = True, tp_comm_buffer_name=None, pg_collection=None, name=None):
@@ -484,10 +490,19 @@ class GroupedMMLinear(torch.nn.Module):
                                    else tokens_per_expert)]
         gmm = _grouped_mm()
         w = self.weight.to(x.dtype)
-        if x.is_cuda and gmm is not None and x.dtype == torch.bfloat16:
-            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(x.device, non_blocking=True)
-            return gmm(x, w.transpose(1, 2), offs=offs), None
-        outs = [xi @ w[g].t() for g, xi in enumerate(torch.split(x, counts))]
+        if x.is_cuda and gmm is not None and x.dtype == torch.bfloat16 and GroupedMMLinear.impl != "loop":
+            # grouped_mm wants int32 group ends (cumsum would promote to int64)
+            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            offs = offs.to(x.device, non_blocking=True)
+            try:
+                out = gmm(x, w.transpose(1, 2), offs=offs)
+                GroupedMMLinear.impl = getattr(gmm, "__name__", "grouped_mm")
+                return out, None
+            except (RuntimeError, TypeError) as exc:  # e.g. a GPU without grouped-GEMM support
+                warnings.warn(f"GroupedMMLinear: grouped_mm failed ({exc}); using a per-expert loop")
+                GroupedMMLinear.impl = "loop"
+        # unbind, not w[g]: indexing would give every expert a full-size weight gradient
+        outs = [xi @ wg.t() for wg, xi in zip(w.unbind(0), torch.split(x, counts))]
         out = torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
         return out, None
 
@@ -556,6 +571,16 @@ def cpu_stand_ins(eager: bool = True) -> bool:
     c.synchronize = lambda device=None: None
     c.current_device = lambda: torch.device("cpu")
 
+    orig_record = torch.Tensor.record_stream
+    _CPU_PATCHED["Tensor.record_stream"] = orig_record
+
+    def record_stream(self, stream):
+        if isinstance(stream, _CpuStream) or not self.is_cuda:
+            return None
+        return orig_record(self, stream)
+
+    torch.Tensor.record_stream = record_stream
+
     orig_a2a = dist.all_to_all_single
     _CPU_PATCHED["all_to_all_single"] = orig_a2a
 
@@ -601,6 +626,8 @@ def remove_cpu_stand_ins() -> None:
     for name, fn in list(_CPU_PATCHED.items()):
         if name == "all_to_all_single":
             dist.all_to_all_single = fn
+        elif name == "Tensor.record_stream":
+            torch.Tensor.record_stream = fn
         elif name == "tensor_parallel.get_cuda_rng_tracker":
             tensor_parallel.get_cuda_rng_tracker = fn
         elif name == "random.get_cuda_rng_tracker":

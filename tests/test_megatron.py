@@ -67,6 +67,9 @@ CASES = {
              moe_shared_expert_overlap=True),
         dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
              moe_shared_expert_overlap=True), {}),
+    "grouped_mm_experts": (  # TEGroupedMLP (non-TE path) with ep_plugin's GroupedMMLinear
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"grouped": True}),
     # megatron's overlap_moe_expert_parallel_comm schedule runs route/preprocess, dispatch, experts
     # and combine as separate graph segments (detached in between): emulate that split
     "ep_overlap_stage_split_flex": (
@@ -89,10 +92,15 @@ def _config(world, **kw):
     return TransformerConfig(**base)
 
 
-def _layer(cfg):
+def _layer(cfg, grouped=False):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    import ep_plugin.megatron as epm
 
     torch.manual_seed(0)
+    if grouped:
+        return MoELayer(config=cfg, submodules=MoESubmodules(experts=epm.grouped_mm_experts()))
     return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
 
 
@@ -127,8 +135,8 @@ def _staged_backward(y, grad, segs):
 
 def _compare_case(rank, world, name):
     ours_kw, ref_kw, opts = CASES[name]
-    ref = _layer(_config(world, **ref_kw))
-    ours = _layer(_config(world, **ours_kw))
+    ref = _layer(_config(world, **ref_kw), opts.get("grouped", False))
+    ours = _layer(_config(world, **ours_kw), opts.get("grouped", False))
     import ep_plugin.megatron as epm
 
     assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
@@ -174,6 +182,68 @@ def _compare_case(rank, world, name):
     return out
 
 
+# megatron's real EP-overlap (combined 1F1B) schedule: GPTModel.build_schedule_plan +
+# TransformerModelChunkSchedulePlan.run interleave one microbatch's forward with the previous one's
+# backward, layer by layer, on separate (here: stand-in) streams, freeing stage inputs early.
+SCHEDULE_CASES = {
+    "ep_overlap_1f1b_flex": dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin"),
+    "ep_overlap_1f1b_by_name": dict(moe_token_dispatcher_type="ep_plugin"),
+}
+
+
+def _gpt(world, overlap, **kw):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16, expert_model_parallel_size=world,
+        overlap_moe_expert_parallel_comm=overlap, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32", masked_softmax_fusion=False, bias_dropout_fusion=False, **kw)
+    torch.manual_seed(0)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+                     vocab_size=64, max_sequence_length=8, position_embedding_type="rope")
+    return model.to(torch.bfloat16)
+
+
+def _compare_schedule(rank, world, name):
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+    import ep_plugin.megatron as epm
+
+    ref = _gpt(world, False, **SCHEDULE_CASES[name])
+    ovl = _gpt(world, True, **SCHEDULE_CASES[name])
+    ovl.load_state_dict(ref.state_dict(), strict=False)
+    assert isinstance(ovl.decoder.layers[0].mlp.token_dispatcher, epm.EPPluginTokenDispatcher)
+    g = torch.Generator().manual_seed(rank)
+    mbs = [torch.randint(0, 64, (2, 9), generator=g) for _ in range(3)]
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None]
+    pos = torch.arange(8)[None].expand(2, -1)
+    for d in mbs:  # reference: plain forward/backward per microbatch
+        ref(d[:, :-1], pos, mask, labels=d[:, 1:]).float().sum().backward()
+    prev = None  # (plan, output) of the microbatch whose backward is pending
+    for i in range(len(mbs) + 1):
+        plan = (ovl.build_schedule_plan(mbs[i][:, :-1], pos, mask, labels=mbs[i][:, 1:])
+                if i < len(mbs) else None)
+        out = TransformerModelChunkSchedulePlan.run(
+            plan, prev[0] if prev else None, b_grad=torch.ones_like(prev[1]) if prev else None)
+        prev = (plan, out) if plan is not None else None
+    diffs, scale, n = 0.0, 0.0, 0
+    for (na, pa), (nb, pb) in zip(ref.named_parameters(), ovl.named_parameters()):
+        assert na == nb
+        if pa.grad is None:
+            assert pb.grad is None, na
+            continue
+        assert pb.grad is not None, na
+        diffs = max(diffs, (pa.grad.float() - pb.grad.float()).abs().max().item())
+        scale = max(scale, pa.grad.float().abs().max().item())
+        n += 1
+    return {"grad_params": diffs, "scale": scale, "num_param_grads": n}
+
+
 def _dist_body(rank, world, out_dir):
     import ep_plugin.megatron as epm
 
@@ -187,6 +257,11 @@ def _dist_body(rank, world, out_dir):
         try:
             results[name] = _compare_case(rank, world, name)
         except Exception:  # reported per case by the parametrized test
+            results[name] = {"error": traceback.format_exc()}
+    for name in SCHEDULE_CASES:
+        try:
+            results[name] = _compare_schedule(rank, world, name)
+        except Exception:
             results[name] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     epm.clear_buffers()
@@ -229,6 +304,15 @@ def test_layer_matches_alltoall(dist_results, case):
     if case == "skew_rank1_receives_nothing":
         assert dist_results[1][case]["recv_rows"] == 0
         assert dist_results[0][case]["recv_rows"] > 0
+
+
+@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
+def test_ep_overlap_schedule_matches_plain_backward(dist_results, case):
+    for rank, results in enumerate(dist_results):
+        r = results[case]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        assert r["num_param_grads"] > 10
+        assert r["grad_params"] <= 1e-6 * max(1.0, r["scale"]), (rank, r)
 
 
 def test_example_pretraining_loss_falls(dist_results):
