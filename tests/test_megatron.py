@@ -48,6 +48,9 @@ CASES = {
              moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
         dict(moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
              moe_router_enable_expert_bias=True, moe_router_dtype="fp32"), {"expert_bias": "skew"}),
+    "capacity_factor_token_drop": (  # dropped (token, expert) pairs become -1 slots
+        dict(moe_token_dispatcher_type="ep_plugin", moe_expert_capacity_factor=0.5),
+        dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=0.5), {}),
     "top1_probs_on_input": (
         dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=1, moe_apply_probs_on_input=True,
              moe_router_pre_softmax=True),
