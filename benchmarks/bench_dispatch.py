@@ -121,7 +121,12 @@ def gather_max(v):
 
 def run_cases(rank, world, args):
     timer = Timer(args.warmup, args.iters)
-    comm = {"max_tokens_per_rank": 4096, "timeout_s": 60.0, "num_sms": 24}
+    comm = {"max_tokens_per_rank": 4096, "timeout_s": 15.0, "num_sms": 24}
+
+    def say(msg):
+        if rank == 0:
+            print(f"[EP{world}] {msg}", flush=True)
+
     nv = ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": "nvlink", **comm}},
                             hidden=H)
     ref = ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": "torch", **comm}},
@@ -147,30 +152,35 @@ def run_cases(rank, world, args):
         info = {"rank": rank, "num_recv": h.num_recv, "remote_recv": h.num_recv - self_rows,
                 "remote_sent": sum(h.send_counts) - h.send_counts[rank], "check_ok": bool(ok)}
         rec = {"info": info, "nvlink": {}, "torch": {}, "breakdown": {}}
+        say(f"EP{world} {case}: {json.dumps(info)}")
 
-        def t(fn):
-            return timer(fn)
+        def t(fn, label=""):
+            v = timer(fn)
+            say(f"{case} {label}: {v:.1f} us (rank {rank})")
+            return v
 
         if case in args.cases:
             be.num_sms = 24
-            rec["nvlink"]["dispatch_bf16"] = t(lambda: nv.dispatch(x, idx, w))
-            rec["nvlink"]["dispatch_fp8"] = t(lambda: nv.dispatch(xf8, idx, w))
-            rec["nvlink"]["dispatch_bf16_cached"] = t(lambda: nv.dispatch(x, handle=h))
-            rec["nvlink"]["combine_bf16"] = t(lambda: nv.combine(rows, h))
-            rec["torch"]["dispatch_bf16"] = t(lambda: ref.dispatch(x, idx, w))
-            rec["torch"]["dispatch_fp8"] = t(lambda: ref.dispatch(xf8, idx, w))
-            rec["torch"]["combine_bf16"] = t(lambda: ref.combine(b.x, b.handle))
-            if rank == 0 and args.breakdown:
+            rec["nvlink"]["dispatch_bf16"] = t(lambda: nv.dispatch(x, idx, w), "nvlink dispatch_bf16")
+            rec["nvlink"]["dispatch_fp8"] = t(lambda: nv.dispatch(xf8, idx, w), "nvlink dispatch_fp8")
+            rec["nvlink"]["dispatch_bf16_cached"] = t(lambda: nv.dispatch(x, handle=h), "nvlink dispatch_bf16_cached")
+            rec["nvlink"]["combine_bf16"] = t(lambda: nv.combine(rows, h), "nvlink combine_bf16")
+            rec["torch"]["dispatch_bf16"] = t(lambda: ref.dispatch(x, idx, w), "torch dispatch_bf16")
+            rec["torch"]["dispatch_fp8"] = t(lambda: ref.dispatch(xf8, idx, w), "torch dispatch_fp8")
+            rec["torch"]["combine_bf16"] = t(lambda: ref.combine(b.x, b.handle), "torch combine_bf16")
+            if args.breakdown:  # collective: every rank profiles, rank 0's numbers are kept
                 rec["breakdown"]["dispatch_bf16"] = kernel_breakdown(lambda: nv.dispatch(x, idx, w))
                 rec["breakdown"]["combine_bf16"] = kernel_breakdown(lambda: nv.combine(rows, h))
+                rec["breakdown"]["dispatch_fp8"] = kernel_breakdown(lambda: nv.dispatch(xf8, idx, w))
+                say(f"breakdown {json.dumps(rec['breakdown'])}")
             results[case] = rec
         if case == "throughput" and "sm_sweep" in args.cases:
             sweep = {}
             for sms in args.sms:
                 be.num_sms = sms
-                sweep[sms] = {"dispatch_bf16": t(lambda: nv.dispatch(x, idx, w)),
-                              "dispatch_fp8": t(lambda: nv.dispatch(xf8, idx, w)),
-                              "combine_bf16": t(lambda: nv.combine(rows, h))}
+                sweep[sms] = {"dispatch_bf16": t(lambda: nv.dispatch(x, idx, w), f"{sms} SMs dispatch_bf16"),
+                              "dispatch_fp8": t(lambda: nv.dispatch(xf8, idx, w), f"{sms} SMs dispatch_fp8"),
+                              "combine_bf16": t(lambda: nv.combine(rows, h), f"{sms} SMs combine_bf16")}
             be.num_sms = 24
             results["sm_sweep"] = {"info": info, "nvlink": sweep}
     # all ranks' numbers to rank 0
@@ -223,8 +233,8 @@ def main():
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--cases", nargs="+", default=["throughput", "latency", "sm_sweep"])
     ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32])
-    ap.add_argument("--iters", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times via the torch profiler")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
@@ -238,7 +248,7 @@ def main():
                                              cwd=os.path.dirname(os.path.abspath(__file__))).strip()
         except Exception:
             commit = "unknown"
-    meta = {"device": f"{ngpu}x {dev_name}", "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+    meta = {"device": f"{ngpu}x {dev_name}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "torch": torch.__version__, "num_sms": 24, "hidden": H, "num_experts": E, "topk": K,
             "iters": args.iters, "warmup": args.warmup, "nvlink_line_rate_GBps": NVLINK_GBPS,
             "timing": "median over iters of CUDA events per rank, slowest rank reported; L2 flushed; GPUs aligned by all-reduce"}
@@ -263,7 +273,14 @@ def main():
             raise SystemExit(f"EP{world} failed")
         for case, per_rank in res.items():
             summary[case].append(summarize(world, case, per_rank))
-    # table
+        for case, lst in summary.items():  # written after each EP size, so a later failure keeps these
+            if lst:
+                with open(os.path.join(args.out, f"nvlink_{case}.json"), "w") as f:
+                    json.dump({"meta": meta, "results": lst}, f, indent=1)
+    report(summary, args, meta)
+
+
+def report(summary, args, meta):
     lines = []
     for case in ("throughput", "latency"):
         for s in summary.get(case, []):
