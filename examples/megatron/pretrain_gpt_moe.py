@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of --data (default: max id + 1)")
     p.add_argument("--corpus-mb", type=float, default=4.0, help="size cap of the local byte corpus (MB)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="parameter/activation dtype (auto: bf16 on GPUs, fp32 on CPU)")
     p.add_argument("--dispatcher", default="ep_plugin", choices=["ep_plugin", "flex", "alltoall"],
                    help="ep_plugin (default), flex (flex + moe_flex_dispatcher_backend=ep_plugin), "
                         "or megatron's alltoall for comparison")
@@ -114,7 +116,7 @@ def build_model(args, model_cfg, ep_fields, world, device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    use_bf16 = device.type == "cuda"
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     fields = dict(ep_fields)
     mc = dict(model_cfg)
     mc.pop("seq_length", None)
@@ -161,9 +163,10 @@ def build_model(args, model_cfg, ep_fields, world, device):
     model = model.to(device)
     if use_bf16:
         model = model.bfloat16()
-        for m in model.modules():  # router weights and expert bias stay fp32
-            if hasattr(m, "expert_bias") and m.expert_bias is not None:
-                m.expert_bias.data = m.expert_bias.data.float()
+        for m in model.modules():  # router weights, expert bias and token counts stay fp32
+            for buf in ("expert_bias", "local_tokens_per_expert"):
+                if getattr(m, buf, None) is not None:
+                    getattr(m, buf).data = getattr(m, buf).data.float()
             if m.__class__.__name__.endswith("Router") and hasattr(m, "weight"):
                 m.weight.data = m.weight.data.float()
     return model, config
