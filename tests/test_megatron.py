@@ -136,21 +136,25 @@ def _staged_backward(y, grad, segs):
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
 
 
-def _compare_case(rank, world, name):
-    ours_kw, ref_kw, opts = CASES[name]
-    ref = _layer(_config(world, **ref_kw), opts.get("grouped", False))
-    ours = _layer(_config(world, **ours_kw), opts.get("grouped", False))
+def _compare_case(rank, world, name, device="cpu", comm_backend=None):
     import ep_plugin.megatron as epm
+
+    ours_kw, ref_kw, opts = CASES[name]
+    ref = _layer(_config(world, **ref_kw), opts.get("grouped", False)).to(device)
+    ours_cfg = _config(world, **ours_kw)
+    if comm_backend is not None:
+        epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
+    ours = _layer(ours_cfg, opts.get("grouped", False)).to(device)
 
     assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)  # experts differ per rank
         for n, p in ref.named_parameters():
             if "experts.local_experts" in n or ".experts." in n and "shared" not in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(device))
         eb = getattr(ref.router, "expert_bias", None)
         if opts.get("expert_bias") == "random":
-            eb.copy_(torch.randn(eb.shape, generator=torch.Generator().manual_seed(7)) * 0.1)
+            eb.copy_((torch.randn(eb.shape, generator=torch.Generator().manual_seed(7)) * 0.1).to(device))
         elif opts.get("expert_bias") == "skew":
             eb.zero_()
             eb[:2] = 100.0  # every token picks experts 0 and 1 (rank 0): rank 1 receives nothing
@@ -159,8 +163,8 @@ def _compare_case(rank, world, name):
 
     S = 5 + 3 * rank  # ranks dispatch different token counts
     g = torch.Generator().manual_seed(1000 + rank)
-    x0 = torch.randn(S, 2, H, generator=g)
-    wout = torch.randn(S, 2, H, generator=g)
+    x0 = torch.randn(S, 2, H, generator=g).to(device)
+    wout = torch.randn(S, 2, H, generator=g).to(device)
     res = {}
     for tag, layer in (("ref", ref), ("ours", ours)):
         x = x0.clone().requires_grad_()
@@ -181,6 +185,7 @@ def _compare_case(rank, world, name):
         "scale": max(y0.abs().max().item(), 1e-6),
         "num_param_grads": len(gp0),
         "recv_rows": int(ours.token_dispatcher.num_recv),
+        "comm_backend": ours.token_dispatcher.buffer.backend_name,
     }
     return out
 
@@ -212,19 +217,19 @@ def _gpt(world, overlap, **kw):
     return model.to(torch.bfloat16)
 
 
-def _compare_schedule(rank, world, name):
+def _compare_schedule(rank, world, name, device="cpu"):
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
 
     import ep_plugin.megatron as epm
 
-    ref = _gpt(world, False, **SCHEDULE_CASES[name])
-    ovl = _gpt(world, True, **SCHEDULE_CASES[name])
+    ref = _gpt(world, False, **SCHEDULE_CASES[name]).to(device)
+    ovl = _gpt(world, True, **SCHEDULE_CASES[name]).to(device)
     ovl.load_state_dict(ref.state_dict(), strict=False)
     assert isinstance(ovl.decoder.layers[0].mlp.token_dispatcher, epm.EPPluginTokenDispatcher)
     g = torch.Generator().manual_seed(rank)
-    mbs = [torch.randint(0, 64, (2, 9), generator=g) for _ in range(3)]
-    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None]
-    pos = torch.arange(8)[None].expand(2, -1)
+    mbs = [torch.randint(0, 64, (2, 9), generator=g).to(device) for _ in range(3)]
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool, device=device), 1)[None, None]
+    pos = torch.arange(8, device=device)[None].expand(2, -1)
     for d in mbs:  # reference: plain forward/backward per microbatch
         ref(d[:, :-1], pos, mask, labels=d[:, 1:]).float().sum().backward()
     prev = None  # (plan, output) of the microbatch whose backward is pending
