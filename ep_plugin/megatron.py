@@ -41,6 +41,7 @@ import torch
 
 from .buffer import EPBuffer
 from .config import EPConfig, load_config
+from .errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,17 @@ def _get_buffer(group, cfg: EPConfig, hidden: int) -> EPBuffer:
            tuple(sorted(vars(cfg.comm).items())), tuple(sorted(vars(cfg.overlap).items())))
     buf = _BUFFERS.get(key)
     if buf is None:
-        buf = EPBuffer(group, cfg, hidden=hidden, num_experts=cfg.moe.num_experts)
+        try:
+            buf = EPBuffer(group, cfg, hidden=hidden, num_experts=cfg.moe.num_experts)
+        except (ValueError, BackendUnavailableError) as exc:
+            if cfg.comm.backend != "auto":
+                raise
+            # auto picked a kernel backend that cannot take this layer (e.g. hidden size out of
+            # its range): the torch backend always can
+            warnings.warn(f"ep_plugin.megatron: comm.backend auto -> torch for hidden={hidden} ({exc})")
+            cfg = load_config({"moe": vars(cfg.moe), "comm": dict(vars(cfg.comm), backend="torch"),
+                               "overlap": vars(cfg.overlap)})
+            buf = EPBuffer(group, cfg, hidden=hidden, num_experts=cfg.moe.num_experts)
         _BUFFERS[key] = buf
         logger.info("ep_plugin.megatron: EPBuffer(hidden=%d, experts=%d, backend=%s)",
                     hidden, cfg.moe.num_experts, buf.backend_name)

@@ -83,10 +83,10 @@ CASES = {
 }
 
 
-def _config(world, **kw):
+def _config(world, hidden=H, **kw):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=8,
+    base = dict(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=8,
                 moe_router_topk=2, moe_ffn_hidden_size=8, expert_model_parallel_size=world,
                 use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
                 activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
@@ -136,12 +136,15 @@ def _staged_backward(y, grad, segs):
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
 
 
-def _compare_case(rank, world, name, device="cpu", comm_backend=None):
+def _compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, dtype=torch.float32):
     import ep_plugin.megatron as epm
 
     ours_kw, ref_kw, opts = CASES[name]
-    ref = _layer(_config(world, **ref_kw), opts.get("grouped", False)).to(device)
-    ours_cfg = _config(world, **ours_kw)
+    if dtype != torch.float32:
+        low = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        ref_kw, ours_kw = dict(ref_kw, **low), dict(ours_kw, **low)
+    ref = _layer(_config(world, hidden, **ref_kw), opts.get("grouped", False)).to(device)
+    ours_cfg = _config(world, hidden, **ours_kw)
     if comm_backend is not None:
         epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
     ours = _layer(ours_cfg, opts.get("grouped", False)).to(device)
@@ -163,8 +166,8 @@ def _compare_case(rank, world, name, device="cpu", comm_backend=None):
 
     S = 5 + 3 * rank  # ranks dispatch different token counts
     g = torch.Generator().manual_seed(1000 + rank)
-    x0 = torch.randn(S, 2, H, generator=g).to(device)
-    wout = torch.randn(S, 2, H, generator=g).to(device)
+    x0 = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
+    wout = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
     res = {}
     for tag, layer in (("ref", ref), ("ours", ours)):
         x = x0.clone().requires_grad_()
@@ -182,6 +185,10 @@ def _compare_case(rank, world, name, device="cpu", comm_backend=None):
         "out": (y0 - y1).abs().max().item(),
         "grad_x": (gx0 - gx1).abs().max().item(),
         "grad_params": max(((gp0[n] - gp1[n]).abs().max().item() for n in gp0), default=0.0),
+        "rel_out": (y0 - y1).abs().max().item() / max(y0.abs().max().item(), 1e-6),
+        "rel_grad_x": (gx0 - gx1).abs().max().item() / max(gx0.abs().max().item(), 1e-6),
+        "rel_grad_params": max(((gp0[n] - gp1[n]).abs().max().item() / max(gp0[n].abs().max().item(), 1e-6)
+                                for n in gp0), default=0.0),
         "scale": max(y0.abs().max().item(), 1e-6),
         "num_param_grads": len(gp0),
         "recv_rows": int(ours.token_dispatcher.num_recv),

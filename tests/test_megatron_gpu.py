@@ -33,11 +33,13 @@ def _gpu_body(rank, world, out_dir):
     model_parallel_cuda_manual_seed(123)
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
-    for backend in ("torch", "auto"):
+    for backend, dtype in (("torch", torch.float32), ("auto", torch.bfloat16)):
         for name in CASES:
             key = f"{name}[{backend}]"
             try:
-                results[key] = _compare_case(rank, world, name, device=device, comm_backend=backend)
+                # hidden 256 and BF16 rows: what the nvlink kernels take, so `auto` really runs them
+                results[key] = _compare_case(rank, world, name, device=device, comm_backend=backend,
+                                             hidden=256, dtype=dtype)
             except Exception:
                 results[key] = {"error": traceback.format_exc()}
         epm.clear_buffers()
@@ -72,8 +74,15 @@ def test_layer_matches_alltoall_gpu(gpu_results, case, backend):
     for rank, results in enumerate(gpu_results):
         r = results[f"{case}[{backend}]"]
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
-        tol = 1e-4 * max(1.0, r["scale"])  # fp32; atomics may reorder sums
-        assert r["out"] <= tol and r["grad_x"] <= tol and r["grad_params"] <= tol, (rank, r)
+        if backend == "torch":  # fp32: equal up to the order of sums (atomics)
+            tol = 1e-4 * max(1.0, r["scale"])
+            assert r["out"] <= tol and r["grad_x"] <= tol and r["grad_params"] <= tol, (rank, r)
+        else:  # bf16: the top-k outputs are summed in another order -> a few bf16 ulps
+            from ep_plugin._ext import has_c
+
+            if has_c():
+                assert r["comm_backend"] == "nvlink", r["comm_backend"]
+            assert max(r["rel_out"], r["rel_grad_x"], r["rel_grad_params"]) <= 5e-2, (rank, r)
 
 
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
