@@ -44,7 +44,7 @@ def parse():
     p.add_argument("--ep-sizes", default="", help="EP sizes to time, comma-separated (default: the world size)")
     p.add_argument("--backends", default="torch", help="ep_plugin backends to time, comma-separated")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10, help="routing varies per step: warm the allocator and GEMM heuristics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

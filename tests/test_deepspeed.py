@@ -5,7 +5,6 @@ one spawn, since importing DeepSpeed costs seconds per process.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -30,16 +29,18 @@ def _make_pair(rank, k, drop, num_experts=4, ep_size=2, capacity_factor=0.5, min
     from deepspeed.moe.layer import MoE
     import ep_plugin.deepspeed as epds
 
-    torch.manual_seed(7)
-    ref = MoE(H, _expert(), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
-              eval_capacity_factor=capacity_factor, min_capacity=min_capacity, drop_tokens=drop, use_rts=use_rts)
-    g = torch.Generator().manual_seed(100 + rank)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "deepspeed_experts" in name:  # each rank's local experts differ
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    ref = ref.to(device)
-    ours = copy.deepcopy(ref)
+    def build():  # twice from the same seed: deepcopy would drop the params' allreduce/group_name tags
+        torch.manual_seed(7)
+        moe = MoE(H, _expert(), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+                  eval_capacity_factor=capacity_factor, min_capacity=min_capacity, drop_tokens=drop, use_rts=use_rts)
+        g = torch.Generator().manual_seed(100 + rank)
+        with torch.no_grad():
+            for name, p in moe.named_parameters():
+                if "deepspeed_experts" in name:  # each rank's local experts differ
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+        return moe.to(device)
+
+    ref, ours = build(), build()
     ref.set_deepspeed_parallelism()
     flag = dict(EP_ON, overrides={"comm.backend": backend})
     n = epds.convert_moe_layers(ours, {"train_batch_size": 2, "ep_plugin": flag})
@@ -179,9 +180,11 @@ def _engine_cases(rank, world):
     import ep_plugin.deepspeed as epds
     torch.set_num_threads(1)
 
-    torch.manual_seed(3)
-    base = TinyMoELM()
-    m_off, m_on, m_absent = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    def build():  # same seed, same weights (not deepcopy: it drops the params' allreduce/group_name tags)
+        torch.manual_seed(3)
+        return TinyMoELM()
+
+    m_off, m_on, m_absent = build(), build(), build()
 
     # Flag off: exactly deepspeed.initialize, the model untouched.
     state = {k: v.clone() for k, v in m_off.state_dict().items()}
@@ -202,6 +205,10 @@ def _engine_cases(rank, world):
     for (n, p), (_, q) in zip(m_on.named_parameters(), m_off.named_parameters()):
         assert getattr(p, "allreduce", True) == getattr(q, "allreduce", True), n
         assert getattr(p, "group_name", None) == getattr(q, "group_name", None), n
+        if "deepspeed_experts" in n:
+            assert p.allreduce is False and p.group_name == "ep_size_2", n
+    groups_on = [(g.get("name"), g.get("moe", False), len(g["params"])) for g in opt_on.param_groups]
+    assert ("ep_size_2", True, 16) in groups_on, groups_on  # DeepSpeed's expert param group
     # Converting again does nothing new.
     assert epds.convert_moe_layers(m_on, _ds_config(EP_ON)) == 0
 
@@ -262,3 +269,27 @@ def test_section_from_json_file_resolves_relative_yaml(tmp_path):
     assert epds.ep_plugin_config({"ep_plugin": {"enabled": False, "config": "tiny"}}) is None
     assert epds.ep_plugin_config({"train_batch_size": 1}) is None
     assert epds.is_enabled({"ep_plugin": {"enabled": True, "config": {"comm": {"backend": "torch"}}}})
+
+
+def _zero_cases(rank, world, ckpt_dir):
+    import ep_plugin.deepspeed as epds
+    torch.set_num_threads(1)
+    losses, engines = {}, {}
+    for name, flag in (("off", {"enabled": False}), ("on", EP_ON)):
+        torch.manual_seed(3)
+        m = TinyMoELM()
+        cfg = dict(_ds_config(flag), zero_optimization={"stage": 2})
+        engines[name], _, _, _ = epds.initialize(model=m, model_parameters=list(m.parameters()), config=cfg)
+        losses[name] = _train(engines[name], rank, steps=4)
+    assert max(abs(a - b) for a, b in zip(losses["on"], losses["off"])) < 1e-4, losses
+    # Checkpoints written by a converted engine load into DeepSpeed's own model and back.
+    on, off = engines["on"], engines["off"]
+    on.save_checkpoint(ckpt_dir, tag="t")
+    off.load_checkpoint(ckpt_dir, tag="t")
+    for (n, p), (_, q) in zip(on.module.named_parameters(), off.module.named_parameters()):
+        assert torch.equal(p, q), n
+    assert abs(_train(on, rank, steps=1)[0] - _train(off, rank, steps=1)[0]) < 1e-4
+
+
+def test_zero2_and_checkpoint(tmp_path):
+    spawn(_zero_cases, 2, str(tmp_path), timeout=240)
