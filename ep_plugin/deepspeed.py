@@ -151,19 +151,19 @@ def ep_plugin_config(ds_config) -> Optional[EPConfig]:
     """Validate the ``ep_plugin`` section of a DeepSpeed config (dict, JSON path or DeepSpeedConfig).
 
     Returns the loaded :class:`~ep_plugin.EPConfig` when the flag is on, ``None`` when it is off or
-    absent. Raises :class:`~ep_plugin.ConfigError` (a ``ValueError``) for a bad section, whether on
-    or off: unknown keys, wrong types, a missing YAML file, an invalid ep_plugin config.
+    absent. Raises :class:`~ep_plugin.ConfigError` (a ``ValueError``) for a bad section: unknown
+    keys or wrong types (on or off), a missing YAML file or an invalid ep_plugin config (on).
     """
     ds, base_dir = _read_ds_config(ds_config)
     sec = _section(ds)
     if sec is None:
         return None
-    src = _resolve_yaml(sec.get("config"), base_dir)
-    if not sec.get("enabled", False):
+    if not sec.get("enabled", False):  # off: the section's keys are checked, its files are not read
         if "enabled" not in sec:
             logger.warning("DeepSpeed config '%s' has no 'enabled' key: ep_plugin stays off "
                            "(add \"enabled\": true to use it)", SECTION)
         return None
+    src = _resolve_yaml(sec.get("config"), base_dir)
     try:
         return load_config(src, sec.get("overrides"))
     except ConfigError as exc:

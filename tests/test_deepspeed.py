@@ -267,6 +267,7 @@ def test_section_from_json_file_resolves_relative_yaml(tmp_path):
         os.chdir(cwd)
     assert cfg.comm.backend == "torch" and cfg.moe.num_experts == 4
     assert epds.ep_plugin_config({"ep_plugin": {"enabled": False, "config": "tiny"}}) is None
+    assert epds.ep_plugin_config({"ep_plugin": {"enabled": False, "config": "not/there.yaml"}}) is None
     assert epds.ep_plugin_config({"train_batch_size": 1}) is None
     assert epds.is_enabled({"ep_plugin": {"enabled": True, "config": {"comm": {"backend": "torch"}}}})
 
