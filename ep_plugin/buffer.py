@@ -87,12 +87,10 @@ class EPBuffer:
               "torch.distributed must be initialized before creating an EPBuffer")
         _need(isinstance(hidden, int) and hidden > 0, ValueError, f"hidden must be a positive int, got {hidden!r}")
         self.group = group if group is not None else dist.group.WORLD
-        self.cfg = load_config(cfg)
+        self.cfg = load_config(cfg, {"moe.num_experts": num_experts} if num_experts is not None else None)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.num_experts = num_experts if num_experts is not None else self.cfg.moe.num_experts
-        if num_experts is not None and num_experts != self.cfg.moe.num_experts:
-            self.cfg.moe.num_experts = num_experts
+        self.num_experts = self.cfg.moe.num_experts
         self.cfg.check_ep_size(self.world)
         self.hidden = hidden
         self.num_local_experts = self.num_experts // self.world

@@ -16,9 +16,10 @@ def make_buffer(world, num_experts, backend="torch", **comm):
     return ep_plugin.EPBuffer(None, cfg, hidden=H)
 
 
-def check_case(buf, rank, world, E, tokens, seed, dtype, mode):
+def check_case(buf, rank, world, E, tokens, seed, dtype, mode, device="cpu"):
     xs, idxs, ws = make_inputs(world, tokens, H, E, K, seed, dtype, mode)
-    res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    res = buf.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device))
+    res = type(res)(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(res).items()})
     rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
     ctx = f"rank {rank} seed {seed} mode {mode} dtype {dtype}"
     assert res.x.dtype == dtype, ctx
@@ -27,7 +28,8 @@ def check_case(buf, rank, world, E, tokens, seed, dtype, mode):
     assert torch.equal(res.topk_weights, rw), ctx
     assert res.tokens_per_expert == tpe, ctx
     # combine(dispatch(x)) = x * ranks reached; with a rank-dependent factor it checks each source.
-    back = buf.combine(res.x * (rank + 1), res.handle)
+    on_dev = res.x.to(device)
+    back = buf.combine(on_dev * (rank + 1), res.handle).cpu()
     outs = [None] * world
     dist.all_gather_object(outs, res.x * (rank + 1))
     expect = reference_combine(outs, idxs, rank, E).to(dtype)
@@ -35,11 +37,11 @@ def check_case(buf, rank, world, E, tokens, seed, dtype, mode):
     torch.testing.assert_close(back, expect, **tol, msg=ctx)
     reached = ((idxs[rank] >= 0).unsqueeze(2) & (idxs[rank].unsqueeze(2) // (E // world) ==
                torch.arange(world))).any(1).sum(1)
-    torch.testing.assert_close(buf.combine(res.x, res.handle).float(), xs[rank].float() * reached.unsqueeze(1),
+    torch.testing.assert_close(buf.combine(on_dev, res.handle).cpu().float(), xs[rank].float() * reached.unsqueeze(1),
                                **tol, msg=ctx)
 
 
-def contract_body(rank, world):
+def contract_body(rank, world, device="cpu"):
     E = 4 * world
     buf = make_buffer(world, E)
     assert buf.backend_name == "torch"
@@ -49,7 +51,7 @@ def contract_body(rank, world):
             for tokens in (17, [0] + [9] * (world - 1), 64):
                 for _ in range(2 if mode == "random" else 1):
                     seed += 1
-                    check_case(buf, rank, world, E, tokens, seed, dtype, mode)
+                    check_case(buf, rank, world, E, tokens, seed, dtype, mode, device)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -96,16 +98,18 @@ def test_gradients_match_single_process_reference(world):
     spawn(grad_body, world)
 
 
-def modes_body(rank, world):
+def modes_body(rank, world, device="cpu"):
     E = 2 * world
     buf = make_buffer(world, E)
-    xs, idxs, ws = make_inputs(world, 24, 256 // 8, E, K, seed=3)
+    xs, idxs, ws = make_inputs(world, 24, H, E, K, seed=3)
+    rx, ridx, rw, _ = reference_dispatch(xs, idxs, ws, rank, E)
+    xs, idxs, ws = ([t.to(device) for t in ts] for ts in (xs, idxs, ws))
     # async: outputs valid after the event
     res = buf.dispatch(xs[rank], idxs[rank], ws[rank], async_op=True)
     assert res.event is not None
     res.event.current_stream_wait()
-    rx, ridx, rw, _ = reference_dispatch(xs, idxs, ws, rank, E)
-    assert torch.equal(res.x, rx) and torch.equal(res.topk_idx, ridx) and torch.equal(res.topk_weights, rw)
+    assert torch.equal(res.x.cpu(), rx) and torch.equal(res.topk_idx.cpu(), ridx)
+    assert torch.equal(res.topk_weights.cpu(), rw)
     y, ev = buf.combine(res.x, res.handle, async_op=True)
     ev.current_stream_wait()
     torch.testing.assert_close(y, buf.combine(res.x, res.handle))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 
-import torch
+import torch as _torch  # not `torch`: the submodule .torch would shadow it
 import torch.distributed as dist
 
 from .._ext import HOW_TO_BUILD, has_c
@@ -52,7 +52,7 @@ def choose_backend(group, requested: str):
     if requested == "torch":
         return "torch", "comm.backend: torch"
     if requested in ("nvlink", "nvshmem"):
-        if pg_backend != "nccl" or not torch.cuda.is_available():
+        if pg_backend != "nccl" or not _torch.cuda.is_available():
             raise BackendUnavailableError(
                 f"comm.backend: {requested} needs CUDA GPUs and an NCCL process group (this group uses "
                 f"{pg_backend!r}); use comm.backend: torch or auto")
@@ -60,7 +60,7 @@ def choose_backend(group, requested: str):
             raise BackendUnavailableError(f"comm.backend: {requested} needs the compiled module. {HOW_TO_BUILD}")
         return requested, f"comm.backend: {requested}"
     # auto
-    if pg_backend != "nccl" or not torch.cuda.is_available():
+    if pg_backend != "nccl" or not _torch.cuda.is_available():
         return "torch", f"process group backend is {pg_backend!r} (no NCCL/CUDA)"
     if not has_c():
         return "torch", "ep_plugin._C is not built"
@@ -72,8 +72,8 @@ def choose_backend(group, requested: str):
             return "nvshmem", f"group spans {len(set(hosts))} nodes and the nvshmem backend is built"
         except BackendUnavailableError:
             return "torch", f"group spans {len(set(hosts))} nodes and the nvshmem backend is not built"
-    n = torch.cuda.device_count()
-    if not all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
+    n = _torch.cuda.device_count()
+    if not all(_torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
         return "torch", "GPUs of this node lack peer access"
     try:
         _nvlink_module()
