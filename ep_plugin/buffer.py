@@ -138,7 +138,7 @@ class EPBuffer:
         _need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
         capturing = data.is_cuda and torch.cuda.is_current_stream_capturing()
         if topk_idx.numel() and not capturing:
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one device->host sync for both
             _need(lo >= -1 and hi < self.num_experts, ValueError,
                   f"topk_idx values must lie in [-1, {self.num_experts}), got min {lo}, max {hi}")
         if topk_weights is not None:

@@ -44,7 +44,7 @@ def _nvshmem_module():
     return nvshmem
 
 
-def choose_backend(group, requested: str):
+def choose_backend(group, requested: str, hidden: int):
     """Returns (name, reason). Raises BackendUnavailableError for a backend that cannot run here."""
     if requested not in BACKENDS:
         raise ValueError(f"comm.backend must be one of {BACKENDS}, got {requested!r}")
@@ -76,14 +76,14 @@ def choose_backend(group, requested: str):
     if not all(_torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
         return "torch", "GPUs of this node lack peer access"
     try:
-        _nvlink_module()
-    except BackendUnavailableError as exc:
+        _nvlink_module().check_hidden(hidden)
+    except (BackendUnavailableError, ValueError) as exc:
         return "torch", str(exc)
     return "nvlink", f"all {len(hosts)} ranks share one node with peer access"
 
 
 def make_backend(group, cfg, hidden: int, num_experts: int) -> Backend:
-    name, reason = choose_backend(group, cfg.comm.backend)
+    name, reason = choose_backend(group, cfg.comm.backend, hidden)
     if dist.get_rank(group) == 0:
         _say_once(f"ep_plugin: using the {name} backend ({reason})")
     if name == "torch":
