@@ -33,7 +33,8 @@ def check_case(buf, rank, world, E, tokens, seed, dtype, mode, device="cpu"):
     outs = [None] * world
     dist.all_gather_object(outs, res.x * (rank + 1))
     expect = reference_combine(outs, idxs, rank, E).to(dtype)
-    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    # float32: sums of 3+ rows may be added in another order (CUDA atomics), so rounding differs
+    tol = dict(atol=1e-5, rtol=1.3e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(back, expect, **tol, msg=ctx)
     reached = ((idxs[rank] >= 0).unsqueeze(2) & (idxs[rank].unsqueeze(2) // (E // world) ==
                torch.arange(world))).any(1).sum(1)

@@ -229,6 +229,9 @@ def _compare_schedule(rank, world, name, device="cpu"):
 
     import ep_plugin.megatron as epm
 
+    if device != "cpu":  # megatron's combined-1F1B schedule creates its comm stream the same way
+        from megatron.core.pipeline_parallel.utils import set_streams
+        set_streams()
     ref = _gpt(world, False, **SCHEDULE_CASES[name]).to(device)
     ovl = _gpt(world, True, **SCHEDULE_CASES[name]).to(device)
     ovl.load_state_dict(ref.state_dict(), strict=False)
