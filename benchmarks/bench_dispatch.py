@@ -91,7 +91,8 @@ def kernel_breakdown(fn, n=10):
             if dt is None:
                 dt = getattr(ev, "cuda_time_total", 0)
             if dt:
-                name = ev.key.split("(")[0].split("::")[-1][:60]
+                name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
+                name = name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60]
                 out[name] = out.get(name, 0.0) + dt / n
         return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
     except Exception as exc:  # profiler unavailable: not fatal
@@ -145,8 +146,15 @@ def run_cases(rank, world, args):
         rows = a.x
         ya, yb = nv.combine(rows, a.handle), ref.combine(rows, b.handle)
         ok = ok and torch.allclose(ya.float(), yb.float(), atol=3e-2, rtol=1e-2)
-        af = nv.dispatch(xf8, idx, w)
-        ok = ok and torch.equal(af.x[0].view(torch.uint8), ref.dispatch(xf8, idx, w).x[0].view(torch.uint8))
+        modes = ("split", "fused") if hasattr(be, "combine_mode") else ()
+        mode0 = getattr(be, "combine_mode", None)
+        for mode in modes:  # both combine kernels against the reference
+            be.combine_mode = mode
+            ok = ok and torch.allclose(nv.combine(rows, a.handle).float(), yb.float(), atol=3e-2, rtol=1e-2)
+        if modes:
+            be.combine_mode = mode0
+        af, bf = nv.dispatch(xf8, idx, w), ref.dispatch(xf8, idx, w)
+        ok = ok and torch.equal(af.x[0].view(torch.uint8), bf.x[0].view(torch.uint8)) and torch.equal(af.x[1], bf.x[1])
         h = a.handle
         self_rows = h.recv_counts[rank]
         info = {"rank": rank, "num_recv": h.num_recv, "remote_recv": h.num_recv - self_rows,
@@ -165,6 +173,17 @@ def run_cases(rank, world, args):
             rec["nvlink"]["dispatch_fp8"] = t(lambda: nv.dispatch(xf8, idx, w), "nvlink dispatch_fp8")
             rec["nvlink"]["dispatch_bf16_cached"] = t(lambda: nv.dispatch(x, handle=h), "nvlink dispatch_bf16_cached")
             rec["nvlink"]["combine_bf16"] = t(lambda: nv.combine(rows, h), "nvlink combine_bf16")
+            # the backend alone (no EPBuffer input validation, which syncs the host twice per dispatch)
+            rec["nvlink_backend"] = {
+                "dispatch_bf16": t(lambda: be.dispatch(x, None, idx, w), "nvlink backend dispatch_bf16"),
+                "dispatch_fp8": t(lambda: be.dispatch(xf8[0], xf8[1], idx, w), "nvlink backend dispatch_fp8"),
+                "dispatch_bf16_cached": t(lambda: be.dispatch(x, None, idx, None, h), "nvlink backend cached"),
+                "combine_bf16": t(lambda: be.combine(rows, h), "nvlink backend combine_bf16")}
+            for mode in modes:
+                be.combine_mode = mode
+                rec["nvlink_backend"][f"combine_bf16_{mode}"] = t(lambda: be.combine(rows, h), f"backend combine {mode}")
+            if modes:
+                be.combine_mode = mode0
             rec["torch"]["dispatch_bf16"] = t(lambda: ref.dispatch(x, idx, w), "torch dispatch_bf16")
             rec["torch"]["dispatch_fp8"] = t(lambda: ref.dispatch(xf8, idx, w), "torch dispatch_fp8")
             rec["torch"]["combine_bf16"] = t(lambda: ref.combine(b.x, b.handle), "torch combine_bf16")
@@ -222,8 +241,9 @@ def summarize(world, case, per_rank):
         out["nvlink"] = {str(s): {op: agg("nvlink", op, s) for op in ("dispatch_bf16", "dispatch_fp8", "combine_bf16")}
                          for s in per_rank[0]["nvlink"]}
     else:
-        out["nvlink"] = {op: agg("nvlink", op) for op in per_rank[0]["nvlink"]}
-        out["torch"] = {op: agg("torch", op) for op in per_rank[0]["torch"]}
+        for be in ("nvlink", "nvlink_backend", "torch"):
+            if be in per_rank[0]:
+                out[be] = {op: agg(be, op) for op in per_rank[0][be]}
         out["breakdown_rank0_us"] = per_rank[0].get("breakdown", {})
     return out
 
@@ -286,13 +306,20 @@ def report(summary, args, meta):
         for s in summary.get(case, []):
             lines.append(f"== {case} EP{s['world']} ({s['tokens_per_rank']} tok/rank, check_ok={s['check_ok']}, "
                          f"rows recv max {s['rows_received_max']}, logical {s['bytes_logical_bf16'] / 1e6:.1f} MB)")
-            lines.append(f"   {'op':<22}{'nvlink us':>10}{'GB/s':>8}{'torch us':>10}{'GB/s':>8}{'floor us':>10}")
+            lines.append(f"   {'op':<22}{'nvlink us':>10}{'GB/s':>8}{'backend us':>11}{'GB/s':>8}{'torch us':>10}"
+                         f"{'GB/s':>8}{'floor us':>10}")
+            nan = {"us": float("nan"), "logical_GBps": float("nan")}
             for op, v in s["nvlink"].items():
-                tv = s["torch"].get(op)
+                tv = s["torch"].get(op) or nan
+                bv = s.get("nvlink_backend", {}).get(op) or nan
                 fl = s["floor_us"].get(op.replace("_cached", ""), 0)
-                lines.append(f"   {op:<22}{v['us']:>10.1f}{v['logical_GBps']:>8.1f}"
-                             f"{(tv['us'] if tv else float('nan')):>10.1f}{(tv['logical_GBps'] if tv else float('nan')):>8.1f}"
-                             f"{fl:>10.1f}")
+                lines.append(f"   {op:<22}{v['us']:>10.1f}{v['logical_GBps']:>8.1f}{bv['us']:>11.1f}"
+                             f"{bv['logical_GBps']:>8.1f}{tv['us']:>10.1f}{tv['logical_GBps']:>8.1f}{fl:>10.1f}")
+            for op, bv in s.get("nvlink_backend", {}).items():
+                if op not in s["nvlink"] and bv:
+                    fl = s["floor_us"].get("combine_bf16" if op.startswith("combine") else op, 0)
+                    lines.append(f"   {op:<22}{'':>10}{'':>8}{bv['us']:>11.1f}{bv['logical_GBps']:>8.1f}"
+                                 f"{'':>10}{'':>8}{fl:>10.1f}")
             if s.get("breakdown_rank0_us"):
                 lines.append(f"   kernels (rank 0, us/call): {json.dumps(s['breakdown_rank0_us'])}")
     for s in summary.get("sm_sweep", []):

@@ -25,5 +25,5 @@ def test_nvlink_kernels_built_when_c_is():
         pytest.skip("ep_plugin._C is not built")
     C = ext.get_c()
     assert hasattr(C, "NvlinkRuntime")
-    for name in ("notify", "stage", "pull", "combine", "results", "open_peers", "close", "missing_ranks"):
+    for name in ("notify", "stage", "pull", "combine", "open_peers", "close", "missing_ranks"):
         assert hasattr(C.NvlinkRuntime, name), name
