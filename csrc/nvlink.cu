@@ -37,7 +37,7 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // 16-byte loads that skip L1 (data written by other GPUs / other kernels).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -273,12 +273,14 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
   {
     int4* dst = reinterpret_cast<int4*>(base + c.off_stage_x);
     const size_t n = static_cast<size_t>(T) * row_bytes / 16;
+    constexpr int kU = 8;  // 8 x 16 B loads in flight per thread
     size_t i = gtid;
-    for (; i + 3 * gsize < n; i += 4 * gsize) {
-      int4 v0 = ld_nc_v4(x + i), v1 = ld_nc_v4(x + i + gsize), v2 = ld_nc_v4(x + i + 2 * gsize),
-           v3 = ld_nc_v4(x + i + 3 * gsize);
-      st_na_v4(dst + i, v0), st_na_v4(dst + i + gsize, v1), st_na_v4(dst + i + 2 * gsize, v2),
-          st_na_v4(dst + i + 3 * gsize, v3);
+    for (; i + (kU - 1) * gsize < n; i += kU * gsize) {
+      int4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) v[u] = ld_nc_v4(x + i + u * gsize);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) st_na_v4(dst + i + u * gsize, v[u]);
     }
     for (; i < n; i += gsize) st_na_v4(dst + i, ld_nc_v4(x + i));
   }
@@ -303,6 +305,12 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
 }
 
 // ------------------------------------------------------------------ pull (dispatch receive)
+// A warp owns an equal contiguous share of the received rows and works through it in batches of 32
+// rows. Per batch: lane j fetches row j's (source, token) and writes its local topk ids/weights
+// (independent remote loads, all in flight together); then the batch's rows are copied as one flat
+// stream of 16-byte vectors, kPullU loads per lane in flight, with no bubble between rows.
+constexpr int kPullU = 8;
+
 __global__ void __launch_bounds__(kThreads)
 pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ out_scales, int nscales,
             int64_t* __restrict__ out_idx, float* __restrict__ out_w, int K,
@@ -319,13 +327,13 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
   const int n16 = row_bytes / 16;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
   const int64_t lo = static_cast<int64_t>(me) * EL, hi = lo + EL;
-  // Each warp takes an equal contiguous share of the rows, 32 at a time (token ids prefetched).
   const int per_warp = (R + NW - 1) / NW;
   const int r0 = min(R, gw * per_warp), r1 = min(R, r0 + per_warp);
   for (int b = r0; b < r1; b += 32) {
+    const int nrows = min(32, r1 - b);
     const int i = b + lane;
     int src = 0, tok = 0;
-    if (i < r1) {
+    if (lane < nrows) {
       src = find_src(s_off, W, i);
       if (cached) {
         tok = recv_src[i];
@@ -334,25 +342,70 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
         tok = ld_volatile(sl + static_cast<size_t>(me) * c.max_tokens + (i - s_off[src]));
         recv_src[i] = tok;
       }
-    }
-    const int nrows = min(32, r1 - b);
-    for (int j = 0; j < nrows; ++j) {
-      const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
-      const size_t row = static_cast<size_t>(b + j);
-      const char* pb = c.peers[s];
-      warp_copy<8>(reinterpret_cast<const int4*>(pb + c.off_stage_x + static_cast<size_t>(t) * row_bytes),
-                   out_x + row * n16, n16, lane);
-      if (out_scales) {
-        const float* ss = reinterpret_cast<const float*>(pb + c.off_stage_scales) + static_cast<size_t>(t) * nscales;
-        for (int k = lane; k < nscales; k += 32) out_scales[row * nscales + k] = ss[k];
+      if (out_idx || out_w) {  // this lane's row: local expert ids and weights
+        const int64_t* gi = reinterpret_cast<const int64_t*>(c.peers[src] + c.off_stage_idx) + static_cast<size_t>(tok) * K;
+        const float* gwt = reinterpret_cast<const float*>(c.peers[src] + c.off_stage_w) + static_cast<size_t>(tok) * K;
+        for (int k0 = 0; k0 < K; k0 += 8) {
+          int64_t g[8];
+          float wv[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            if (k0 + q < K) {
+              g[q] = gi[k0 + q];
+              wv[q] = out_w ? gwt[k0 + q] : 0.f;
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            if (k0 + q < K) {
+              const bool mine = g[q] >= lo && g[q] < hi;
+              if (out_idx) out_idx[static_cast<size_t>(i) * K + k0 + q] = mine ? g[q] - lo : -1;
+              if (out_w) out_w[static_cast<size_t>(i) * K + k0 + q] = mine ? wv[q] : 0.f;
+            }
+          }
+        }
       }
-      if (lane < K && (out_idx || out_w)) {
-        const int64_t g = reinterpret_cast<const int64_t*>(pb + c.off_stage_idx)[static_cast<size_t>(t) * K + lane];
-        const int64_t l = (g >= lo && g < hi) ? g - lo : -1;
-        if (out_idx) out_idx[row * K + lane] = l;
-        if (out_w)
-          out_w[row * K + lane] =
-              l >= 0 ? reinterpret_cast<const float*>(pb + c.off_stage_w)[static_cast<size_t>(t) * K + lane] : 0.f;
+    }
+    // rows of the batch as one flat stream of 16-byte vectors
+    const int total = nrows * n16;
+    for (int v0 = 0; v0 < total; v0 += 32 * kPullU) {
+      int4 v[kPullU];
+#pragma unroll
+      for (int u = 0; u < kPullU; ++u) {
+        const int vi = v0 + u * 32 + lane;
+        const int j = min(vi / n16, 31);
+        const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+        if (vi < total)
+          v[u] = ld_nc_v4(reinterpret_cast<const int4*>(c.peers[s] + c.off_stage_x + static_cast<size_t>(t) * row_bytes) +
+                          (vi - j * n16));
+      }
+      int4* out_b = out_x + static_cast<size_t>(b) * n16;  // the batch's rows are contiguous in out_x
+#pragma unroll
+      for (int u = 0; u < kPullU; ++u) {
+        const int vi = v0 + u * 32 + lane;
+        if (vi < total) st_na_v4(out_b + vi, v[u]);
+      }
+    }
+    if (out_scales) {  // FP8 scales: a flat stream of floats
+      const int stotal = nrows * nscales;
+      for (int v0 = 0; v0 < stotal; v0 += 32 * 8) {
+        float f[8];
+        int at[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int vi = v0 + u * 32 + lane;
+          const int j = min(vi / nscales, 31);
+          const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+          at[u] = -1;
+          if (vi < stotal) {
+            const int col = vi - j * nscales;
+            f[u] = reinterpret_cast<const float*>(c.peers[s] + c.off_stage_scales)[static_cast<size_t>(t) * nscales + col];
+            at[u] = (b + j) * nscales + col;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (at[u] >= 0) out_scales[at[u]] = f[u];
       }
     }
   }
@@ -370,6 +423,9 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
 }
 
 // ------------------------------------------------------------------ combine
+// Send: a warp owns an equal contiguous share of the rows that go to other ranks; per batch of 32
+// rows, lane j resolves row j's destination slot, then the batch is copied as one flat stream of
+// 16-byte vectors (local loads, remote stores), kPullU vectors per lane per round.
 __global__ void __launch_bounds__(kThreads)
 combine_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ recv_off) {
   __shared__ int s_off[kMaxRanks + 1];
@@ -386,13 +442,39 @@ combine_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ r
   const int n16 = c.hidden * 2 / 16;
   const size_t row_bytes = static_cast<size_t>(c.hidden) * 2;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  for (int k = gw; k < R - self_n; k += NW) {
-    const int i = k < self_lo ? k : k + self_n;  // skip the rows this rank sent itself
-    const int src = find_src(s_off, W, i);
-    const int p = i - s_off[src];
-    int4* dst = reinterpret_cast<int4*>(c.peers[src] + c.off_combine +
-                                        (static_cast<size_t>(me) * c.max_tokens + p) * row_bytes);
-    warp_copy<8>(x + static_cast<size_t>(i) * n16, dst, n16, lane);
+  const int nsend = R - self_n;
+  const int per_warp = (nsend + NW - 1) / NW;
+  const int k0 = min(nsend, gw * per_warp), k1 = min(nsend, k0 + per_warp);
+  for (int b = k0; b < k1; b += 32) {
+    const int nrows = min(32, k1 - b);
+    int row = 0, src = 0, slot = 0;
+    if (lane < nrows) {
+      const int k = b + lane;
+      row = k < self_lo ? k : k + self_n;  // skip the rows this rank sent itself
+      src = find_src(s_off, W, row);
+      slot = me * c.max_tokens + (row - s_off[src]);
+    }
+    const int total = nrows * n16;
+    for (int v0 = 0; v0 < total; v0 += 32 * kPullU) {
+      int4 v[kPullU];
+#pragma unroll
+      for (int u = 0; u < kPullU; ++u) {
+        const int vi = v0 + u * 32 + lane;
+        const int j = min(vi / n16, 31);
+        const int r = __shfl_sync(kFull, row, j);
+        if (vi < total) v[u] = ld_nc_v4(x + static_cast<size_t>(r) * n16 + (vi - j * n16));
+      }
+#pragma unroll
+      for (int u = 0; u < kPullU; ++u) {
+        const int vi = v0 + u * 32 + lane;
+        const int j = min(vi / n16, 31);
+        const int s = __shfl_sync(kFull, src, j), sl = __shfl_sync(kFull, slot, j);
+        if (vi < total)
+          st_na_v4(reinterpret_cast<int4*>(c.peers[s] + c.off_combine + static_cast<size_t>(sl) * row_bytes) +
+                       (vi - j * n16),
+                   v[u]);
+      }
+    }
   }
   if (last_block(c.counters + C_SEND)) {
     if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_COMBINE, me), ce);
@@ -409,7 +491,63 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   }
 }
 
-template <int U>
+// Sum of one token's slots (own rows read in place from x), float accumulation, BF16 out. For each
+// chunk of 32*U vectors the loads of all (up to MAXW) slots are issued before any is summed, so one
+// chunk costs one memory round trip.
+template <int MAXW, int U>
+__device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
+                                             const int* __restrict__ send_pos, int self_lo,
+                                             int4* __restrict__ y, int t, int lane) {
+  const int W = c.world, me = c.rank;
+  const int n16 = c.hidden * 2 / 16;
+  const size_t row16 = static_cast<size_t>(n16);
+  const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
+  const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
+  const int4* srcp[MAXW];
+#pragma unroll
+  for (int r = 0; r < MAXW; ++r) {
+    const int p = __shfl_sync(kFull, mypos, r);
+    srcp[r] = (r < W && p >= 0) ? (r == me ? x + static_cast<size_t>(self_lo + p) * row16
+                                          : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
+                                : nullptr;
+  }
+  for (int base = 0; base < n16; base += 32 * U) {
+    int4 v[MAXW][U];
+#pragma unroll
+    for (int r = 0; r < MAXW; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = base + u * 32 + lane;
+        if (srcp[r] && j < n16) v[r][u] = ld_nc_v4(srcp[r] + j);
+      }
+    float acc[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAXW; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = base + u * 32 + lane;
+        if (srcp[r] && j < n16) add_bf16x8(acc[u], v[r][u]);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = base + u * 32 + lane;
+      if (j < n16) {
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        y[static_cast<size_t>(t) * row16 + j] = o;
+      }
+    }
+  }
+}
+
+// Reduce (split combine): a warp per token, after every peer has flagged COMBINE.
+template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads)
 combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ send_pos,
                       const int* __restrict__ recv_off, int4* __restrict__ y, int T) {
@@ -420,51 +558,109 @@ combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   if (block_wait_peers(c, F_COMBINE, ce, me, 5, deadline, &s_fail)) return;
   const int self_lo = recv_off[me];
-  const int n16 = c.hidden * 2 / 16;
-  const size_t row16 = static_cast<size_t>(n16);
-  const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  for (int t = gw; t < T; t += NW) {
-    const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
-    for (int base = 0; base < n16; base += 32 * U) {
-      float acc[U][8];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-      for (int r = 0; r < W; ++r) {
-        const int p = __shfl_sync(kFull, mypos, r);
-        if (p < 0) continue;
-        const int4* src = r == me ? x + static_cast<size_t>(self_lo + p) * row16
-                                  : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16;
-        int4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int j = base + u * 32 + lane;
-          if (j < n16) v[u] = ld_nc_v4(src + j);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int j = base + u * 32 + lane;
-          if (j < n16) add_bf16x8(acc[u], v[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = base + u * 32 + lane;
-        if (j < n16) {
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-          y[static_cast<size_t>(t) * row16 + j] = o;
-        }
-      }
-    }
-  }
+  for (int t = gw; t < T; t += NW) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane);
   if (last_block(c.counters + C_REDUCE)) {
     if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, me), ce);
     if (tid == 0) c.epochs[E_COMBINE] = ce;
+  }
+}
+
+// Fused combine: one kernel whose warps take work units from a queue: first the send units (32
+// rows for one source; units interleave the sources so every source's early tokens go first), then
+// the reduce units (kChunk tokens each, in token order). After a send unit a warp adds, per
+// (chunk, own rank), the rows it delivered to the source's arrival counters; a reduce unit waits
+// until every peer's counter for its chunk reaches the rows expected from that peer (known from
+// send_pos), sums, and zeroes the counters. Sending and reducing overlap.
+template <int MAXW, int U>
+__global__ void __launch_bounds__(kThreads)
+combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ send_pos,
+                     const int* __restrict__ recv_off, const int* __restrict__ recv_src, int4* __restrict__ y,
+                     int T) {
+  __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int W = c.world, me = c.rank;
+  const int ce = c.epochs[E_COMBINE] + 1;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  if (tid <= W) s_off[tid] = recv_off[tid];
+  // The sources must have finished the previous combine with their combine area and counters.
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, 4, deadline, &s_fail)) return;
+  const int self_lo = s_off[me];
+  const int n16 = c.hidden * 2 / 16;
+  const size_t row_bytes = static_cast<size_t>(c.hidden) * 2;
+  const int npeers = W - 1;
+  int max_nb = 0;
+  for (int s = 0; s < W; ++s)
+    if (s != me) max_nb = max(max_nb, (s_off[s + 1] - s_off[s] + 31) / 32);
+  const int nsend = npeers > 0 ? max_nb * npeers : 0;
+  const int nchunks = (T + kChunk - 1) / kChunk;
+  int* arrive = reinterpret_cast<int*>(c.peers[me] + c.off_arrive);  // [chunk][src]
+  bool failed = false;
+  while (!failed) {
+    int unit = 0;
+    if (lane == 0) unit = static_cast<int>(atomicAdd(c.counters + C_QUEUE, 1u));
+    unit = __shfl_sync(kFull, unit, 0);
+    if (unit < nsend) {
+      const int si = unit % npeers, s = si < me ? si : si + 1;
+      const int b = (unit / npeers) * 32;
+      const int cnt = s_off[s + 1] - s_off[s];
+      if (b >= cnt) continue;
+      const int nrows = min(32, cnt - b);
+      const int row0 = s_off[s] + b;  // rows row0 .. row0+nrows-1 come from source s, slots b ..
+      char* dst0 = c.peers[s] + c.off_combine + (static_cast<size_t>(me) * c.max_tokens + b) * row_bytes;
+      const int total = nrows * n16;
+      const int4* src0 = x + static_cast<size_t>(row0) * n16;  // contiguous rows, contiguous slots
+      for (int v0 = 0; v0 < total; v0 += 32 * kPullU) {
+        int4 v[kPullU];
+#pragma unroll
+        for (int u = 0; u < kPullU; ++u) {
+          const int vi = v0 + u * 32 + lane;
+          if (vi < total) v[u] = ld_nc_v4(src0 + vi);
+        }
+#pragma unroll
+        for (int u = 0; u < kPullU; ++u) {
+          const int vi = v0 + u * 32 + lane;
+          if (vi < total) st_na_v4(reinterpret_cast<int4*>(dst0) + vi, v[u]);
+        }
+      }
+      __threadfence_system();
+      __syncwarp();
+      const int ch = lane < nrows ? recv_src[row0 + lane] / kChunk : -1;
+      const unsigned m = __match_any_sync(kFull, ch);
+      if (ch >= 0 && lane == __ffs(m) - 1) {
+        int* ctr = reinterpret_cast<int*>(c.peers[s] + c.off_arrive) + ch * kMaxRanks + me;
+        asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ctr), "r"(__popc(m)) : "memory");
+      }
+    } else if (unit - nsend < nchunks) {
+      const int chunk = unit - nsend, t0 = chunk * kChunk, nt = min(kChunk, T - t0);
+      int ok = 1;
+      if (lane < W && lane != me) {
+        int expect = 0;
+        for (int t = t0; t < t0 + nt; ++t) expect += send_pos[static_cast<size_t>(t) * W + lane] >= 0;
+        int* ctr = arrive + chunk * kMaxRanks + lane;
+        const int r = expect ? wait_geq(ctr, expect, deadline, c.aborted) : 0;
+        if (r == 1) record_timeout(c, lane, 5);
+        ok = r == 0;
+      }
+      if (!__all_sync(kFull, ok)) {
+        failed = true;
+        break;
+      }
+      __syncwarp();  // the acquiring lanes' view of the arrived rows extends to the whole warp
+      for (int t = t0; t < t0 + nt; ++t) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane);
+      if (lane < W) arrive[chunk * kMaxRanks + lane] = 0;  // all of this combine's rows have arrived
+    } else {
+      break;
+    }
+  }
+  // Every warp reaches the block barrier of last_block (a failed warp only stops taking work).
+  if (last_block(c.counters + C_FUSED)) {
+    if (!ld_volatile(c.aborted)) {
+      if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, me), ce);
+      if (tid == 0) c.epochs[E_COMBINE] = ce;
+    }
+    if (tid == 0) atomicExch(c.counters + C_QUEUE, 0u);
   }
 }
 
@@ -493,6 +689,8 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   off = align_up(off + sizeof(int) * kMaxRanks * (1 + local_experts_));
   ctx_.off_send_list = off;
   off = align_up(off + sizeof(int) * static_cast<size_t>(world) * max_tokens);
+  ctx_.off_arrive = off;
+  off = align_up(off + sizeof(int) * kMaxRanks * (static_cast<size_t>(max_tokens) / kChunk + 1));
   ctx_.off_stage_x = off;
   ctx_.stage_row_cap = static_cast<size_t>(hidden) * 2;
   off = align_up(off + ctx_.stage_row_cap * max_tokens);
@@ -627,18 +825,32 @@ void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nsc
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T, int num_sms,
-                      uintptr_t stream) {
+void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
+                      int num_sms, int fused, uintptr_t stream) {
   check_open(opened_, base_);
   if (T < 0 || T > max_tokens_) throw std::invalid_argument("num_tokens exceeds max_tokens_per_rank");
   set_device();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  combine_send_kernel<<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, reinterpret_cast<const int4*>(x),
-                                                              reinterpret_cast<const int*>(recv_off));
+  const int4* xp = reinterpret_cast<const int4*>(x);
+  const int* sp = reinterpret_cast<const int*>(send_pos);
+  const int* ro = reinterpret_cast<const int*>(recv_off);
+  int4* yp = reinterpret_cast<int4*>(y);
+  if (fused) {
+    // recv_src may be null when this rank received no rows (the kernel then never reads it)
+    const int* rs = reinterpret_cast<const int*>(recv_src);
+    if (world_ <= 4)
+      combine_fused_kernel<4, 3><<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, xp, sp, ro, rs, yp, T);
+    else
+      combine_fused_kernel<8, 2><<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, xp, sp, ro, rs, yp, T);
+    EP_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  combine_send_kernel<<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, xp, ro);
   EP_CUDA_CHECK(cudaGetLastError());
-  combine_reduce_kernel<4><<<grid_for(num_sms), kThreads, 0, s>>>(
-      ctx_, reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(send_pos),
-      reinterpret_cast<const int*>(recv_off), reinterpret_cast<int4*>(y), T);
+  if (world_ <= 4)
+    combine_reduce_kernel<4, 4><<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, xp, sp, ro, yp, T);
+  else
+    combine_reduce_kernel<8, 2><<<grid_for(num_sms), kThreads, 0, s>>>(ctx_, xp, sp, ro, yp, T);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -29,7 +29,8 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxTopk = 32;
 enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_NUM };
 enum EpochKind { E_NOTIFY = 0, E_DISPATCH, E_COMBINE, E_NUM };
-enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_NUM };
+enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_NUM };
+constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
 
 // Host-mapped (pinned) results and error state, written by the kernels, read by the host.
 struct HostInfo {
@@ -49,7 +50,7 @@ struct Ctx {
   int max_tokens, num_experts, local_experts;
   int hidden;
   size_t off_flags, off_meta, off_send_list, off_stage_x, off_stage_scales, off_stage_idx,
-      off_stage_w, off_combine;
+      off_stage_w, off_combine, off_arrive;
   size_t stage_row_cap;       // bytes per staged row available (hidden * 2)
   int* epochs;                // [E_NUM] local device
   unsigned* counters;         // [C_NUM] local device
@@ -81,8 +82,10 @@ class Runtime {
             uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
             int num_sms, uintptr_t stream);
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16
-  void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T,
-               int num_sms, uintptr_t stream);
+  // fused=1: one kernel, senders signal per 8-token chunk and the source reduces each chunk as soon
+  // as it is complete (needs recv_src from the dispatch); fused=0: send kernel, then reduce kernel.
+  void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
+               int num_sms, int fused, uintptr_t stream);
 
   // Host-side readbacks of the host-mapped info (valid after the notify has completed).
   int num_recv() const;

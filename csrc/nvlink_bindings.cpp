@@ -28,8 +28,14 @@ void ep_bind_nvlink(py::module_& m) {
       .def("pull", &Runtime::pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"))
-      .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("y"),
-           py::arg("T"), py::arg("num_sms"), py::arg("stream"))
+      .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
+           py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("fused"), py::arg("stream"))
+      .def("results",
+           [](const Runtime& r) {
+             return py::make_tuple(r.num_recv(), r.send_counts(), r.recv_counts(), r.tokens_per_expert(),
+                                   r.error());
+           },
+           "(num_recv, send_counts, recv_counts, tokens_per_expert, error) after a notify completed")
       .def("num_recv", &Runtime::num_recv)
       .def("recv_counts", &Runtime::recv_counts)
       .def("send_counts", &Runtime::send_counts)

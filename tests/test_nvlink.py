@@ -59,10 +59,15 @@ def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
     assert torch.equal(a.x.cpu(), rx) and torch.equal(a.topk_idx.cpu(), ridx), ctx
     assert torch.equal(a.topk_weights.cpu(), rw) and list(a.tokens_per_expert) == tpe, ctx
     rows = (a.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
-    ya = nv.combine(rows, a.handle)
     yb = ref.combine(rows, b.handle)
-    assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
-    torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=ctx)
+    be = nv._backend
+    mode0 = be.combine_mode
+    for mode in ("split", "fused"):  # both combine kernels
+        be.combine_mode = mode
+        ya = nv.combine(rows, a.handle)
+        assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
+        torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=f"{ctx} combine {mode}")
+    be.combine_mode = mode0
     return a
 
 
