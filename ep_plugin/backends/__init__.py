@@ -76,9 +76,12 @@ def choose_backend(group, requested: str, hidden: int):
     if not all(_torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
         return "torch", "GPUs of this node lack peer access"
     try:
-        _nvlink_module().check_hidden(hidden)
+        nvlink = _nvlink_module()
+        nvlink.check_hidden(hidden)
     except (BackendUnavailableError, ValueError) as exc:
         return "torch", str(exc)
+    if len(hosts) > nvlink.MAX_RANKS:
+        return "torch", f"the nvlink backend supports at most {nvlink.MAX_RANKS} ranks, the group has {len(hosts)}"
     return "nvlink", f"all {len(hosts)} ranks share one node with peer access"
 
 
