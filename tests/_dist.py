@@ -1,8 +1,10 @@
 """Run a test body in a real multi-process torch.distributed group (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -19,6 +21,8 @@ def free_port() -> int:
 def _worker(rank, world_size, port, backend, fn, args, errq):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits.
+    faulthandler.dump_traceback_later(float(os.environ.get("EP_TEST_STACK_DUMP_S", 240)), file=sys.stderr)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
