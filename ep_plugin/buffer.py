@@ -188,9 +188,13 @@ class EPBuffer:
         return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw,
                               tokens_per_expert=out.tokens_per_expert, handle=out.handle, event=out.event)
 
-    def combine(self, x: torch.Tensor, handle: Handle, *, async_op: Optional[bool] = None):
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
+                async_op: Optional[bool] = None):
         """Sum, for each original token, the rows the ranks it reached send back: [T, H].
-        Returns (y, event) when async."""
+
+        With topk_weights ([R, K] float32, e.g. the dispatched weights after the experts changed
+        them), also returns their per-token sum over ranks, [T, K] (as DeepEP's combine does):
+        (y, weights). Async calls append the event: (y, event) or (y, weights, event)."""
         _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
         _need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
         _need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
@@ -199,13 +203,31 @@ class EPBuffer:
         self._check_handle(handle, num_rows=x.shape[0])
         _need(handle.is_token_in_rank.device == x.device, ValueError,
               f"x is on {x.device} but the handle's dispatch ran on {handle.is_token_in_rank.device}")
+        if topk_weights is not None:
+            _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
+                  "combine's topk_weights must be a float32 tensor")
+            _need(topk_weights.shape == handle.recv_topk_idx.shape, ValueError,
+                  f"combine's topk_weights must have shape {tuple(handle.recv_topk_idx.shape)}, "
+                  f"got {tuple(topk_weights.shape)}")
+            _need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
         is_async = self._async(async_op)
         if torch.is_grad_enabled() and x.requires_grad:
             y, event = _Combine.apply(self, x, handle, is_async)
         else:
             with torch.no_grad():
                 y, event = self._backend.combine(x, handle, is_async)
-        return (y, event) if is_async else y
+        out = (y,)
+        if topk_weights is not None:
+            if event is not None:  # the weights' exchange goes after the rows', as on one stream
+                event.current_stream_wait()
+                event = None
+            with torch.no_grad():  # a small [R, K] exchange: the reference collective serves every backend
+                local = torch.where(handle.recv_topk_idx >= 0, topk_weights, 0.0).contiguous()
+                weights, event = combine_rows(self.group, local, handle, is_async)
+            out += (weights,)
+        if is_async:
+            out += (event,)
+        return out if len(out) > 1 else y
 
     def close(self) -> None:
         self._backend.close()

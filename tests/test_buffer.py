@@ -114,6 +114,13 @@ def modes_body(rank, world, device="cpu"):
     y, ev = buf.combine(res.x, res.handle, async_op=True)
     ev.current_stream_wait()
     torch.testing.assert_close(y, buf.combine(res.x, res.handle))
+    # combine can also sum the (possibly expert-modified) weights back per token
+    y2, back_w = buf.combine(res.x, res.handle, res.topk_weights)
+    torch.testing.assert_close(y2, buf.combine(res.x, res.handle))
+    assert torch.equal(back_w.cpu(), torch.where(idxs[rank].cpu() >= 0, ws[rank].cpu(), 0.0))
+    y3, back_w3, ev = buf.combine(res.x, res.handle, res.topk_weights * 2, async_op=True)
+    ev.current_stream_wait()
+    assert torch.equal(back_w3, back_w * 2) and torch.equal(y3, y2)
     # cached: reuse the layout for new rows
     x2 = torch.randn_like(xs[rank])
     cached = buf.dispatch(x2, handle=res.handle)
