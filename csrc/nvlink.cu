@@ -611,19 +611,7 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
       char* dst0 = c.peers[s] + c.off_combine + (static_cast<size_t>(me) * c.max_tokens + b) * row_bytes;
       const int total = nrows * n16;
       const int4* src0 = x + static_cast<size_t>(row0) * n16;  // contiguous rows, contiguous slots
-      for (int v0 = 0; v0 < total; v0 += 32 * kPullU) {
-        int4 v[kPullU];
-#pragma unroll
-        for (int u = 0; u < kPullU; ++u) {
-          const int vi = v0 + u * 32 + lane;
-          if (vi < total) v[u] = ld_nc_v4(src0 + vi);
-        }
-#pragma unroll
-        for (int u = 0; u < kPullU; ++u) {
-          const int vi = v0 + u * 32 + lane;
-          if (vi < total) st_na_v4(reinterpret_cast<int4*>(dst0) + vi, v[u]);
-        }
-      }
+      warp_copy<kPullU>(src0, reinterpret_cast<int4*>(dst0), total, lane);
       __threadfence_system();
       __syncwarp();
       const int ch = lane < nrows ? recv_src[row0 + lane] / kChunk : -1;
