@@ -171,6 +171,7 @@ def main():
         tps = args.steps * tokens_per_rank * world / secs
         print(f"done: {args.steps} steps, loss {first:.3f} -> {last:.3f}, {tps:,.0f} tokens/s, backend {buf.backend_name}")
     buf.close()
+    dist.barrier()  # no rank tears the group down while a peer still uses it (gloo aborts then)
     dist.destroy_process_group()
 
 

@@ -315,6 +315,7 @@ def main(argv=None) -> dict:
                 json.dump(result, f, indent=1)
     parallel_state.destroy_model_parallel()
     if own_pg:
+        dist.barrier()  # no rank tears the group down while a peer still uses it (gloo aborts then)
         dist.destroy_process_group()
     return result
 
