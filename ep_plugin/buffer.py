@@ -32,6 +32,14 @@ class DispatchResult:
     event: Optional[EPEvent] = None     # set for async calls: wait before using the outputs
 
 
+def _combine_weights(group, weights: torch.Tensor, handle: Handle, async_op: bool = False):
+    """Per-token sum over ranks of [R, K] weights: each (token, k) lives on the rank owning the expert,
+    so the other ranks' entries count as 0. A small exchange: the reference collective serves every
+    backend. Returns ([T, K] float32, event or None)."""
+    local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0).contiguous()
+    return combine_rows(group, local, handle, async_op)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buf, x, topk_weights, scales, topk_idx, handle, async_op):
@@ -49,9 +57,7 @@ class _Dispatch(torch.autograd.Function):
         if ctx.needs_input_grad[1] and grad_x is not None:
             gx, _ = buf._backend.combine(grad_x.to(ctx.x_dtype).contiguous(), handle)
         if ctx.needs_input_grad[2] and grad_w is not None:
-            # Each (token, k) weight lives on exactly one rank: the one owning the expert.
-            grad_w = torch.where(handle.recv_topk_idx >= 0, grad_w.float(), 0.0).contiguous()
-            gw, _ = combine_rows(buf.group, grad_w, handle)
+            gw, _ = _combine_weights(buf.group, grad_w, handle)
         return None, gx, gw, None, None, None, None
 
 
@@ -221,9 +227,8 @@ class EPBuffer:
             if event is not None:  # the weights' exchange goes after the rows', as on one stream
                 event.current_stream_wait()
                 event = None
-            with torch.no_grad():  # a small [R, K] exchange: the reference collective serves every backend
-                local = torch.where(handle.recv_topk_idx >= 0, topk_weights, 0.0).contiguous()
-                weights, event = combine_rows(self.group, local, handle, is_async)
+            with torch.no_grad():
+                weights, event = _combine_weights(self.group, topk_weights, handle, is_async)
             out += (weights,)
         if is_async:
             out += (event,)
