@@ -111,8 +111,9 @@ class TorchBackend(Backend):
             # Local expert ids as the receiver sees them; -1 for experts on other ranks.
             dest = torch.repeat_interleave(torch.arange(self.world, device=send_idx.device),
                                            torch.tensor(handle.send_counts, device=send_idx.device))
-            local = handle.topk_idx.index_select(0, send_idx) - (dest * self.experts_per_rank).unsqueeze(1)
-            mine = (local >= 0) & (local < self.experts_per_rank) & (handle.topk_idx.index_select(0, send_idx) >= 0)
+            sent = handle.topk_idx.index_select(0, send_idx)
+            local = sent - (dest * self.experts_per_rank).unsqueeze(1)
+            mine = (sent >= 0) & (local >= 0) & (local < self.experts_per_rank)
         if fresh:
             parts.append(torch.where(mine, local, -1))
             likes.append(((K,), torch.int64))
