@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 import traceback
-from functools import partial
 
 import torch
 import torch.distributed as dist

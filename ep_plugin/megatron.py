@@ -31,11 +31,10 @@ three. Nothing else in megatron is touched.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 

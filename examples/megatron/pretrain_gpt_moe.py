@@ -244,7 +244,6 @@ def main(argv=None) -> dict:
     pos = torch.arange(seq, device=device)[None].expand(mbs, -1)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        backend = getattr(getattr(disp, "buffer", None), "backend_name", None)
         print(f"GPT-MoE: {config.num_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_moe_experts} experts top-{config.moe_router_topk}, {n_params:,} params on rank 0; "
               f"EP={world}, dispatcher={config.moe_token_dispatcher_type}"
