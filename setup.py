@@ -7,6 +7,7 @@ CUDA runtime statically, so it neither links libtorch nor depends on the torch v
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -37,7 +38,7 @@ def want_c_build():
 
 
 class NvccBuildExt(build_ext):
-    """Compiles csrc/*.cu with nvcc into objects that the pybind11 extension links."""
+    """Compiles csrc/**/*.cu with nvcc into objects that the pybind11 extension links."""
 
     def build_extension(self, ext):
         cuda = find_cuda_home()
@@ -46,19 +47,33 @@ class NvccBuildExt(build_ext):
         objdir.mkdir(parents=True, exist_ok=True)
         import pybind11
 
-        objects = []
-        for cu in sorted(CSRC.glob("*.cu")):
-            obj = objdir / (cu.stem + ".o")
+        objects, commands = [], []
+        for cu in cuda_sources():
+            # one object per source path: nvlink/dispatch.cu -> nvlink_dispatch.o (stems repeat across folders)
+            obj = objdir / ("_".join(cu.relative_to(CSRC).with_suffix("").parts) + ".o")
             cmd = [str(cuda / "bin" / "nvcc"), "-c", str(cu), "-o", str(obj), "-O3", "-std=c++17",
                    f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC",
                    "--expt-relaxed-constexpr", "-lineinfo", f"-I{CSRC}"]
             print(" ".join(cmd), flush=True)
-            subprocess.check_call(cmd)
+            commands.append(cmd)
             objects.append(str(obj))
+        # One kernel file per process and no device linking, so the files compile side by side.
+        with ThreadPoolExecutor(max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+            list(pool.map(subprocess.check_call, commands))
         ext.extra_objects = objects
         ext.include_dirs += [pybind11.get_include(), str(cuda / "include"), str(CSRC)]
         ext.library_dirs += [str(cuda / "lib64"), str(cuda / "lib64" / "stubs")]
         super().build_extension(ext)
+
+
+def cuda_sources():
+    """Every .cu under csrc/: the layout kernel and one file per transport kernel (common/ holds headers only)."""
+    return sorted(CSRC.rglob("*.cu"))
+
+
+def host_sources():
+    """csrc/**/*.cpp: the bindings and host runtimes, compiled by the C++ compiler into the extension."""
+    return [str(p.relative_to(ROOT)) for p in sorted(CSRC.rglob("*.cpp"))]
 
 
 cuda_home = want_c_build()
@@ -66,7 +81,7 @@ ext_modules = []
 if cuda_home is not None:
     ext_modules.append(Extension(
         "ep_plugin._C",
-        sources=[str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.cpp"))],
+        sources=host_sources(),
         extra_compile_args=["-O3", "-std=c++17"],
         libraries=["cudart_static", "dl", "rt", "pthread"],
         language="c++",
@@ -79,7 +94,7 @@ setup(
     version="0.1.0",
     description="Expert-parallel dispatch/combine for MoE layers, with Megatron-core and DeepSpeed plugins",
     packages=find_packages(include=["ep_plugin", "ep_plugin.*"]),
-    package_data={"ep_plugin": ["../configs/*.yaml"]},
+    package_data={"ep_plugin.config": ["presets/*.yaml"]},  # configs/*.yaml link to these
     python_requires=">=3.10",
     install_requires=["torch", "PyYAML", "tqdm"],
     extras_require={"test": ["pytest"], "nvshmem-cu13": ["nvidia-nvshmem-cu13"], "nvshmem-cu12": ["nvidia-nvshmem-cu12"]},

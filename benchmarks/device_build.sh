@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build ep_plugin._C in place with the same flags as setup.py, all files in parallel (the device
 # machine bills by the second; `pip install -e .` compiles one file after another). Needs nvcc, g++,
-# pybind11 and the Python headers. Falls back to pip when this fails.
+# pybind11 and the Python headers. Sources: every .cu/.cpp under csrc/ (includes are relative to
+# csrc/, e.g. "common/ptx.cuh"). Falls back to pip when this fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,14 +14,16 @@ SUF=$($PY -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
 PYINC=$($PY -c "import sysconfig;print(sysconfig.get_paths()['include'])")
 PBINC=$($PY -c "import pybind11;print(pybind11.get_include())")
 B=build/devbuild
+rm -rf $B  # objects of renamed or deleted sources would be linked too
 mkdir -p $B
+obj() { local r=${1#csrc/}; echo "$B/${r//\//_}"; }  # csrc/nvlink/notify.cu -> $B/nvlink_notify.cu
 pids=()
-for f in csrc/*.cu; do
-  "$NVCC" -c "$f" -o "$B/$(basename "$f" .cu).cu.o" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 \
+for f in $(find csrc -name '*.cu' | sort); do
+  "$NVCC" -c "$f" -o "$(obj "$f").o" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 \
     -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -Icsrc & pids+=($!)
 done
-for f in csrc/*.cpp; do
-  g++ -c "$f" -o "$B/$(basename "$f" .cpp).o" -O2 -std=c++17 -fPIC -fvisibility=hidden \
+for f in $(find csrc -name '*.cpp' | sort); do
+  g++ -c "$f" -o "$(obj "${f%.cpp}").o" -O2 -std=c++17 -fPIC -fvisibility=hidden \
     -I"$PYINC" -I"$PBINC" -I"$CUDA/include" -Icsrc & pids+=($!)
 done
 ok=1

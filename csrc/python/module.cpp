@@ -1,20 +1,12 @@
-// pybind11 entry points of ep_plugin._C. Tensors cross as raw device pointers and streams as
-// integers so that this module never links libtorch and one build serves every torch version.
-#include <pybind11/pybind11.h>
+// ep_plugin._C: the module entry point and the layout kernel's binding (each file of pybind11
+// bindings costs seconds of build time, so the small ones share this one).
+#include <cuda_runtime.h>
 
-#include "common.h"
-#include "layout.h"
-
-namespace py = pybind11;
-
-void ep_bind_nvlink(py::module_& m);  // nvlink_bindings.cpp
+#include "common/error.h"
+#include "layout/layout.h"
+#include "python/bindings.h"
 
 namespace {
-
-template <typename T>
-T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
-
-cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 int runtime_version() {
   int v = 0;
@@ -22,9 +14,13 @@ int runtime_version() {
   return v;
 }
 
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
   m.doc() = "ep_plugin compiled kernels (raw pointers + cudaStream_t as integers)";
   m.def("cuda_runtime_version", &runtime_version, "CUDA runtime version this module was built with");
   m.def(
@@ -32,13 +28,13 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_ranks, int num_experts,
          uintptr_t tokens_per_rank, uintptr_t tokens_per_expert, uintptr_t is_token_in_rank,
          uintptr_t stream) {
-        ep::launch_dispatch_layout(ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_ranks,
-                                   num_experts, ptr<int>(tokens_per_rank), ptr<int>(tokens_per_expert),
-                                   ptr<bool>(is_token_in_rank), stream_of(stream));
+        ep::launch_dispatch_layout(ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_ranks, num_experts,
+                                   ptr<int>(tokens_per_rank), ptr<int>(tokens_per_expert),
+                                   ptr<bool>(is_token_in_rank), reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_ranks"),
       py::arg("num_experts"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"),
       py::arg("is_token_in_rank"), py::arg("stream"),
       "Count tokens per rank/expert and mark is_token_in_rank from int64 topk_idx (int32/bool outputs)");
-  ep_bind_nvlink(m);
+  ep::bind_nvlink(m);
 }

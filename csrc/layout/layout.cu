@@ -1,5 +1,8 @@
-#include "common.h"
-#include "layout.h"
+// The dispatch layout kernel: per-rank and per-expert token counts and the token -> rank table.
+#include "layout/layout.h"
+
+#include "common/error.h"
+#include "common/token_mask.cuh"
 
 namespace ep {
 namespace {
@@ -21,13 +24,8 @@ dispatch_layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens, int
 
   const int experts_per_rank = num_experts / num_ranks;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
-    unsigned long long mask = 0;
-    for (int k = 0; k < num_topk; ++k) {
-      const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
-      if (e < 0 || e >= num_experts) continue;
-      atomicAdd(&expert_count[e], 1);
-      mask |= 1ull << (e / experts_per_rank);
-    }
+    const unsigned long long mask = token_rank_mask<unsigned long long, true>(
+        topk_idx + static_cast<int64_t>(t) * num_topk, num_topk, experts_per_rank, num_experts, expert_count);
     for (int r = 0; r < num_ranks; ++r) {
       const bool in = (mask >> r) & 1ull;
       is_token_in_rank[static_cast<int64_t>(t) * num_ranks + r] = in;
@@ -46,9 +44,11 @@ dispatch_layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens, int
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_ranks,
                             int num_experts, int* tokens_per_rank, int* tokens_per_expert,
                             bool* is_token_in_rank, cudaStream_t stream) {
-  if (num_ranks <= 0 || num_ranks > kMaxRanks) throw std::invalid_argument("num_ranks must be in [1, 64]");
-  if (num_experts <= 0 || num_experts % num_ranks != 0)
-    throw std::invalid_argument("num_experts must be a positive multiple of num_ranks");
+  EP_CHECK_ARG(num_ranks > 0 && num_ranks <= kMaxRanks, "num_ranks must be in [1, %d], got %d", kMaxRanks,
+               num_ranks);
+  EP_CHECK_ARG(num_experts > 0 && num_experts % num_ranks == 0,
+               "num_experts must be a positive multiple of num_ranks, got num_experts=%d, num_ranks=%d",
+               num_experts, num_ranks);
   EP_CUDA_CHECK(cudaMemsetAsync(tokens_per_rank, 0, sizeof(int) * num_ranks, stream));
   EP_CUDA_CHECK(cudaMemsetAsync(tokens_per_expert, 0, sizeof(int) * num_experts, stream));
   if (num_tokens == 0) return;

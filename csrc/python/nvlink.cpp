@@ -1,13 +1,13 @@
-// pybind11 bindings of the nvlink backend runtime (ep_plugin._C.NvlinkRuntime).
-#include <pybind11/pybind11.h>
+// ep_plugin._C.NvlinkRuntime: the nvlink backend's host runtime (nvlink/runtime.h).
 #include <pybind11/stl.h>
 
-#include "nvlink.h"
+#include "nvlink/runtime.h"
+#include "python/bindings.h"
 
-namespace py = pybind11;
+namespace ep {
 
-void ep_bind_nvlink(py::module_& m) {
-  using ep::nvl::Runtime;
+void bind_nvlink(py::module_& m) {
+  using nvl::Runtime;
   py::class_<Runtime>(m, "NvlinkRuntime",
                       "CUDA-IPC intranode transport: one cudaMalloc buffer per rank, peers opened by handle")
       .def(py::init<int, int, int, int, int, int, double>(), py::arg("device"), py::arg("rank"),
@@ -43,6 +43,18 @@ void ep_bind_nvlink(py::module_& m) {
       .def("error", &Runtime::error)
       .def("error_kernel", &Runtime::error_kernel)
       .def("missing_ranks", &Runtime::missing_ranks)
+      .def("take_bad_expert_ids", &Runtime::take_bad_expert_ids,
+           "1 if a notify since the last call saw a topk id outside [-1, E) (then clears it), else 0")
       .def("epochs", &Runtime::epochs)
       .def_property_readonly("buffer_bytes", &Runtime::buffer_bytes);
+
+  // The limits and names Python reports (ep_plugin/backends/nvlink/limits.py), read from here so that
+  // the two sides cannot drift apart.
+  m.attr("NVLINK_MAX_RANKS") = nvl::kMaxRanks;
+  m.attr("NVLINK_MAX_TOPK") = nvl::kMaxTopk;
+  py::dict names;
+  for (int id = nvl::K_NOTIFY; id < nvl::K_NUM; ++id) names[py::int_(id)] = nvl::kKernelNames[id];
+  m.attr("NVLINK_KERNEL_NAMES") = names;
 }
+
+}  // namespace ep

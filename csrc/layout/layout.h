@@ -1,6 +1,7 @@
 // Dispatch layout: which ranks and experts each token goes to.
 #pragma once
 #include <cuda_runtime.h>
+
 #include <cstdint>
 
 namespace ep {

@@ -1,0 +1,52 @@
+// Loads and stores with an explicit memory order and cache policy. Peers write our buffers over
+// NVLink and the host reads mapped memory, so the order of every flag access is spelled out in PTX
+// rather than left to what the compiler may reorder or cache.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace ep {
+
+constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
+
+// Flags: the acquire load pairs with a peer's release store, so the data written before the flag
+// is visible once the flag is.
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Adds to a peer's counter after this thread's stores (arrival counters of the fused combine).
+__device__ __forceinline__ void red_add_release_sys(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Re-read on every call (abort words, data behind a flag already acquired): no ordering needed.
+__device__ __forceinline__ int ld_volatile(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Nanoseconds, comparable across the SMs of a GPU: deadlines for waits.
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// 16-byte loads that skip L1 (data written by other GPUs / other kernels).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// 16-byte stores that leave L1 alone: the data is read by another GPU or a later kernel.
+__device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+}  // namespace ep

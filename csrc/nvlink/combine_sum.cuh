@@ -1,0 +1,76 @@
+// The per-token sum of a combine, shared by the split reduce kernel and the fused kernel.
+#pragma once
+#include <cuda_bf16.h>
+
+#include "nvlink/device.cuh"
+
+namespace ep {
+namespace nvl {
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+
+// Sum of one token's slots (own rows read in place from x), float accumulation, BF16 out. For each
+// chunk of 32*U vectors the loads of all (up to MAXW) slots are issued before any is summed, so one
+// chunk costs one memory round trip. The caller has acquired every slot's arrival.
+template <int MAXW, int U>
+__device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
+                                             const int* __restrict__ send_pos, int self_lo,
+                                             int4* __restrict__ y, int t, int lane) {
+  const int W = c.world, me = c.rank;
+  const int n16 = c.hidden * 2 / 16;
+  const size_t row16 = static_cast<size_t>(n16);
+  const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
+  const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
+  const int4* srcp[MAXW];
+#pragma unroll
+  for (int r = 0; r < MAXW; ++r) {
+    const int p = __shfl_sync(kFull, mypos, r);
+    srcp[r] = (r < W && p >= 0) ? (r == me ? x + static_cast<size_t>(self_lo + p) * row16
+                                          : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
+                                : nullptr;
+  }
+  for (int base = 0; base < n16; base += 32 * U) {
+    int4 v[MAXW][U];
+#pragma unroll
+    for (int r = 0; r < MAXW; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = base + u * 32 + lane;
+        if (srcp[r] && j < n16) v[r][u] = ld_nc_v4(srcp[r] + j);
+      }
+    float acc[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAXW; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = base + u * 32 + lane;
+        if (srcp[r] && j < n16) add_bf16x8(acc[u], v[r][u]);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = base + u * 32 + lane;
+      if (j < n16) {
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        y[static_cast<size_t>(t) * row16 + j] = o;
+      }
+    }
+  }
+}
+
+}  // namespace nvl
+}  // namespace ep

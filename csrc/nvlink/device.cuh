@@ -1,0 +1,48 @@
+// What the nvlink kernels share: block size, vectors in flight, where a flag lives, and the
+// block-wide wait for one flag from every peer.
+#pragma once
+#include "common/ptx.cuh"
+#include "common/wait.cuh"
+#include "nvlink/nvlink.h"
+
+namespace ep {
+namespace nvl {
+
+constexpr int kThreads = 512;  // stage, pull and combine blocks
+constexpr int kPullU = 8;      // 16-byte vectors in flight per lane in the warp copies
+
+// flag[kind][src] in owner's buffer: src writes it, owner waits on it.
+__device__ __forceinline__ int* flag_at(const Ctx& c, int owner, int kind, int src) {
+  return reinterpret_cast<int*>(c.peers[owner] + c.off_flags) + kind * kMaxRanks + src;
+}
+
+// Every thread waits for flag[kind][p] >= target at this rank for p in [0, W) except `skip`
+// (thread p waits for peer p). Returns true when the block must stop (timeout or abort); a timeout
+// is recorded against kernel_id.
+__device__ inline bool block_wait_peers(const Ctx& c, int kind, int target, int skip, int kernel_id,
+                                        unsigned long long deadline, int* s_fail) {
+  const int tid = threadIdx.x;
+  if (tid == 0) *s_fail = ld_volatile(c.aborted);
+  __syncthreads();
+  if (*s_fail) return true;
+  if (tid < c.world && tid != skip) {
+    int r = wait_geq(flag_at(c, c.rank, kind, tid), target, deadline, c.aborted);
+    if (r == kTimedOut) record_timeout(c, tid, kernel_id);
+    if (r != kArrived) *s_fail = 1;
+  }
+  __syncthreads();
+  return *s_fail != 0;
+}
+
+// The source rank of received row i, given the per-source offsets off[0..W] (rows are grouped by
+// source). Unrolled over kMaxRanks with no early exit: a few compares beat a data-dependent loop.
+__device__ __forceinline__ int find_src(const int* off, int W, int i) {
+  int s = 0;
+#pragma unroll
+  for (int r = 1; r < kMaxRanks; ++r)
+    if (r < W && i >= off[r]) s = r;
+  return s;
+}
+
+}  // namespace nvl
+}  // namespace ep

@@ -1,0 +1,179 @@
+// dispatch: stage (the source copies its rows into its own IPC stage area) and pull (every rank
+// reads the rows addressed to it out of the sources' stage areas). Pulling rather than pushing lets
+// the receiver write its output in place, rows grouped by source, with no second pass.
+//
+// Protocol, at dispatch epoch e = epochs[E_DISPATCH] + 1 (notify has run: send lists and receive
+// offsets are in place):
+//   stage: wait PULL_DONE[p] >= e-1 at this rank for every peer p (p no longer reads the stage
+//          area about to be overwritten); copy rows, FP8 scales, topk ids and weights; the last
+//          block releases STAGE[me] = e at every rank, itself included.
+//   pull : wait STAGE[p] >= e for every rank p, itself included; copy the rows (and their local
+//          expert ids and weights) out of the sources' stage areas; the last block releases
+//          PULL_DONE[me] = e at every rank and sets epochs[E_DISPATCH] = e.
+// A timeout records the missing peer with K_STAGE or K_PULL and returns.
+#include "common/copy.cuh"
+#include "common/error.h"
+#include "nvlink/device.cuh"
+#include "nvlink/kernels.h"
+
+namespace ep {
+namespace nvl {
+namespace {
+
+__global__ void __launch_bounds__(kThreads)
+stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const float* __restrict__ scales,
+             int nscales, const int64_t* __restrict__ idx, const float* __restrict__ w, int K) {
+  __shared__ int s_fail;
+  const int e = c.epochs[E_DISPATCH] + 1;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  if (block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, deadline, &s_fail)) return;
+  char* base = c.peers[c.rank];
+  const size_t gtid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t gsize = static_cast<size_t>(gridDim.x) * blockDim.x;
+  // 8 x 16 B loads in flight per thread
+  grid_copy<8>(x, reinterpret_cast<int4*>(base + c.off_stage_x), static_cast<size_t>(T) * row_bytes / 16, gtid,
+               gsize);
+  if (scales) {
+    float* dst = reinterpret_cast<float*>(base + c.off_stage_scales);
+    const size_t n = static_cast<size_t>(T) * nscales;
+    for (size_t i = gtid; i < n; i += gsize) dst[i] = scales[i];
+  }
+  if (idx) {
+    int64_t* dst = reinterpret_cast<int64_t*>(base + c.off_stage_idx);
+    const size_t n = static_cast<size_t>(T) * K;
+    for (size_t i = gtid; i < n; i += gsize) dst[i] = idx[i];
+  }
+  if (w) {
+    float* dst = reinterpret_cast<float*>(base + c.off_stage_w);
+    const size_t n = static_cast<size_t>(T) * K;
+    for (size_t i = gtid; i < n; i += gsize) dst[i] = w[i];
+  }
+  if (last_block(c.counters + C_STAGE)) {
+    if (threadIdx.x < c.world) st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
+  }
+}
+
+// A warp owns an equal contiguous share of the received rows and works through it in batches of 32
+// rows. Per batch: lane j fetches row j's (source, token) and writes its local topk ids/weights
+// (independent remote loads, all in flight together); then the batch's rows are copied as one flat
+// stream of 16-byte vectors, kPullU loads per lane in flight, with no bubble between rows.
+__global__ void __launch_bounds__(kThreads)
+pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ out_scales, int nscales,
+            int64_t* __restrict__ out_idx, float* __restrict__ out_w, int K,
+            const int* __restrict__ recv_off, int* __restrict__ recv_src, int cached, int R_alloc) {
+  __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int W = c.world, me = c.rank, EL = c.local_experts;
+  const int e = c.epochs[E_DISPATCH] + 1;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  if (tid <= W) s_off[tid] = recv_off[tid];
+  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline, &s_fail)) return;
+  const int R = s_off[W];
+  const int n16 = row_bytes / 16;
+  const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
+  const int64_t lo = static_cast<int64_t>(me) * EL, hi = lo + EL;
+  const int per_warp = (R + NW - 1) / NW;
+  const int r0 = min(R, gw * per_warp), r1 = min(R, r0 + per_warp);
+  for (int b = r0; b < r1; b += 32) {
+    const int nrows = min(32, r1 - b);
+    const int i = b + lane;
+    int src = 0, tok = 0;
+    if (lane < nrows) {
+      src = find_src(s_off, W, i);
+      if (cached) {
+        tok = recv_src[i];
+      } else {
+        const int* sl = reinterpret_cast<const int*>(c.peers[src] + c.off_send_list);
+        tok = ld_volatile(sl + static_cast<size_t>(me) * c.max_tokens + (i - s_off[src]));
+        recv_src[i] = tok;
+      }
+      if (out_idx || out_w) {  // this lane's row: local expert ids and weights
+        const int64_t* gi = reinterpret_cast<const int64_t*>(c.peers[src] + c.off_stage_idx) + static_cast<size_t>(tok) * K;
+        const float* gwt = reinterpret_cast<const float*>(c.peers[src] + c.off_stage_w) + static_cast<size_t>(tok) * K;
+        for (int k0 = 0; k0 < K; k0 += 8) {
+          int64_t g[8];
+          float wv[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            if (k0 + q < K) {
+              g[q] = gi[k0 + q];
+              wv[q] = out_w ? gwt[k0 + q] : 0.f;
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            if (k0 + q < K) {
+              const bool mine = g[q] >= lo && g[q] < hi;
+              if (out_idx) out_idx[static_cast<size_t>(i) * K + k0 + q] = mine ? g[q] - lo : -1;
+              if (out_w) out_w[static_cast<size_t>(i) * K + k0 + q] = mine ? wv[q] : 0.f;
+            }
+          }
+        }
+      }
+    }
+    // Remote rows (row j of the batch from lane j's source and token) into contiguous out_x rows.
+    warp_copy_rows<kPullU>(
+        nrows * n16, n16, lane,
+        [&](int j) {
+          const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+          return [=, &c](int vi) {
+            return reinterpret_cast<const int4*>(c.peers[s] + c.off_stage_x + static_cast<size_t>(t) * row_bytes) +
+                   (vi - j * n16);
+          };
+        },
+        contiguous(out_x + static_cast<size_t>(b) * n16));
+    if (out_scales) {  // FP8 scales: a flat stream of floats
+      const int stotal = nrows * nscales;
+      for (int v0 = 0; v0 < stotal; v0 += 32 * 8) {
+        float f[8];
+        int at[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int vi = v0 + u * 32 + lane;
+          const int j = min(vi / nscales, 31);
+          const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+          at[u] = -1;
+          if (vi < stotal) {
+            const int col = vi - j * nscales;
+            f[u] = reinterpret_cast<const float*>(c.peers[s] + c.off_stage_scales)[static_cast<size_t>(t) * nscales + col];
+            at[u] = (b + j) * nscales + col;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (at[u] >= 0) out_scales[at[u]] = f[u];
+      }
+    }
+  }
+  // Worst-case-sized outputs: padding rows route nowhere.
+  for (int i = R + blockIdx.x * blockDim.x + tid; i < R_alloc; i += gridDim.x * blockDim.x) {
+    for (int k = 0; k < K; ++k) {
+      if (out_idx) out_idx[static_cast<size_t>(i) * K + k] = -1;
+      if (out_w) out_w[static_cast<size_t>(i) * K + k] = 0.f;
+    }
+  }
+  if (last_block(c.counters + C_PULL)) {
+    if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
+    if (tid == 0) c.epochs[E_DISPATCH] = e;
+  }
+}
+
+}  // namespace
+
+void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
+                  int nscales, const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream) {
+  stage_kernel<<<blocks, kThreads, 0, stream>>>(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
+                 int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
+                 int R_alloc, cudaStream_t stream) {
+  pull_kernel<<<blocks, kThreads, 0, stream>>>(c, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K,
+                                               recv_off, recv_src, cached, R_alloc);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace nvl
+}  // namespace ep

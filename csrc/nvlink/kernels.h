@@ -1,0 +1,34 @@
+// The seam between the nvlink host runtime and its kernels: one launcher per kernel. Launch
+// configurations (block size, shared memory, template choice by world size) live with the kernels;
+// the runtime validates arguments and picks the grid. Every launcher checks the launch.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "nvlink/nvlink.h"
+
+namespace ep {
+namespace nvl {
+
+// notify.cu: one block. topk_idx [T,K] int64 -> send_pos [T,W] int32, is_in [T,W] bool,
+// recv_off [W+1] int32, tpe [local_experts] int64; counts into the host-mapped info.
+void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* send_pos, bool* is_in,
+                   int* recv_off, int64_t* tpe, cudaStream_t stream);
+
+// dispatch.cu: stage this rank's rows into its IPC stage area; pull the rows addressed to it.
+void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
+                  int nscales, const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream);
+void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
+                 int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
+                 int R_alloc, cudaStream_t stream);
+
+// combine_send.cu + combine_reduce.cu (split combine), combine_fused.cu (one kernel).
+void launch_combine_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, cudaStream_t stream);
+void launch_combine_reduce(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
+                           int4* y, int T, cudaStream_t stream);
+void launch_combine_fused(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
+                          const int* recv_src, int4* y, int T, cudaStream_t stream);
+
+}  // namespace nvl
+}  // namespace ep

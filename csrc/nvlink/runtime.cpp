@@ -1,0 +1,250 @@
+// The nvlink host runtime: buffer layout, CUDA IPC, argument checks, launches, readbacks.
+#include "nvlink/runtime.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "nvlink/kernels.h"
+
+namespace ep {
+namespace nvl {
+namespace {
+
+size_t align_up(size_t v, size_t a = 256) { return (v + a - 1) / a * a; }
+
+// One block per SM asked for; at least one so that the flags are always released.
+int grid_for(int num_sms) { return num_sms < 1 ? 1 : num_sms; }
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, int num_experts,
+                 double timeout_s)
+    : device_(device), rank_(rank), world_(world), max_tokens_(max_tokens), hidden_(hidden),
+      num_experts_(num_experts), timeout_s_(timeout_s) {
+  EP_CHECK_ARG(world >= 1 && world <= kMaxRanks, "nvlink backend supports 1..%d ranks, got world=%d", kMaxRanks,
+               world);
+  EP_CHECK_ARG(rank >= 0 && rank < world, "rank out of range: rank=%d, world=%d", rank, world);
+  EP_CHECK_ARG(num_experts > 0 && num_experts % world == 0,
+               "num_experts must be a multiple of world, got num_experts=%d, world=%d", num_experts, world);
+  EP_CHECK_ARG(hidden > 0 && hidden % 128 == 0, "hidden must be a positive multiple of 128, got %d", hidden);
+  EP_CHECK_ARG(max_tokens > 0, "max_tokens must be positive, got %d", max_tokens);
+  local_experts_ = num_experts / world;
+  set_device();
+  // One buffer, the same layout on every rank, so that a peer's offsets are this rank's offsets.
+  size_t off = 0;
+  ctx_.off_flags = off;
+  off = align_up(off + sizeof(int) * F_NUM * kMaxRanks);
+  ctx_.off_meta = off;
+  off = align_up(off + sizeof(int) * kMaxRanks * (1 + local_experts_));
+  ctx_.off_send_list = off;
+  off = align_up(off + sizeof(int) * static_cast<size_t>(world) * max_tokens);
+  ctx_.off_arrive = off;
+  off = align_up(off + sizeof(int) * kMaxRanks * (static_cast<size_t>(max_tokens) / kChunk + 1));
+  ctx_.off_stage_x = off;
+  ctx_.stage_row_cap = static_cast<size_t>(hidden) * 2;
+  off = align_up(off + ctx_.stage_row_cap * max_tokens);
+  ctx_.off_stage_scales = off;
+  off = align_up(off + sizeof(float) * static_cast<size_t>(max_tokens) * (hidden / 128));
+  ctx_.off_stage_idx = off;
+  off = align_up(off + sizeof(int64_t) * static_cast<size_t>(max_tokens) * kMaxTopk);
+  ctx_.off_stage_w = off;
+  off = align_up(off + sizeof(float) * static_cast<size_t>(max_tokens) * kMaxTopk);
+  ctx_.off_combine = off;
+  off = align_up(off + static_cast<size_t>(world) * max_tokens * hidden * 2);
+  bytes_ = off;
+  EP_CUDA_CHECK(cudaMalloc(&base_, bytes_));
+  EP_CUDA_CHECK(cudaMemset(base_, 0, ctx_.off_stage_x));  // flags, meta, send lists
+  EP_CUDA_CHECK(cudaMalloc(&local_, 256));
+  EP_CUDA_CHECK(cudaMemset(local_, 0, 256));
+  const size_t host_bytes = sizeof(HostInfo) + sizeof(int) * local_experts_;
+  EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), host_bytes, cudaHostAllocMapped));
+  std::memset(host_, 0, host_bytes);
+  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+  EP_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int r = 0; r < kMaxRanks; ++r) ctx_.peers[r] = nullptr;
+  ctx_.peers[rank] = base_;
+  ctx_.rank = rank;
+  ctx_.world = world;
+  ctx_.max_tokens = max_tokens;
+  ctx_.num_experts = num_experts;
+  ctx_.local_experts = local_experts_;
+  ctx_.hidden = hidden;
+  ctx_.epochs = reinterpret_cast<int*>(local_);
+  ctx_.counters = reinterpret_cast<unsigned*>(static_cast<char*>(local_) + 64);
+  ctx_.aborted = reinterpret_cast<int*>(static_cast<char*>(local_) + 128);
+  ctx_.host = host_dev_;
+  ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
+}
+
+Runtime::~Runtime() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Runtime::set_device() const { EP_CUDA_CHECK(cudaSetDevice(device_)); }
+
+std::string Runtime::ipc_handle() const {
+  EP_CHECK(base_ != nullptr, "nvlink runtime is closed");
+  set_device();
+  cudaIpcMemHandle_t h;
+  EP_CUDA_CHECK(cudaIpcGetMemHandle(&h, base_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void Runtime::open_peers(const std::vector<std::string>& handles) {
+  EP_CHECK_ARG(static_cast<int>(handles.size()) == world_, "need one IPC handle per rank: got %zu, world=%d",
+               handles.size(), world_);
+  set_device();
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    EP_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), "bad IPC handle size: rank %d sent %zu bytes, expected %zu",
+                 p, handles[p].size(), sizeof(cudaIpcMemHandle_t));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[p].data(), sizeof(h));
+    void* ptr = nullptr;
+    EP_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+    ctx_.peers[p] = static_cast<char*>(ptr);
+  }
+  opened_ = true;
+}
+
+// Best effort, errors ignored: close() also runs from the destructor and after a failed call.
+void Runtime::close() {
+  if (!base_) return;
+  set_device();
+  cudaDeviceSynchronize();
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ && ctx_.peers[p]) cudaIpcCloseMemHandle(ctx_.peers[p]);
+    ctx_.peers[p] = nullptr;
+  }
+  cudaFree(base_);
+  base_ = nullptr;
+  if (local_) cudaFree(local_);
+  local_ = nullptr;
+  if (host_) cudaFreeHost(host_);
+  host_ = nullptr;
+  opened_ = false;
+  cudaGetLastError();
+}
+
+void Runtime::check_open() const {
+  EP_CHECK(base_ && opened_, "nvlink runtime is closed or its peers are not opened (closed=%d, peers opened=%d)",
+           base_ == nullptr, static_cast<int>(opened_));
+}
+
+void Runtime::check_tokens(int T) const {
+  EP_CHECK_ARG(T >= 0 && T <= max_tokens_, "num_tokens exceeds max_tokens_per_rank: num_tokens=%d, max_tokens=%d",
+               T, max_tokens_);
+}
+
+void Runtime::check_row_bytes(int row_bytes) const {
+  EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0 && static_cast<size_t>(row_bytes) <= ctx_.stage_row_cap,
+               "row bytes must be a multiple of 16 and at most hidden*2 = %zu, got %d", ctx_.stage_row_cap, row_bytes);
+}
+
+void Runtime::notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
+                     uintptr_t recv_off, uintptr_t tpe, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  set_device();
+  launch_notify(ctx_, ptr<const int64_t>(topk_idx), T, K, ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off),
+                ptr<int64_t>(tpe), stream_of(stream));
+}
+
+void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                    uintptr_t weights, int K, int num_sms, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
+               hidden_ / 128);
+  EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
+  set_device();
+  launch_stage(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+               ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, stream_of(stream));
+}
+
+void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
+                   uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
+                   int num_sms, uintptr_t stream) {
+  check_open();
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
+  set_device();
+  launch_pull(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
+              ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
+              R_alloc, stream_of(stream));
+}
+
+void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
+                      int num_sms, int fused, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  set_device();
+  const int blocks = grid_for(num_sms);
+  if (fused) {
+    launch_combine_fused(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                         ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
+    return;
+  }
+  launch_combine_send(ctx_, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
+  launch_combine_reduce(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                        ptr<int4>(y), T, stream_of(stream));
+}
+
+// The readbacks go through volatile: the kernels write this memory behind the compiler's back.
+int Runtime::num_recv() const { return static_cast<volatile HostInfo*>(host_)->num_recv; }
+std::vector<int> Runtime::recv_counts() const {
+  volatile HostInfo* h = host_;
+  std::vector<int> v(world_);
+  for (int i = 0; i < world_; ++i) v[i] = h->recv_counts[i];
+  return v;
+}
+std::vector<int> Runtime::send_counts() const {
+  volatile HostInfo* h = host_;
+  std::vector<int> v(world_);
+  for (int i = 0; i < world_; ++i) v[i] = h->send_counts[i];
+  return v;
+}
+std::vector<int> Runtime::tokens_per_expert() const {
+  volatile int* t = host_->tokens_per_expert;
+  std::vector<int> v(local_experts_);
+  for (int i = 0; i < local_experts_; ++i) v[i] = t[i];
+  return v;
+}
+int Runtime::take_bad_expert_ids() {
+  if (!host_) return 0;
+  volatile HostInfo* h = host_;
+  const int v = h->bad_expert_ids;
+  if (v) h->bad_expert_ids = 0;
+  return v;
+}
+int Runtime::error() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err : 0; }
+int Runtime::error_kernel() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err_kernel : 0; }
+std::vector<int> Runtime::missing_ranks() const {
+  std::vector<int> v;
+  if (!host_) return v;
+  volatile HostInfo* h = host_;
+  for (int i = 0; i < world_; ++i)
+    if (h->missing[i]) v.push_back(i);
+  return v;
+}
+std::vector<int> Runtime::epochs() const {
+  std::vector<int> v(E_NUM);
+  set_device();
+  EP_CUDA_CHECK(cudaMemcpy(v.data(), local_, sizeof(int) * E_NUM, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+}  // namespace nvl
+}  // namespace ep

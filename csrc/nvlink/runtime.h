@@ -1,0 +1,71 @@
+// The nvlink host runtime (ep_plugin._C.NvlinkRuntime): owns this rank's IPC buffer, maps the
+// peers' buffers, validates each call and launches the kernels. The protocol is in nvlink.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nvlink/nvlink.h"
+
+namespace ep {
+namespace nvl {
+
+class Runtime {
+ public:
+  Runtime(int device, int rank, int world, int max_tokens, int hidden, int num_experts,
+          double timeout_s);
+  ~Runtime();
+
+  std::string ipc_handle() const;                       // 64 bytes (cudaIpcMemHandle_t)
+  void open_peers(const std::vector<std::string>& handles);
+  void close();
+
+  // notify: topk_idx [T,K] int64 -> send_pos [T,W] int32, is_in [T,W] bool, recv_off [W+1] int32,
+  // tpe [local_experts] int64 (device); host info (num_recv, counts) filled on completion.
+  void notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
+              uintptr_t recv_off, uintptr_t tpe, uintptr_t stream);
+  // stage: rows [T, row_bytes] (+ scales [T, nscales] f32, topk_idx [T,K] i64, weights [T,K] f32)
+  void stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+             uintptr_t weights, int K, int num_sms, uintptr_t stream);
+  // pull: rows into out_x [R_alloc, row_bytes] (+ out_scales, out_idx [R_alloc,K] i64,
+  // out_w [R_alloc,K] f32); recv_src [R_alloc] int32 written (cached=0) or read (cached=1).
+  void pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
+            uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
+            int num_sms, uintptr_t stream);
+  // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16
+  // fused=1: one kernel, senders signal per 8-token chunk and the source reduces each chunk as soon
+  // as it is complete (needs recv_src from the dispatch); fused=0: send kernel, then reduce kernel.
+  void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
+               int num_sms, int fused, uintptr_t stream);
+
+  // Host-side readbacks of the host-mapped info (valid after the notify has completed).
+  int num_recv() const;
+  std::vector<int> recv_counts() const;
+  std::vector<int> send_counts() const;
+  std::vector<int> tokens_per_expert() const;
+  int error() const;
+  int take_bad_expert_ids();  // 1 if a notify since the last call saw an id outside [-1, E); clears it
+  int error_kernel() const;
+  std::vector<int> missing_ranks() const;
+  std::vector<int> epochs() const;  // synchronous copy (debugging)
+  size_t buffer_bytes() const { return bytes_; }
+
+ private:
+  void set_device() const;
+  void check_open() const;
+  void check_tokens(int T) const;
+  void check_row_bytes(int row_bytes) const;
+  int device_, rank_, world_, max_tokens_, hidden_, num_experts_, local_experts_;
+  double timeout_s_;
+  size_t bytes_ = 0;
+  char* base_ = nullptr;
+  void* local_ = nullptr;   // epochs + counters + aborted
+  HostInfo* host_ = nullptr;
+  HostInfo* host_dev_ = nullptr;
+  bool opened_ = false;
+  Ctx ctx_{};
+};
+
+}  // namespace nvl
+}  // namespace ep
