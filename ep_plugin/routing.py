@@ -19,6 +19,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .config import SCORE_FUNCTIONS  # the one list of score functions; topk_routing implements each
+
 __all__ = [
     "SCORE_FUNCTIONS",
     "topk_routing",
@@ -27,8 +29,6 @@ __all__ = [
     "to_dense",
     "update_expert_bias",
 ]
-
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 def _is_int(v) -> bool:

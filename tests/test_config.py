@@ -195,6 +195,17 @@ ERRORS = [
     ({"moe": {"score_function": "sigmoid", "use_pre_softmax": True}}, "moe.use_pre_softmax",
      ["softmax"]),
     ({"moe": [1, 2]}, "moe", ["num_experts"]),
+    # num_sms: auto, comm.host_sync, comm.combine_kernel, did-you-mean on choices
+    ({"comm": {"num_sms": "Auto"}}, "comm.num_sms",
+     ["positive int (>= 1) or auto", "did you mean 'auto'"]),
+    ({"comm": {"num_sms": 0}}, "comm.num_sms", ["out of range", "or auto"]),
+    ({"comm": {"num_sms": 2.5}}, "comm.num_sms", ["wrong type", "or auto"]),
+    ({"comm": {"host_sync": "false"}}, "comm.host_sync", ["true | false"]),
+    ({"comm": {"combine_kernel": "fusd"}}, "comm.combine_kernel",
+     ["split | fused", "did you mean 'fused'"]),
+    ({"comm": {"combine_kernel": 1}}, "comm.combine_kernel", ["split | fused"]),
+    ({"moe": {"score_function": "softmx"}}, "moe.score_function",
+     ["softmax | sigmoid | sqrtsoftplus", "did you mean 'softmax'"]),
 ]
 
 
@@ -244,3 +255,154 @@ def test_bad_sources(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError):
         load_config(42)
+
+
+# ------------------------------------------------------------------------- new keys and choices
+
+
+def test_num_sms_auto_and_new_comm_keys():
+    c = load_config({"comm": {"num_sms": "auto", "host_sync": False, "combine_kernel": "fused"}})
+    assert c.comm.num_sms == "auto" and c.comm.host_sync is False
+    assert c.comm.combine_kernel == "fused"
+    d = CommConfig()
+    assert (d.num_sms, d.host_sync, d.combine_kernel) == (24, True, "split")
+    assert load_config(c.to_dict()) == c
+
+
+def test_expert_bias_with_sqrtsoftplus():
+    m = load_config({"moe": {"score_function": "sqrtsoftplus", "expert_bias": True}}).moe
+    assert m.score_function == "sqrtsoftplus" and m.expert_bias is True
+    with pytest.raises(ConfigError, match="sigmoid or sqrtsoftplus"):
+        load_config({"moe": {"expert_bias": True}})
+
+
+def test_each_choice_list_is_defined_once():
+    import ep_plugin.config as config
+    import ep_plugin.config.validate as validate
+    from ep_plugin import routing
+    from ep_plugin.backends import registry
+
+    assert routing.SCORE_FUNCTIONS is config.SCORE_FUNCTIONS
+    assert set(config.SCORE_FUNCTIONS) == {"softmax", "sigmoid", "sqrtsoftplus"}
+    assert config.BACKEND_NAMES is registry.BACKEND_NAMES
+    rules = validate.RULES
+    assert rules["moe"]["score_function"][1] is config.SCORE_FUNCTIONS
+    assert rules["comm"]["backend"][1] is registry.BACKEND_NAMES
+    assert rules["comm"]["dispatch_dtype"][1] is config.DISPATCH_DTYPES
+    assert rules["comm"]["combine_dtype"][1] is config.COMBINE_DTYPES
+    assert rules["comm"]["combine_kernel"][1] is config.COMBINE_KERNELS
+
+
+# ---------------------------------------------------------------------- environment overrides
+
+WORST_CASE, COMBINE = "EP_PLUGIN_NVLINK_WORST_CASE", "EP_PLUGIN_NVLINK_COMBINE"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in (WORST_CASE, COMBINE, "EP_PLUGIN_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("text,host_sync", [("1", False), ("true", False), (" ON ", False),
+                                            ("0", True), ("no", True)])
+def test_env_worst_case_overrides_host_sync(clean_env, text, host_sync):
+    clean_env.setenv(WORST_CASE, text)
+    # the environment wins over the file, a dict and the overrides argument
+    assert load_config("tiny").comm.host_sync is host_sync
+    assert load_config({"comm": {"host_sync": not host_sync}}).comm.host_sync is host_sync
+    assert load_config(None, {"comm.host_sync": not host_sync}).comm.host_sync is host_sync
+
+
+@pytest.mark.parametrize("kernel", ["split", "fused"])
+def test_env_combine_overrides_combine_kernel(clean_env, kernel):
+    clean_env.setenv(COMBINE, kernel)
+    other = "fused" if kernel == "split" else "split"
+    assert load_config({"comm": {"combine_kernel": other}}).comm.combine_kernel == kernel
+    assert load_config("deepseek_v3").comm.combine_kernel == kernel
+
+
+def test_env_unset_or_empty_is_no_override(clean_env):
+    clean_env.setenv(WORST_CASE, "")
+    clean_env.setenv(COMBINE, "  ")
+    c = load_config({"comm": {"host_sync": False, "combine_kernel": "fused"}})
+    assert c.comm.host_sync is False and c.comm.combine_kernel == "fused"
+
+
+@pytest.mark.parametrize("var,text,fragments", [
+    (WORST_CASE, "2", ["comm.host_sync", "1 | true | yes | on", "0 | false | no | off"]),
+    (WORST_CASE, "worst", ["comm.host_sync"]),
+    (COMBINE, "fusd", ["comm.combine_kernel", "did you mean 'fused'", "split | fused"]),
+    (COMBINE, "FUSED", ["comm.combine_kernel", "split | fused"]),
+])
+def test_env_invalid_values_name_the_variable(clean_env, var, text, fragments):
+    clean_env.setenv(var, text)
+    with pytest.raises(ConfigError) as ei:
+        load_config("tiny")
+    msg = str(ei.value)
+    assert msg.startswith(f"{var}={text!r} (environment)"), msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_env_does_not_hide_a_malformed_file(clean_env, tmp_path):
+    clean_env.setenv(COMBINE, "fused")
+    p = tmp_path / "bad.yaml"
+    p.write_text("comm: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: comm: must be a mapping"):
+        load_config(p)
+
+
+# ----------------------------------------------------------------------------- preset shipping
+
+
+def test_presets_ship_in_the_package_and_configs_links_to_them():
+    import ep_plugin.config as config
+
+    shipped = Path(config.__file__).resolve().parent / "presets"
+    for name in PRESETS:
+        real = shipped / f"{name}.yaml"
+        assert real.is_file() and not real.is_symlink(), real
+        assert preset_path(name) == real
+        link = REPO / "configs" / f"{name}.yaml"  # the documented repository path: one copy
+        assert link.is_symlink() and link.resolve() == real, link
+
+
+def test_presets_from_another_cwd(clean_env, tmp_path):
+    clean_env.chdir(tmp_path)
+    assert set(PRESETS) <= set(list_presets())
+    c = load_config("deepseek_v3")
+    assert c.moe.num_experts == 256 and Path(c.source).is_absolute()
+
+
+def test_presets_in_a_built_package(tmp_path):
+    """What a wheel holds: build_py copies the package with its package_data into tmp_path; that
+    copy, imported from another directory, finds every preset."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EP_PLUGIN_BUILD_C": "0"}
+    env.pop("EP_PLUGIN_CONFIG_DIR", None)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "lib")],
+                   cwd=REPO, env=env, check=True, capture_output=True)
+    shipped = sorted(p.name for p in (tmp_path / "lib/ep_plugin/config/presets").glob("*.yaml"))
+    assert shipped == sorted(f"{n}.yaml" for n in PRESETS)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import ep_plugin.config as c; "
+            "print(c.load_config('deepseek_v3').source); print(' '.join(c.list_presets()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lib")], cwd=tmp_path,
+                         env=env, check=True, capture_output=True, text=True).stdout.split("\n")
+    assert out[0] == str(tmp_path / "lib/ep_plugin/config/presets/deepseek_v3.yaml")
+    assert set(PRESETS) <= set(out[1].split())
+
+
+def test_config_dir_env_is_searched_first(clean_env, tmp_path):
+    (tmp_path / "mine.yaml").write_text("moe:\n  num_experts: 32\n")
+    (tmp_path / "tiny.yaml").write_text("moe:\n  num_experts: 4\n")
+    clean_env.setenv("EP_PLUGIN_CONFIG_DIR", str(tmp_path))
+    assert {"mine", "tiny", "deepseek_v3"} <= set(list_presets())
+    assert load_config("mine").moe.num_experts == 32
+    assert load_config("tiny").moe.num_experts == 4
+    clean_env.setenv("EP_PLUGIN_CONFIG_DIR", str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=r"EP_PLUGIN_CONFIG_DIR=.*absent \(not a directory\)"):
+        load_config("mine")

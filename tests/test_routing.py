@@ -269,3 +269,15 @@ def test_bad_arguments(kwargs, exc, word):
     logits, topk = kwargs.pop("logits"), kwargs.pop("topk")
     with pytest.raises(exc, match=word):
         topk_routing(logits, topk, **kwargs)
+
+
+def test_every_configured_score_function_is_implemented():
+    from ep_plugin import config, routing
+
+    assert routing.SCORE_FUNCTIONS is config.SCORE_FUNCTIONS  # one definition, imported
+    logits = torch.randn(4, 8)
+    for sf in config.SCORE_FUNCTIONS:
+        w, idx = topk_routing(logits, 2, score_function=sf)
+        assert w.shape == idx.shape == (4, 2) and torch.isfinite(w).all(), sf
+        m = load_config({"moe": {"score_function": sf}}).moe
+        assert torch.equal(route(logits, m)[1], idx), sf

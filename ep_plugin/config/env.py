@@ -1,0 +1,76 @@
+"""Environment overrides: the one place ep_plugin reads ``EP_PLUGIN_*`` variables at run time.
+
+variable                     overrides            values
+---------------------------  -------------------  ---------------------------------------------
+EP_PLUGIN_NVLINK_WORST_CASE  comm.host_sync       1 | true | yes | on: host_sync false (dispatch
+                                                  never waits on the host; its outputs are sized
+                                                  for the worst case); 0 | false | no | off: true
+EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  split | fused
+EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name>.yaml presets
+                                                  before the ones shipped in the package
+
+Unset or empty means no override. :func:`load_config` applies the key overrides last, after the
+file, dict and ``overrides`` argument: the environment wins, so an operator can switch a mode for
+one run without editing YAML or code. A value outside the list is a :class:`ConfigError` that names
+the variable. (``EP_PLUGIN_BUILD_C`` and ``EP_PLUGIN_CUDA_ARCH`` are build switches of setup.py.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from ..errors import ConfigError
+from .schema import COMBINE_KERNELS
+from .validate import fmt_allowed, suggest
+
+WORST_CASE = "EP_PLUGIN_NVLINK_WORST_CASE"
+COMBINE = "EP_PLUGIN_NVLINK_COMBINE"
+CONFIG_DIR = "EP_PLUGIN_CONFIG_DIR"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _worst_case_to_host_sync(text: str) -> bool:
+    word = text.lower()
+    if word in _TRUE:
+        return False  # worst case = no host sync
+    if word in _FALSE:
+        return True
+    raise ConfigError(f"{WORST_CASE}={text!r} (environment): overrides comm.host_sync; allowed: "
+                      f"{' | '.join(_TRUE)} (never wait on the host) or {' | '.join(_FALSE)}")
+
+
+def _combine_kernel(text: str) -> str:
+    if text in COMBINE_KERNELS:
+        return text
+    raise ConfigError(f"{COMBINE}={text!r} (environment): overrides comm.combine_kernel; not an "
+                      f"allowed value{suggest(text, COMBINE_KERNELS)}; allowed: "
+                      f"{fmt_allowed(COMBINE_KERNELS)}")
+
+
+# variable -> (dotted config key, parser of its stripped text)
+OVERRIDES: Dict[str, Tuple[str, Callable[[str], Any]]] = {
+    WORST_CASE: ("comm.host_sync", _worst_case_to_host_sync),
+    COMBINE: ("comm.combine_kernel", _combine_kernel),
+}
+
+
+def key_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """``{dotted key: value}`` for every override variable that is set; ConfigError on a bad one."""
+    environ = os.environ if environ is None else environ
+    found = {}
+    for var, (key, parse) in OVERRIDES.items():
+        text = environ.get(var, "").strip()
+        if text:
+            found[key] = parse(text)
+    return found
+
+
+def preset_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[Path]:
+    """The extra preset directory named by ``EP_PLUGIN_CONFIG_DIR``, or None when unset."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(CONFIG_DIR, "").strip()
+    return Path(text).expanduser() if text else None

@@ -1,0 +1,102 @@
+"""The configuration schema: the sections as dataclasses, and the one definition of every choice.
+
+Each list of allowed values exists once, here (backends: ``backends/registry.py``); the validator,
+``routing.py`` and the backends import it rather than spell it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Union
+
+from ..backends.registry import BACKEND_NAMES
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+DISPATCH_DTYPES = ("bf16", "fp8")
+COMBINE_DTYPES = ("bf16",)
+COMBINE_KERNELS = ("split", "fused")
+VALIDATE_MODES = ("device", "full")
+AUTO = "auto"
+
+
+@dataclass
+class MoEConfig:
+    """Routing: how many experts, how many per token, and how they are scored."""
+
+    num_experts: int = 8
+    topk: int = 2
+    num_groups: Optional[int] = None  # group-limited routing: experts form num_groups groups
+    group_topk: Optional[int] = None  # ... and each token keeps its best group_topk groups
+    score_function: str = "softmax"  # one of SCORE_FUNCTIONS
+    topk_scaling_factor: Optional[float] = None  # multiply the top-k weights by this
+    expert_bias: bool = False  # aux-loss-free balancing: select on score + bias (not softmax)
+    use_pre_softmax: bool = False  # softmax over all experts before top-k (no renormalisation)
+
+
+@dataclass
+class CommConfig:
+    """Communication: which transport, how many SMs, dtypes, buffer sizing, timeouts."""
+
+    backend: str = "auto"  # one of BACKEND_NAMES
+    num_sms: Union[int, str] = 24  # or AUTO: each backend's planner picks a count for the case
+    # Read by the kernel backends: bf16 = dispatch takes BF16/FP16 rows and FP8 pairs, fp8 = FP8
+    # pairs only (their buffers hold a BF16 row per slot either way). The torch backend moves any dtype.
+    dispatch_dtype: str = "bf16"  # one of DISPATCH_DTYPES
+    # bf16 only; the kernel backends' combine takes BF16 rows.
+    combine_dtype: str = "bf16"  # one of COMBINE_DTYPES
+    max_tokens_per_rank: int = 4096
+    timeout_s: float = 60.0
+    # False: dispatch never waits on the host and its outputs are sized for the worst case.
+    host_sync: bool = True
+    combine_kernel: str = "split"  # one of COMBINE_KERNELS: send + reduce kernels, or one fused
+    # device: expert ids outside [-1, E) are found on the device and raised at the next synchronising
+    # call; full: checked on the host before any kernel (one host sync per dispatch).
+    validate: str = "device"  # one of VALIDATE_MODES
+
+
+@dataclass
+class OverlapConfig:
+    """Overlap of communication with compute."""
+
+    async_dispatch: bool = False
+    shared_expert_overlap: bool = False
+    # The default of return_recv_hook of the low-latency calls (not built yet: the nvshmem
+    # low-latency issue).
+    recv_hook: bool = False
+
+
+@dataclass
+class EPConfig:
+    """A whole, validated ep_plugin configuration (build it with :func:`load_config`)."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    # Provenance for error messages, not a setting: a preset loaded by name and through a path
+    # (configs/<name>.yaml links to the packaged file) compare equal.
+    source: Optional[str] = field(default=None, compare=False)
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        """Plain nested dict of the schema keys (no ``source``); ``load_config`` accepts it back."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def check_ep_size(self, ep_size: int) -> None:
+        """Raise ConfigError unless the experts split evenly and contiguously over ``ep_size`` ranks."""
+        from .validate import check_ep_size  # validate builds these classes: import it late
+
+        check_ep_size(self, ep_size)
+
+    def num_local_experts(self, ep_size: int) -> int:
+        """Experts held by each rank of an EP group of ``ep_size`` (validated)."""
+        self.check_ep_size(ep_size)
+        return self.moe.num_experts // ep_size
+
+
+SECTIONS: Dict[str, type] = {"moe": MoEConfig, "comm": CommConfig, "overlap": OverlapConfig}
+
+__all__ = [
+    "MoEConfig", "CommConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
+    "SCORE_FUNCTIONS", "BACKEND_NAMES", "DISPATCH_DTYPES", "COMBINE_DTYPES", "COMBINE_KERNELS",
+    "VALIDATE_MODES",
+]

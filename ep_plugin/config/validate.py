@@ -1,0 +1,256 @@
+"""Validation: per-key rules, cross-key rules, and the messages that name source, key and fix.
+
+Every failure is a :class:`ConfigError` reading ``<source>: <section.key>: <what>, got <value>;
+allowed: <values>``, with a did-you-mean for misspelt keys and choices.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
+
+from ..errors import ConfigError
+from .schema import (
+    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, SCORE_FUNCTIONS,
+    SECTIONS, VALIDATE_MODES, EPConfig,
+)
+
+# (kind, allowed): kind picks the check in check_value, allowed is what the message offers.
+_POS_INT = ("int", "a positive int (>= 1)")
+_OPT_POS_INT = ("opt_int", "null or a positive int (>= 1)")
+_BOOL = ("bool", "true | false")
+
+RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
+    "moe": {
+        "num_experts": _POS_INT,
+        "topk": _POS_INT,
+        "num_groups": _OPT_POS_INT,
+        "group_topk": _OPT_POS_INT,
+        "score_function": ("enum", SCORE_FUNCTIONS),
+        "topk_scaling_factor": ("opt_float", "null or a float > 0"),
+        "expert_bias": _BOOL,
+        "use_pre_softmax": _BOOL,
+    },
+    "comm": {
+        "backend": ("enum", BACKEND_NAMES),
+        "num_sms": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),
+        "dispatch_dtype": ("enum", DISPATCH_DTYPES),
+        "combine_dtype": ("enum", COMBINE_DTYPES),
+        "max_tokens_per_rank": _POS_INT,
+        "timeout_s": ("float", "a float > 0 (seconds)"),
+        "host_sync": _BOOL,
+        "combine_kernel": ("enum", COMBINE_KERNELS),
+        "validate": ("enum", VALIDATE_MODES),
+    },
+    "overlap": {
+        "async_dispatch": _BOOL,
+        "shared_expert_overlap": _BOOL,
+        "recv_hook": _BOOL,
+    },
+}
+
+# A key added to a dataclass but not here (or the reverse) must fail at import, not at a user.
+for _sec, _cls in SECTIONS.items():
+    assert set(RULES[_sec]) == {f.name for f in dataclasses.fields(_cls)}, _sec
+
+# Selection on score + bias needs scores that are not renormalised over the selection.
+_BIAS_SCORE_FUNCTIONS = tuple(f for f in SCORE_FUNCTIONS if f != "softmax")
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def suggest(key: str, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``allowed``, or ``""``."""
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def fmt_allowed(allowed) -> str:
+    if isinstance(allowed, (tuple, list)):
+        return " | ".join(str(a) for a in allowed)
+    return str(allowed)
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class Context:
+    """Where the values come from, so that a message names the file or marks an override."""
+
+    def __init__(self, source: str, override_keys: Iterable[str] = ()):
+        self.source = source
+        self.override_keys = set(override_keys)
+
+    def where(self, dotted: str) -> str:
+        if dotted in self.override_keys or dotted.split(".")[0] in self.override_keys:
+            return f"{self.source} (overrides)"
+        return self.source
+
+    def fail(self, dotted: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.where(dotted)}: {dotted}: {msg}")
+
+
+def check_value(ctx: Context, dotted: str, kind: str, allowed, value):
+    """Type/range check one value; return it normalised (ints to floats where floats expected)."""
+
+    def bad(what: str) -> ConfigError:
+        return ctx.fail(dotted, f"{what}, got {value!r} ({type(value).__name__}); "
+                                f"allowed: {fmt_allowed(allowed)}")
+
+    if kind in ("opt_int", "opt_float") and value is None:
+        return None
+    if kind == "int_or_auto" and isinstance(value, str):
+        if value != AUTO:
+            raise bad("not an allowed value" + suggest(value, [AUTO]))
+        return value
+    if kind in ("int", "opt_int", "int_or_auto"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("wrong type")
+        if value < 1:
+            raise bad("out of range")
+        return value
+    if kind in ("float", "opt_float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = ""
+            if isinstance(value, str) and _looks_numeric(value):
+                hint = " (YAML reads '1e3' and quoted numbers as strings; write '1.0e3')"
+            raise bad("wrong type" + hint)
+        value = float(value)
+        if not value > 0 or value != value or value == float("inf"):
+            raise bad("out of range")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("wrong type")
+        return value
+    if kind == "enum":
+        if not isinstance(value, str):
+            raise bad("wrong type")
+        if value not in allowed:
+            raise bad("not an allowed value" + suggest(value, allowed))
+        return value
+    raise AssertionError(kind)
+
+
+def _check_groups(ctx: Context, e: int, k: int, g: int, gk: int) -> None:
+    if e % g != 0:
+        raise ctx.fail(
+            "moe.num_groups",
+            f"moe.num_experts ({e}) is not divisible by moe.num_groups ({g}); "
+            f"allowed: a divisor of {e}: {divisors(e)}",
+        )
+    if gk > g:
+        raise ctx.fail("moe.group_topk", f"{gk} is larger than moe.num_groups ({g}); allowed: 1..{g}")
+    per_group = e // g
+    if k % gk != 0:
+        ok = [d for d in divisors(k) if d <= g]
+        raise ctx.fail(
+            "moe.group_topk",
+            f"moe.topk ({k}) is not divisible by moe.group_topk ({gk}) (group scores sum the "
+            f"top topk/group_topk experts of each group); allowed: a divisor of {k} "
+            f"that is <= num_groups: {ok}",
+        )
+    if k > gk * per_group:
+        raise ctx.fail(
+            "moe.topk",
+            f"{k} is larger than the experts in the selected groups (group_topk {gk} x "
+            f"{per_group} experts per group = {gk * per_group}); allowed: 1..{gk * per_group}",
+        )
+
+
+def check_moe(ctx: Context, m: Dict[str, Any]) -> None:
+    """The rules that tie routing keys together (m: the section's values, already type-checked)."""
+    e, k, g, gk = m["num_experts"], m["topk"], m["num_groups"], m["group_topk"]
+    if k > e:
+        raise ctx.fail("moe.topk", f"{k} is larger than moe.num_experts ({e}); allowed: 1..{e}")
+    if (g is None) != (gk is None):
+        given, missing = ("moe.num_groups", "moe.group_topk") if g is not None else (
+            "moe.group_topk", "moe.num_groups")
+        raise ctx.fail(
+            missing,
+            f"must be given together with {given} (group-limited routing needs both); "
+            f"allowed: set both moe.num_groups and moe.group_topk, or neither",
+        )
+    if g is not None:
+        _check_groups(ctx, e, k, g, gk)
+    sf = m["score_function"]
+    if m["expert_bias"] and sf not in _BIAS_SCORE_FUNCTIONS:
+        with_bias = " or ".join(_BIAS_SCORE_FUNCTIONS)
+        raise ctx.fail(
+            "moe.expert_bias",
+            f"expert bias (aux-loss-free balancing) needs moe.score_function: {with_bias}, got "
+            f"{sf!r}; allowed: false with {sf}, true|false with {with_bias}",
+        )
+    if m["use_pre_softmax"] and sf != "softmax":
+        raise ctx.fail(
+            "moe.use_pre_softmax",
+            f"only applies to moe.score_function: softmax, got {sf!r}; "
+            f"allowed: false with {sf}, true|false with softmax",
+        )
+
+
+def _section_values(ctx: Context, sec: str, cls: type, body: Any) -> Dict[str, Any]:
+    if body is None:
+        body = {}
+    rules = RULES[sec]
+    if not isinstance(body, Mapping):
+        raise ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
+                            f"{', '.join(rules)}")
+    for key in body:
+        if key not in rules:
+            raise ctx.fail(
+                f"{sec}.{key}",
+                f"unknown key{suggest(str(key), rules)}; allowed keys in '{sec}': {', '.join(rules)}",
+            )
+    values = {f.name: copy.deepcopy(f.default) for f in dataclasses.fields(cls)}
+    for key, value in body.items():
+        kind, allowed = rules[key]
+        values[key] = check_value(ctx, f"{sec}.{key}", kind, allowed, value)
+    return values
+
+
+def validate(raw: Any, ctx: Context) -> EPConfig:
+    """Build an :class:`EPConfig` from a nested dict (``None`` = all defaults), or raise."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{ctx.source}: the top level must be a mapping with sections "
+            f"{', '.join(SECTIONS)}, got {type(raw).__name__}"
+        )
+    for key in raw:
+        if key not in SECTIONS:
+            raise ctx.fail(
+                str(key),
+                f"unknown key{suggest(str(key), SECTIONS)}; allowed top-level keys: "
+                f"{', '.join(SECTIONS)}",
+            )
+    built = {}
+    for sec, cls in SECTIONS.items():
+        values = _section_values(ctx, sec, cls, raw.get(sec))
+        if sec == "moe":
+            check_moe(ctx, values)
+        built[sec] = cls(**values)
+    return EPConfig(source=ctx.source, **built)
+
+
+def check_ep_size(cfg: EPConfig, ep_size: int) -> None:
+    """Raise ConfigError unless ``cfg``'s experts split evenly over ``ep_size`` ranks."""
+    where = cfg.source or "<EPConfig>"
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ConfigError(f"{where}: expert-parallel size must be a positive int, got {ep_size!r}")
+    e = cfg.moe.num_experts
+    if e % ep_size != 0:
+        raise ConfigError(
+            f"{where}: moe.num_experts = {e} is not divisible by the expert-parallel size "
+            f"{ep_size}; allowed EP sizes for {e} experts: {divisors(e)}"
+        )
