@@ -1,77 +1,27 @@
 """EPBuffer: the one dispatch/combine contract (DESIGN.md, "The core contract") over every backend.
 
-This layer refuses bad input before any transport runs, and makes both directions differentiable:
-dispatch's backward is a combine of the row gradients, combine's backward is a cached dispatch.
+The path of a token: EPBuffer.dispatch checks the call (types, shapes, capacity, the backend's
+capabilities; expert ids on the device) -> the backend chosen once at construction moves the row to
+every rank owning one of its experts -> the experts run -> EPBuffer.combine -> the backend sends the
+rows back and sums them per token. Both directions are differentiable (autograd.py).
+
+No host synchronisation here: `topk_idx` outside [-1, E) is found on the device (by the backend's own
+kernel when it declares `checks_expert_ids`, else by a few checks EPBuffer queues), the layouts treat
+bad ids as "routed nowhere" so no kernel indexes out of bounds, and the error is raised as a
+ValueError at the next synchronising point — a host-synced dispatch (`comm.host_sync: true`),
+the next call once the flag's copy has landed, `EPEvent.synchronize()` or `EPBuffer.check()`.
+`comm.validate: full` checks on the host before any kernel instead (one sync per dispatch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .autograd import CombineFn, DispatchFn
 from .backends import make_backend
-from .backends.base import EPEvent, Handle
-from .backends.torch import combine_rows
-
-FP8_BLOCK = 128  # channels per FP8 scale
-ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-
-XInput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class DispatchResult:
-    x: XInput                           # [R, H], or (data [R, H], scales [R, H/128]) for FP8 input
-    topk_idx: torch.Tensor              # [R, K] int64 local expert ids, -1 where not on this rank
-    topk_weights: Optional[torch.Tensor]  # [R, K] float32, 0 where topk_idx is -1
-    tokens_per_expert: List[int]        # rows per local expert (host values)
-    handle: Handle                      # what combine and a cached dispatch need
-    event: Optional[EPEvent] = None     # set for async calls: wait before using the outputs
-
-
-def _combine_weights(group, weights: torch.Tensor, handle: Handle, async_op: bool = False):
-    """Per-token sum over ranks of [R, K] weights: each (token, k) lives on the rank owning the expert,
-    so the other ranks' entries count as 0. A small exchange: the reference collective serves every
-    backend. Returns ([T, K] float32, event or None)."""
-    local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0).contiguous()
-    return combine_rows(group, local, handle, async_op)
-
-
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, buf, x, topk_weights, scales, topk_idx, handle, async_op):
-        out = buf._backend.dispatch(x, scales, topk_idx, topk_weights, handle, async_op)
-        ctx.buf, ctx.handle = buf, out.handle
-        ctx.x_dtype = x.dtype
-        if out.topk_weights is None:
-            return out.x, None, out
-        return out.x, out.topk_weights, out
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_w, _):
-        buf, handle = ctx.buf, ctx.handle
-        gx = gw = None
-        if ctx.needs_input_grad[1] and grad_x is not None:
-            gx, _ = buf._backend.combine(grad_x.to(ctx.x_dtype).contiguous(), handle)
-        if ctx.needs_input_grad[2] and grad_w is not None:
-            gw, _ = _combine_weights(buf.group, grad_w, handle)
-        return None, gx, gw, None, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, buf, x, handle, async_op):
-        y, event = buf._backend.combine(x, handle, async_op)
-        ctx.buf, ctx.handle = buf, handle
-        return y, event
-
-    @staticmethod
-    def backward(ctx, grad_y, _):
-        out = ctx.buf._backend.dispatch(grad_y.contiguous(), None, ctx.handle.topk_idx, None, ctx.handle, False)
-        return None, out.x, None, None
+from .types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, Handle, XInput
 
 
 def _need(cond: bool, exc, msg: str):
@@ -79,11 +29,52 @@ def _need(cond: bool, exc, msg: str):
         raise exc(msg)
 
 
+class _IndexCheck:
+    """Sticky per-buffer flag: did a dispatch get an expert id outside [-1, E)? Kept on the device and
+    copied to pinned memory without blocking, so later calls read it for free. The backends' layout
+    code skips such ids (as routed nowhere), so nothing is written out of bounds meanwhile."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self._flag = None   # device bool, sticky until reported
+        self._host = None   # its pinned copy
+
+    def record(self, topk_idx: torch.Tensor) -> None:
+        bad = torch.ne(topk_idx.clamp(-1, self.num_experts - 1), topk_idx).any()
+        if not topk_idx.is_cuda:  # nothing to wait for: report now
+            if bool(bad):
+                self._raise(topk_idx)
+            return
+        if self._flag is None or self._flag.device != topk_idx.device:
+            self._flag = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+        self._flag.logical_or_(bad)
+        if not torch.cuda.is_current_stream_capturing():
+            self._host.copy_(self._flag, non_blocking=True)
+
+    def raise_if_seen(self) -> None:
+        """Raise if a copy that has landed shows a bad id (no waiting)."""
+        if self._host is not None and bool(self._host):
+            self._raise(None)
+
+    def _raise(self, topk_idx):
+        rng = ""
+        if topk_idx is not None:
+            rng = f", got min {int(topk_idx.min())}, max {int(topk_idx.max())}"
+        if self._flag is not None:  # reported once; the buffer stays usable
+            self._flag.zero_()
+            self._host.zero_()
+        raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}){rng}; ids outside were "
+                         "treated as routed nowhere")
+
+
 class EPBuffer:
     """Dispatch tokens to the ranks owning their top-k experts, and combine the results back.
 
     group: the expert-parallel ProcessGroup (None = WORLD). cfg: EPConfig, dict, YAML path or preset
-    name. hidden: row width H. Rank r owns experts [r*E/W, (r+1)*E/W).
+    name. hidden: row width H. Rank r owns experts [r*E/W, (r+1)*E/W). The buffer owns the backend's
+    communication memory: call close() (or use it as a context manager) before destroying the group;
+    handles must not be used after close().
     """
 
     def __init__(self, group=None, cfg=None, hidden: int = None, *, num_experts: Optional[int] = None):
@@ -101,18 +92,28 @@ class EPBuffer:
         self.hidden = hidden
         self.num_local_experts = self.num_experts // self.world
         self._backend = make_backend(self.group, self.cfg, hidden, self.num_experts)
+        self._caps = self._backend.capabilities
+        self._index_check = _IndexCheck(self.num_experts)
+        self._full_validation = self.cfg.comm.validate == "full"
 
     @property
     def backend_name(self) -> str:
         return self._backend.name
 
+    @property
+    def capabilities(self):
+        """What the chosen backend takes (backends.base.Capabilities): row and combine dtypes, FP8, top-k."""
+        return self._caps
+
     # ---------------------------------------------------------------- validation
     def _check_rows(self, x: XInput):
+        caps, name = self._caps, self._backend.name
         if isinstance(x, (tuple, list)):
             _need(len(x) == 2, TypeError, "x must be a tensor or a (x_fp8, scales) pair")
             data, scales = x
             _need(isinstance(data, torch.Tensor) and data.dtype in FP8_DTYPES, TypeError,
                   f"x[0] (FP8 data) must be a float8 tensor, got {getattr(data, 'dtype', type(data))}")
+            _need(caps.fp8, TypeError, f"the {name} backend does not take FP8 rows")
             _need(isinstance(scales, torch.Tensor) and scales.dtype == torch.float32, TypeError,
                   f"x[1] (FP8 scales) must be a float32 tensor, got {getattr(scales, 'dtype', type(scales))}")
             _need(self.hidden % FP8_BLOCK == 0, ValueError,
@@ -126,6 +127,9 @@ class EPBuffer:
             _need(isinstance(data, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(data).__name__}")
             _need(data.dtype in ROW_DTYPES, TypeError,
                   f"x must be float32, bfloat16 or float16 (or an FP8 (data, scales) pair), got {data.dtype}")
+            _need(data.dtype in caps.row_dtypes, TypeError,
+                  f"the {name} backend moves rows of {_names(caps.row_dtypes)} (or FP8 pairs), got {data.dtype}: "
+                  "cast x, or use comm.backend: torch for other dtypes")
         _need(data.dim() == 2 and data.shape[1] == self.hidden, ValueError,
               f"x must have shape [num_tokens, {self.hidden}], got {tuple(data.shape)}")
         _need(data.is_contiguous(), ValueError, "x must be contiguous")
@@ -142,11 +146,9 @@ class EPBuffer:
               f"topk_idx must have shape [{T}, K], got {tuple(topk_idx.shape)}")
         _need(topk_idx.device == data.device, ValueError, f"topk_idx is on {topk_idx.device}, x on {data.device}")
         _need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
-        capturing = data.is_cuda and torch.cuda.is_current_stream_capturing()
-        if topk_idx.numel() and not capturing:
-            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one device->host sync for both
-            _need(lo >= -1 and hi < self.num_experts, ValueError,
-                  f"topk_idx values must lie in [-1, {self.num_experts}), got min {lo}, max {hi}")
+        K = topk_idx.shape[1]
+        _need(self._caps.max_topk is None or K <= self._caps.max_topk, ValueError,
+              f"the {self._backend.name} backend supports topk <= {self._caps.max_topk}, got {K}")
         if topk_weights is not None:
             _need(isinstance(topk_weights, torch.Tensor), TypeError, "topk_weights must be a torch.Tensor")
             _need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
@@ -154,9 +156,17 @@ class EPBuffer:
                   f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
             _need(topk_weights.device == data.device, ValueError, "topk_weights must be on x's device")
             _need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+        if self._full_validation and topk_idx.numel():
+            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # opt-in: one host sync
+            _need(lo >= -1 and hi < self.num_experts, ValueError,
+                  f"topk_idx values must lie in [-1, {self.num_experts}), got min {lo}, max {hi}")
+        elif not self._caps.checks_expert_ids:
+            self._index_check.record(topk_idx)
 
     def _check_handle(self, handle, num_tokens=None, num_rows=None):
         _need(isinstance(handle, Handle), TypeError, f"handle must be a Handle from dispatch, got {type(handle).__name__}")
+        _need(handle.backend == self._backend.name, TypeError,
+              f"handle was made by the {handle.backend} backend, this buffer uses {self._backend.name}")
         _need(handle.num_experts == self.num_experts, ValueError, "handle comes from a buffer with another expert count")
         if num_tokens is not None:
             _need(handle.num_tokens == num_tokens, ValueError,
@@ -175,24 +185,30 @@ class EPBuffer:
         """Send each token to the ranks that own its experts. With `handle`, reuse that dispatch's
         layout (cached mode; topk_idx may be omitted). With async_op, outputs are valid once
         `result.event.current_stream_wait()` has been called."""
+        self._raise_pending()
         data, scales = self._check_rows(x)
-        if handle is not None:
+        cached = handle is not None
+        if cached:
             self._check_handle(handle, num_tokens=data.shape[0])
             topk_idx = handle.topk_idx if topk_idx is None else topk_idx
         _need(topk_idx is not None, ValueError, "topk_idx is required unless a handle is given")
-        self._check_routing(data, topk_idx, topk_weights)
+        if not cached:
+            self._check_routing(data, topk_idx, topk_weights)
         async_op = self._async(async_op)
         grad = torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad))
         if grad:
             _need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
-            rx, rw, out = _Dispatch.apply(self, data, topk_weights, None, topk_idx, handle, async_op)
+            rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op)
         else:
             with torch.no_grad():
                 out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
             rx, rw = out.x, out.topk_weights
+        if out.handle.exact and not cached:  # the host has waited already: surface a bad id now
+            self._raise_pending()
         rows = (rx, out.scales) if scales is not None else rx
-        return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw,
-                              tokens_per_expert=out.tokens_per_expert, handle=out.handle, event=out.event)
+        if out.event is not None:
+            out.event._check = self.check_finished
+        return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=out.handle, event=out.event)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
                 async_op: Optional[bool] = None):
@@ -201,8 +217,12 @@ class EPBuffer:
         With topk_weights ([R, K] float32, e.g. the dispatched weights after the experts changed
         them), also returns their per-token sum over ranks, [T, K] (as DeepEP's combine does):
         (y, weights). Async calls append the event: (y, event) or (y, weights, event)."""
+        self._raise_pending()
         _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
         _need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
+        _need(x.dtype in self._caps.combine_dtypes, TypeError,
+              f"the {self._backend.name} backend combines rows of {_names(self._caps.combine_dtypes)}, got {x.dtype}: "
+              "cast the expert output, or use comm.backend: torch")
         _need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
               f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
         _need(x.is_contiguous(), ValueError, "x must be contiguous")
@@ -218,7 +238,7 @@ class EPBuffer:
             _need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
         is_async = self._async(async_op)
         if torch.is_grad_enabled() and x.requires_grad:
-            y, event = _Combine.apply(self, x, handle, is_async)
+            y, event = CombineFn.apply(self._backend, x, handle, is_async)
         else:
             with torch.no_grad():
                 y, event = self._backend.combine(x, handle, is_async)
@@ -228,11 +248,32 @@ class EPBuffer:
                 event.current_stream_wait()
                 event = None
             with torch.no_grad():
-                weights, event = _combine_weights(self.group, topk_weights, handle, is_async)
+                weights, event = self._backend.combine_weights(topk_weights, handle, is_async)
             out += (weights,)
+        if event is not None:
+            event._check = self.check_finished
         if is_async:
             out += (event,)
         return out if len(out) > 1 else y
+
+    # ---------------------------------------------------------------- errors
+    def _raise_pending(self) -> None:
+        self._backend.check()
+        self._index_check.raise_if_seen()
+
+    def check_finished(self) -> None:
+        """Raise what finished work reported (EPTimeoutError naming the missing ranks, or ValueError for
+        expert ids out of range), without waiting."""
+        self._backend.check()
+        self._index_check.raise_if_seen()
+
+    def check(self) -> None:
+        """Wait for this rank's queued work on the current stream, then raise what it reported."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+        self.check_finished()
+
+    synchronize = check
 
     def close(self) -> None:
         self._backend.close()
@@ -242,3 +283,7 @@ class EPBuffer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)

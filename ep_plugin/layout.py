@@ -13,7 +13,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (tokens_per_rank [W] int32, tokens_per_expert [E] int32, is_token_in_rank [T, W] bool)."""
     experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # ids out of range count as routed nowhere
     tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
     dest = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # num_ranks = routed nowhere
     hits = torch.zeros(topk_idx.shape[0], num_ranks + 1, dtype=torch.bool, device=topk_idx.device)

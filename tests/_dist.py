@@ -18,35 +18,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errq):
+def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_device):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits.
     faulthandler.dump_traceback_later(float(os.environ.get("EP_TEST_STACK_DUMP_S", 240)), file=sys.stderr)
+    ok = False
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        init = dict(rank=rank, world_size=world_size)
+        if abandon:
+            init["store"] = dist.TCPStore("127.0.0.1", port, is_master=False)
+        if bind_device:
+            init["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, **init)
         torch.manual_seed(1234 + rank)
         fn(rank, world_size, *args)
-        dist.barrier()
+        if not abandon:
+            dist.barrier()
+        ok = True
     except BaseException:  # reported to the parent, which fails the test with it
         errq.put((rank, traceback.format_exc()))
         raise
     finally:
+        if abandon:
+            # After a failed collective, barrier or destroy_process_group can wait for the transport's
+            # own timeout (30 min on gloo): leave without them.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0 if ok else 1)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, abandon: bool = False,
+          bind_device: bool = False) -> None:
     """Run fn(rank, world_size, *args) in world_size processes; re-raise the first failure.
 
-    fn must be a module-level function (it is pickled into spawned processes).
+    fn must be a module-level function (it is pickled into spawned processes). abandon: the group may
+    break on purpose (a rank stalls, or leaves with os._exit(0)): the store lives in this process, so
+    any rank may die, and the workers exit without the closing barrier and destroy_process_group.
+    bind_device: NCCL only, bind each rank's GPU at init (eager communicators; torch then makes
+    new groups by splitting the world's communicator).
     """
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if abandon else None
+    port = store.port if abandon else free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq, abandon, bind_device))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -126,9 +126,13 @@ def check_modes(nv, ref, rank, world, E, K, hidden):
     y1 = nv.combine(d1.x, d1.handle)
     torch.testing.assert_close(y1, ref.combine(d1.x, ref.dispatch(x, idx, w).handle), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(y2, ref.combine(d2.x, ref.dispatch(x3, idx3, w3).handle), atol=2e-2, rtol=1e-2)
-    # float32 rows take the reference path with the same contract
-    f = nv.dispatch(x.float(), idx, w)
-    assert torch.equal(f.x, ref.dispatch(x.float(), idx, w).x)
+    # what the kernels do not take is refused with the fix named, never handed to another backend
+    with pytest.raises(TypeError, match="comm.backend: torch"):
+        nv.dispatch(x.float(), idx, w)
+    with pytest.raises(TypeError, match="comm.backend: torch"):
+        nv.combine(base.x.float(), base.handle)
+    with pytest.raises(TypeError, match="torch backend"):
+        nv.combine(base.x, ref.dispatch(x, idx, w).handle)
     check_fp8(nv, ref, rank, world, E, K, hidden, 200)
 
 
@@ -186,15 +190,35 @@ def body_graph_autograd_errors(rank, world):
         g.replay()
         torch.cuda.synchronize()
         b = ref.dispatch(x, idx, w)
-        R = int(res.handle.backend_state["num_recv"].item())
+        R = int(res.num_recv.item())
         assert R == b.x.shape[0], (R, b.x.shape)
         assert torch.equal(res.x[:R], b.x) and torch.equal(res.topk_idx[:R], b.topk_idx)
         assert torch.equal(res.topk_weights[:R], b.topk_weights)
         assert bool((res.topk_idx[R:] == -1).all()) and bool((res.topk_weights[R:] == 0).all())
-        assert res.tokens_per_expert.tolist() == list(b.tokens_per_expert)
+        assert res.num_tokens_per_expert.tolist() == list(b.tokens_per_expert)
         yb = ref.combine((b.x.float() * 2).to(torch.bfloat16), b.handle)
         torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2)
     del g
+    nv.close()
+
+    # ---- comm.host_sync: false outside a graph: same types as the synced mode, counts read lazily
+    nv = _buf("nvlink", E, K, H, max_tokens=256, host_sync=False)
+    _, _, _, x, idx, w = _inputs(world, rank, 200, H, E, K, seed=44, mode="skew")
+    a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+    R = int(a.num_recv.item())
+    assert a.x.shape[0] == world * 256 and R == b.x.shape[0]
+    assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx)
+    assert isinstance(a.tokens_per_expert, list) and a.tokens_per_expert == list(b.tokens_per_expert)
+    assert a.handle.recv_counts == b.handle.recv_counts and a.handle.send_counts == b.handle.send_counts
+    ya, wa = nv.combine(a.x, a.handle, a.topk_weights)
+    yb, wb = ref.combine(b.x, b.handle, b.topk_weights)
+    torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(wa, wb)
+    # an expert id out of range: found on the device, raised by check(), nothing written out of bounds
+    nv.dispatch(x, idx.clone().fill_(E + 3))
+    with pytest.raises(ValueError, match="topk_idx"):
+        nv.check()
+    nv.check()  # reported once; the buffer keeps working
     nv.close()
 
     # ---- autograd through EPBuffer: grads of x and topk_weights equal the torch backend's

@@ -1,86 +1,55 @@
 """The contract every transport implements; EPBuffer validates inputs and adds autograd on top.
 
 A backend receives inputs that EPBuffer has already checked (dtype, device, shape, contiguity,
-index range, capacity), so it only moves bytes. Semantics (DESIGN.md, "The core contract"):
-rank r owns experts [r*E/W, (r+1)*E/W); a token goes to a rank once; received rows are ordered by
-source rank, then by position on the source; combine sums the rows sent back for each token.
+capacity, and its declared `capabilities`), so it only moves bytes. Semantics (DESIGN.md, "The core
+contract"): rank r owns experts [r*E/W, (r+1)*E/W); a token goes to a rank once; received rows are
+ordered by source rank, then by position on the source; combine sums the rows sent back per token.
+
+The one rule for what a backend cannot take: it declares it in `Capabilities`; the chooser
+(backends/__init__.py) consults `check_group` once, when the buffer is built, and EPBuffer refuses a
+call outside the capabilities with a TypeError/ValueError naming the fix. No backend hands a call to
+another.
 """
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
+
+from ..types import DispatchOutput, EPEvent, Handle, ROW_DTYPES
 
 
-class EPEvent:
-    """Completion of an asynchronous dispatch/combine.
-
-    Wraps the torch.distributed work objects and/or a CUDA event of the communication stream.
-    `current_stream_wait()` makes the caller's stream (or the host, on CPU) wait for completion.
-    """
-
-    def __init__(self, works=(), cuda_event: Optional[torch.cuda.Event] = None, on_complete=None):
-        self._works = list(works)
-        self._cuda_event = cuda_event
-        self._on_complete = on_complete
-
-    def current_stream_wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works = []
-        if self._cuda_event is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_event)
-        if self._on_complete is not None:
-            fn, self._on_complete = self._on_complete, None
-            fn()
-
-    wait = current_stream_wait
-
-    def synchronize(self) -> None:
-        self.current_stream_wait()
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-
-
-@dataclass
-class Handle:
-    """What combine (and a cached dispatch) needs to reuse a dispatch's layout."""
-
-    num_tokens: int                 # T: tokens this rank dispatched
-    num_recv: int                   # R: rows this rank received
-    num_experts: int                # E: global expert count
-    is_token_in_rank: torch.Tensor  # [T, W] bool
-    send_counts: List[int]          # rows sent to each rank
-    recv_counts: List[int]          # rows received from each rank
-    tokens_per_expert: List[int]    # per local expert, host values
-    topk_idx: torch.Tensor          # [T, K] global expert ids given to dispatch
-    recv_topk_idx: torch.Tensor     # [R, K] local expert ids, -1 where not on this rank
-    backend_state: Any = field(default=None, repr=False)  # private to the backend that made it
-
-
-@dataclass
-class DispatchOutput:
-    x: torch.Tensor                       # [R, H]
-    scales: Optional[torch.Tensor]        # [R, H/128] for FP8 input, else None
-    topk_idx: torch.Tensor                # [R, K] int64, local ids, -1 = not here
-    topk_weights: Optional[torch.Tensor]  # [R, K] float32 (0 where topk_idx is -1)
-    tokens_per_expert: List[int]
-    handle: Handle
-    event: Optional[EPEvent] = None
+@dataclass(frozen=True)
+class Capabilities:
+    row_dtypes: Tuple[torch.dtype, ...] = ROW_DTYPES  # dtypes of x that dispatch moves (FP8 aside)
+    fp8: bool = True                                  # takes (x_fp8, scales) pairs
+    combine_dtypes: Tuple[torch.dtype, ...] = ROW_DTYPES
+    max_topk: Optional[int] = None
+    max_ranks: Optional[int] = None
+    hidden_rule: Optional[str] = None                 # for error messages; check_group enforces it
+    checks_expert_ids: bool = False                   # finds ids outside [-1, E) itself and raises them
+                                                      # from check(); else EPBuffer checks on the device
 
 
 class Backend(abc.ABC):
     name = "base"
+    capabilities = Capabilities()
+
+    @staticmethod
+    def check_group(group, hidden: int) -> None:
+        """Raise ValueError/BackendUnavailableError if this backend cannot serve the group and row width.
+        Called by the chooser before construction (no collectives)."""
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         self.group = group
         self.cfg = cfg
         self.hidden = hidden
         self.num_experts = num_experts
-        self.rank = torch.distributed.get_rank(group)
-        self.world = torch.distributed.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.experts_per_rank = num_experts // self.world
 
     @abc.abstractmethod
@@ -94,5 +63,36 @@ class Backend(abc.ABC):
     def combine(self, x: torch.Tensor, handle: Handle, async_op: bool = False):
         """Send received rows back and sum them per original token: returns (y [T, H], event or None)."""
 
+    def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False):
+        """Per-token sum over ranks of [R, K] float32 weights (each (token, k) lives on the rank owning
+        the expert; other ranks' entries count as 0): ([T, K] float32, event or None).
+
+        A small exchange, so the default is one torch.distributed all-to-all on the group for every
+        backend; it needs the handle's host counts (a wait when the dispatch did not sync)."""
+        local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0)
+        send_counts, recv_counts = handle.send_counts, handle.recv_counts
+        R = sum(recv_counts)
+        back = local.new_empty((sum(send_counts), local.shape[1]))
+        work = dist.all_to_all_single(back, local[:R].contiguous(), output_split_sizes=send_counts,
+                                      input_split_sizes=recv_counts, group=self.group, async_op=async_op)
+        y = local.new_zeros((handle.num_tokens, local.shape[1]))
+        # rows come back ordered by destination rank, then token position: the tokens each rank got
+        send_idx = handle.is_token_in_rank.t().nonzero()[:, 1]
+
+        def finish():
+            y.index_add_(0, send_idx, back)
+
+        if work is None:
+            finish()
+            return y, None
+        return y, EPEvent([work], on_complete=finish)
+
+    def check(self) -> None:
+        """Raise what finished work reported (EPTimeoutError; ValueError for expert ids out of range
+        when the backend checks them); reads host memory only."""
+
     def close(self) -> None:
         """Release transport resources; safe to call more than once."""
+
+
+__all__ = ["Backend", "Capabilities", "DispatchOutput", "EPEvent", "Handle"]

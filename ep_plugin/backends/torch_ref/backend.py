@@ -3,17 +3,27 @@
 Each direction is one all-to-all of packed byte rows, one copy of a token per destination rank.
 Rows travel as raw bytes, so every dtype (float32, bf16, float8) moves unchanged on every
 process-group backend, and a token's data, scales, local expert ids and weights go in one message.
+The exchanges run on a process group of the backend's own, each within comm.timeout_s or an
+EPTimeoutError naming the ranks that did not arrive (deadline.py).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..layout import dispatch_layout
-from .base import Backend, DispatchOutput, EPEvent, Handle
+from ...layout import dispatch_layout
+from ...types import BackendState, DispatchOutput, EPEvent, Handle, counts_from_lists
+from ..base import Backend
+from .deadline import BoundedGroup
+
+
+@dataclass
+class TorchState(BackendState):
+    send_idx: torch.Tensor  # token index of every row sent, ordered by destination rank then position
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -30,37 +40,43 @@ def _unpack(buf: torch.Tensor, likes: Sequence[tuple]) -> List[torch.Tensor]:
     out, off = [], 0
     for shape, dtype in likes:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        part = buf[:, off:off + n].contiguous().view(dtype).reshape(buf.shape[0], *shape)
-        out.append(part)
+        # A fresh [rows, n] copy: a slice of the packed rows can keep the packed width as its stride,
+        # or an odd storage offset (one row, or none, counts as contiguous), which view(dtype) refuses.
+        part = buf.new_empty((buf.shape[0], n))
+        part.copy_(buf[:, off:off + n])
+        out.append(part.view(dtype).reshape(buf.shape[0], *shape))
         off += n
     return out
 
 
 def send_index(handle: Handle) -> torch.Tensor:
     """Token index of every row this rank sent, ordered by destination rank then token position."""
-    state = handle.backend_state if isinstance(handle.backend_state, dict) else None
-    if state is not None and "send_idx" in state:
-        return state["send_idx"]
-    idx = handle.is_token_in_rank.t().nonzero()[:, 1]
-    if state is not None:
-        state["send_idx"] = idx
-    return idx
+    if isinstance(handle.state, TorchState):
+        return handle.state.send_idx
+    return handle.is_token_in_rank.t().nonzero()[:, 1]
 
 
 def all_to_all_rows(group, rows: torch.Tensor, out_rows: int, out_splits: List[int],
                     in_splits: List[int], async_op: bool):
-    """Exchange byte rows; returns (received rows, work or None)."""
+    """Exchange byte rows over a BoundedGroup (deadline waits) or a plain ProcessGroup (none);
+    returns (received rows, work or None)."""
     out = rows.new_empty((out_rows, rows.shape[1]))
-    work = dist.all_to_all_single(out, rows, output_split_sizes=out_splits,
-                                  input_split_sizes=in_splits, group=group, async_op=async_op)
-    return out, work
+    if not isinstance(group, BoundedGroup):
+        work = dist.all_to_all_single(out, rows, output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group, async_op=async_op)
+        return out, work
+    work = group.all_to_all(out, rows, out_splits, in_splits)
+    if async_op:
+        return out, work
+    work.wait()
+    return out, None
 
 
 def combine_rows(group, x: torch.Tensor, handle: Handle, async_op: bool = False):
     """Send each received row back to its source and sum per token there (float32 accumulation).
 
-    Works from the generic Handle fields, so it serves any backend's handle (used for the
-    gradient of topk_weights, whose width differs from the hidden size)."""
+    group: a BoundedGroup, or a ProcessGroup (then waits are unbounded). Works from the generic
+    Handle fields, so it serves rows of any width (the weights' sum too)."""
     num_sent = sum(handle.send_counts)
     back, work = all_to_all_rows(group, _as_bytes(x.contiguous()), num_sent, handle.send_counts,
                                  handle.recv_counts, async_op)
@@ -79,24 +95,33 @@ def combine_rows(group, x: torch.Tensor, handle: Handle, async_op: bool = False)
 
 
 class TorchBackend(Backend):
+    """Construction is collective over the group's members: it builds the backend's own group."""
+
     name = "torch"
+
+    def __init__(self, group, cfg, hidden: int, num_experts: int):
+        super().__init__(group, cfg, hidden, num_experts)
+        self._comm = BoundedGroup(group, cfg.comm.timeout_s)
 
     def _layout(self, topk_idx: torch.Tensor) -> Handle:
         W, epr = self.world, self.experts_per_rank
         tokens_per_rank, tokens_per_expert, in_rank = dispatch_layout(topk_idx, self.num_experts, W)
         counts = torch.cat([tokens_per_rank.view(W, 1), tokens_per_expert.view(W, epr)], 1).long()
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
+        self._comm.all_to_all(recv, counts).wait()
         send_counts = tokens_per_rank.tolist()
         recv_host = recv.tolist()
         recv_counts = [row[0] for row in recv_host]
         per_expert = [sum(row[1 + e] for row in recv_host) for e in range(epr)]
-        return Handle(num_tokens=topk_idx.shape[0], num_recv=sum(recv_counts), num_experts=self.num_experts,
-                      is_token_in_rank=in_rank, send_counts=send_counts, recv_counts=recv_counts,
-                      tokens_per_expert=per_expert, topk_idx=topk_idx, recv_topk_idx=None,
-                      backend_state={})
+        return Handle(backend=self.name, num_tokens=topk_idx.shape[0], num_recv=sum(recv_counts),
+                      num_experts=self.num_experts, is_token_in_rank=in_rank, topk_idx=topk_idx,
+                      recv_topk_idx=None, num_recv_device=recv[:, 0].sum(),
+                      num_tokens_per_expert=recv[:, 1:].sum(0),
+                      counts=counts_from_lists(send_counts, recv_counts, per_expert),
+                      state=TorchState(send_idx=in_rank.t().nonzero()[:, 1]))
 
     def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
+        self._comm.arrive("dispatch")
         fresh = handle is None
         if fresh:
             handle = self._layout(topk_idx)
@@ -122,7 +147,7 @@ class TorchBackend(Backend):
             parts.append(torch.where(mine, w, 0.0))
             likes.append(((K,), torch.float32))
 
-        recv, work = all_to_all_rows(self.group, _pack(parts), handle.num_recv, handle.recv_counts,
+        recv, work = all_to_all_rows(self._comm, _pack(parts), handle.num_recv, handle.recv_counts,
                                      handle.send_counts, async_op)
         out_x = x.new_empty((handle.num_recv, x.shape[1]))
         out_scales = scales.new_empty((handle.num_recv, scales.shape[1])) if scales is not None else None
@@ -146,7 +171,20 @@ class TorchBackend(Backend):
         else:
             event = EPEvent([work], on_complete=finish)
         return DispatchOutput(x=out_x, scales=out_scales, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
-                              tokens_per_expert=handle.tokens_per_expert, handle=handle, event=event)
+                              handle=handle, event=event)
 
     def combine(self, x, handle, async_op=False):
-        return combine_rows(self.group, x, handle, async_op)
+        self._comm.arrive("combine")
+        return combine_rows(self._comm, x, handle, async_op)
+
+    def combine_weights(self, weights, handle, async_op=False):
+        self._comm.arrive("combine of the weights")
+        local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0).contiguous()
+        return combine_rows(self._comm, local, handle, async_op)
+
+    def check(self) -> None:
+        if self._comm.failed is not None:
+            raise self._comm.failed
+
+    def close(self) -> None:
+        self._comm.close()

@@ -1,7 +1,7 @@
 """nvshmem backend (internode RDMA + NVLink forwarding, low-latency kernels): not built yet.
 
 Importing this module raises BackendUnavailableError, so `comm.backend: auto` falls back to another
-backend (backends.choose_backend catches it) and an explicit `comm.backend: nvshmem` says why.
+backend (the registry catches it) and an explicit `comm.backend: nvshmem` says why.
 """
 from ..errors import BackendUnavailableError
 

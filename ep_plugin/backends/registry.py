@@ -1,0 +1,99 @@
+"""The one place that names the transports, and the rule that picks one for `comm.backend: auto`.
+
+Each name maps to a backend package under ep_plugin/backends/, imported only when asked for (the
+kernel backends need ep_plugin._C). A backend that cannot serve a group or row width says so in its
+`check_group` (a ValueError or BackendUnavailableError with the reason); the chooser asks it once,
+before the buffer is built, and never afterwards.
+
+auto: nvshmem when the group spans nodes and it is built; nvlink when all ranks share a node with
+peer access and nvlink takes the row width; torch otherwise. The choice and its reason are logged
+once.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import socket
+from typing import Tuple, Type
+
+import torch
+import torch.distributed as dist
+
+from .._ext import HOW_TO_BUILD, has_c
+from ..errors import BackendUnavailableError
+
+BACKEND_NAMES = ("auto", "torch", "nvlink", "nvshmem")
+_PACKAGES = {"torch": ("torch_ref", "TorchBackend"), "nvlink": ("nvlink", "NvlinkBackend"),
+             "nvshmem": ("nvshmem", "NvshmemBackend")}
+_KERNEL_BACKENDS = ("nvlink", "nvshmem")
+
+logger = logging.getLogger("ep_plugin")
+_said = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        if not logger.handlers and not logging.getLogger().handlers:
+            logger.addHandler(logging.StreamHandler())
+            logger.setLevel(logging.INFO)
+        logger.info(msg)
+
+
+def backend_class(name: str) -> Type:
+    """The Backend class registered under `name`; BackendUnavailableError if it cannot be imported."""
+    if name not in _PACKAGES:
+        raise ValueError(f"comm.backend must be one of {BACKEND_NAMES}, got {name!r}")
+    module, cls = _PACKAGES[name]
+    if name in _KERNEL_BACKENDS and not has_c():
+        raise BackendUnavailableError(f"comm.backend: {name} needs the compiled module. {HOW_TO_BUILD}")
+    try:
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+    except BackendUnavailableError:
+        raise
+    except ImportError as exc:
+        hint = (" It needs ep_plugin._C built with NVSHMEM (pip install nvidia-nvshmem-cu13, or -cu12 "
+                "matching torch's CUDA); use comm.backend: nvlink within a node, or torch.") if name == "nvshmem" else ""
+        raise BackendUnavailableError(f"the {name} backend could not be imported ({exc}).{hint}") from exc
+
+
+def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
+    """Returns (name, reason). Raises BackendUnavailableError for a backend that cannot run here."""
+    if requested not in BACKEND_NAMES:
+        raise ValueError(f"comm.backend must be one of {BACKEND_NAMES}, got {requested!r}")
+    pg_backend = dist.get_backend(group)
+    on_gpus = pg_backend == "nccl" and torch.cuda.is_available()
+    if requested != "auto":
+        if requested in _KERNEL_BACKENDS and not on_gpus:
+            raise BackendUnavailableError(
+                f"comm.backend: {requested} needs CUDA GPUs and an NCCL process group (this group uses "
+                f"{pg_backend!r}); use comm.backend: torch or auto")
+        backend_class(requested).check_group(group, hidden)
+        return requested, f"comm.backend: {requested}"
+    if not on_gpus:
+        return "torch", f"process group backend is {pg_backend!r} (no NCCL/CUDA)"
+    if not has_c():
+        return "torch", "ep_plugin._C is not built"
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        try:
+            backend_class("nvshmem").check_group(group, hidden)
+            return "nvshmem", f"group spans {len(set(hosts))} nodes and the nvshmem backend is built"
+        except (BackendUnavailableError, ValueError):
+            return "torch", f"group spans {len(set(hosts))} nodes and the nvshmem backend is not built"
+    n = torch.cuda.device_count()
+    if not all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
+        return "torch", "GPUs of this node lack peer access"
+    try:
+        backend_class("nvlink").check_group(group, hidden)
+    except (BackendUnavailableError, ValueError) as exc:
+        return "torch", str(exc)
+    return "nvlink", f"all {len(hosts)} ranks share one node with peer access"
+
+
+def make_backend(group, cfg, hidden: int, num_experts: int):
+    name, reason = choose_backend(group, cfg.comm.backend, hidden)
+    if dist.get_rank(group) == 0:
+        _say_once(f"ep_plugin: using the {name} backend ({reason})")
+    return backend_class(name)(group, cfg, hidden, num_experts)

@@ -1,0 +1,182 @@
+"""Types of the core contract, shared by EPBuffer and every backend: dtypes, events, handles, results.
+
+A `Handle` is what combine (and a cached dispatch) needs. Its counts live on the device first;
+the host lists (`send_counts`, `recv_counts`, `tokens_per_expert`) come from a non-blocking copy into
+pinned memory and are read lazily: reading one waits for that copy only, not for the stream. Types
+never change with the mode: `tokens_per_expert` is always a list, `num_tokens_per_expert` always an
+int device tensor. `Handle.state` is a dataclass private to the backend that made the handle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+FP8_BLOCK = 128  # channels per FP8 scale
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+XInput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class EPEvent:
+    """Completion of an asynchronous dispatch/combine.
+
+    Wraps torch.distributed work objects and/or a CUDA event of the communication stream.
+    `current_stream_wait()` makes the caller's stream (or the host, on CPU) wait for completion;
+    `synchronize()` also waits on the host and raises a pending kernel error (e.g. EPTimeoutError).
+    """
+
+    def __init__(self, works=(), cuda_event: Optional[torch.cuda.Event] = None, on_complete=None,
+                 check=None):
+        self._works = list(works)
+        self._cuda_event = cuda_event
+        self._on_complete = on_complete
+        self._check = check  # raises what the kernels reported, once they have finished
+
+    def current_stream_wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+        if self._on_complete is not None:
+            fn, self._on_complete = self._on_complete, None
+            fn()
+
+    wait = current_stream_wait
+
+    def synchronize(self) -> None:
+        self.current_stream_wait()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        if self._check is not None:
+            self._check()
+
+
+class HostCounts:
+    """Integer device tensors copied to pinned host memory without blocking, read as lists on demand.
+
+    `get(name)` waits for the copy (an event recorded right after it on `stream`), never for later
+    work. `derived` entries are computed from the others (or, at the cost of a sync, from the device)
+    the first time they are read. Inside CUDA-graph capture nothing is copied: the device tensors
+    are the only form, and reading a host list raises.
+    """
+
+    def __init__(self, lists: Optional[Dict[str, List[int]]] = None,
+                 device: Optional[Dict[str, torch.Tensor]] = None, stream=None,
+                 derived: Optional[Dict[str, Callable[["HostCounts"], List[int]]]] = None):
+        self._lists: Dict[str, List[int]] = dict(lists or {})
+        self._derived = dict(derived or {})
+        self._pinned: Dict[str, torch.Tensor] = {}
+        self._event = None
+        self._capturing = False
+        if device:
+            self._capturing = torch.cuda.is_current_stream_capturing()
+            if not self._capturing:
+                stream = stream or torch.cuda.current_stream()
+                with torch.cuda.stream(stream):
+                    for name, t in device.items():
+                        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        host.copy_(t, non_blocking=True)
+                        self._pinned[name] = host
+                    self._event = torch.cuda.Event()
+                    self._event.record(stream)
+
+    def get(self, name: str) -> List[int]:
+        if name in self._lists:
+            return self._lists[name]
+        if self._capturing:
+            raise RuntimeError(f"{name} is not available on the host for a dispatch captured in a CUDA "
+                               "graph; use the device tensors (res.num_tokens_per_expert, res.num_recv)")
+        if self._pinned:
+            self._event.synchronize()
+            for k, t in self._pinned.items():
+                self._lists[k] = t.tolist()
+            self._pinned = {}
+        if name not in self._lists and name in self._derived:
+            self._lists[name] = self._derived.pop(name)(self)
+        return self._lists[name]
+
+
+class BackendState:
+    """Base of the per-backend handle state (a dataclass in each backend)."""
+
+
+@dataclass
+class Handle:
+    """What combine (and a cached dispatch) needs to reuse a dispatch's layout.
+
+    num_recv is the number of rows of the dispatch output (the worst-case capacity when the
+    dispatch did not wait on the host); num_recv_device holds the valid count on the device.
+    """
+
+    backend: str                    # name of the backend that made it
+    num_tokens: int                 # T: tokens this rank dispatched
+    num_recv: int                   # rows of the dispatch output (valid rows first)
+    num_experts: int                # E: global expert count
+    is_token_in_rank: torch.Tensor  # [T, W] bool
+    topk_idx: torch.Tensor          # [T, K] global expert ids given to dispatch
+    recv_topk_idx: Optional[torch.Tensor]  # [R, K] local expert ids, -1 where not on this rank
+    num_recv_device: torch.Tensor   # [] int32/int64 on the rows' device: valid received rows
+    num_tokens_per_expert: torch.Tensor  # [E_local] int64 on the rows' device
+    counts: HostCounts = field(repr=False)  # host lists, read lazily
+    state: BackendState = field(default_factory=BackendState, repr=False)
+    exact: bool = True              # num_recv is the exact row count (the dispatch synced the host)
+
+    @property
+    def send_counts(self) -> List[int]:
+        return self.counts.get("send_counts")
+
+    @property
+    def recv_counts(self) -> List[int]:
+        return self.counts.get("recv_counts")
+
+    @property
+    def tokens_per_expert(self) -> List[int]:
+        return self.counts.get("tokens_per_expert")
+
+
+@dataclass
+class DispatchOutput:
+    """What a backend's dispatch returns to EPBuffer."""
+
+    x: torch.Tensor                       # [R, H]
+    scales: Optional[torch.Tensor]        # [R, H/128] for FP8 input, else None
+    topk_idx: torch.Tensor                # [R, K] int64, local ids, -1 = not here
+    topk_weights: Optional[torch.Tensor]  # [R, K] float32 (0 where topk_idx is -1)
+    handle: Handle
+    event: Optional[EPEvent] = None
+
+
+@dataclass
+class DispatchResult:
+    """What EPBuffer.dispatch returns (DESIGN.md, "The core contract")."""
+
+    x: XInput                             # [R, H], or (data [R, H], scales [R, H/128]) for FP8 input
+    topk_idx: torch.Tensor                # [R, K] int64 local expert ids, -1 where not on this rank
+    topk_weights: Optional[torch.Tensor]  # [R, K] float32, 0 where topk_idx is -1
+    handle: Handle                        # what combine and a cached dispatch need
+    event: Optional[EPEvent] = None       # set for async calls: wait before using the outputs
+
+    @property
+    def tokens_per_expert(self) -> List[int]:
+        """Rows per local expert (host values; waits for the pinned copy of the counts only)."""
+        return self.handle.tokens_per_expert
+
+    @property
+    def num_tokens_per_expert(self) -> torch.Tensor:
+        """Rows per local expert as an int64 device tensor (grouped-GEMM offsets)."""
+        return self.handle.num_tokens_per_expert
+
+    @property
+    def num_recv(self) -> torch.Tensor:
+        """Valid received rows, a device scalar (rows past it have topk_idx -1)."""
+        return self.handle.num_recv_device
+
+
+def counts_from_lists(send_counts: Sequence[int], recv_counts: Sequence[int],
+                      tokens_per_expert: Sequence[int]) -> HostCounts:
+    return HostCounts({"send_counts": list(send_counts), "recv_counts": list(recv_counts),
+                       "tokens_per_expert": list(tokens_per_expert)})
