@@ -7,6 +7,9 @@ The corpus is byte-level text of Python's own standard-library sources, built lo
     torchrun --nproc-per-node 2 examples/train_moe.py                 # CPU: gloo, torch backend
     torchrun --nproc-per-node 4 examples/train_moe.py --config configs/deepseek_v3.yaml \
         --hidden 1024 --batch 16 --seq 512                            # GPUs: NCCL, backend auto
+
+On GPUs the rows travel in BF16 (--dtype auto), the form the nvlink kernels move; the rest of the
+model stays float32.
 """
 from __future__ import annotations
 
@@ -43,9 +46,9 @@ def local_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
 class MoEFeedForward(nn.Module):
     """Router + this rank's experts; tokens travel to the ranks of their experts and back."""
 
-    def __init__(self, buf: ep_plugin.EPBuffer, hidden: int, ffn: int):
+    def __init__(self, buf: ep_plugin.EPBuffer, hidden: int, ffn: int, row_dtype: torch.dtype):
         super().__init__()
-        self.buf, self.moe = buf, buf.cfg.moe
+        self.buf, self.moe, self.row_dtype = buf, buf.cfg.moe, row_dtype
         self.router = nn.Linear(hidden, self.moe.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(self.moe.num_experts), persistent=False)
         n = buf.num_local_experts
@@ -59,28 +62,28 @@ class MoEFeedForward(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits = self.router(x).float()
         weights, idx = route(logits, self.moe, self.expert_bias if self.moe.expert_bias else None)
-        res = self.buf.dispatch(x.contiguous(), idx, weights)
+        res = self.buf.dispatch(x.to(self.row_dtype).contiguous(), idx, weights)
         out = torch.zeros_like(res.x)
         for e in range(self.buf.num_local_experts):
             rows, slot = (res.topk_idx == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            gate, up = (res.x[rows] @ self.w_in[e]).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.w_out[e]
+            gate, up = (res.x[rows] @ self.w_in[e].to(res.x.dtype)).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.w_out[e].to(res.x.dtype)
             out = out.index_add(0, rows, y * res.topk_weights[rows, slot].unsqueeze(1).to(y.dtype))
         if self.moe.expert_bias:  # aux-loss-free balancing (DeepSeek-V3): nudge the selection bias
             counts = torch.bincount(idx[idx >= 0], minlength=self.moe.num_experts).float()
             dist.all_reduce(counts, group=self.buf.group)
             self.expert_bias += 1e-3 * torch.sign(counts.mean() - counts)
-        return self.buf.combine(out, res.handle).reshape(shape)
+        return self.buf.combine(out, res.handle).to(x.dtype).reshape(shape)
 
 
 class Block(nn.Module):
-    def __init__(self, buf, hidden, heads, ffn):
+    def __init__(self, buf, hidden, heads, ffn, row_dtype):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
-        self.moe = MoEFeedForward(buf, hidden, ffn)
+        self.moe = MoEFeedForward(buf, hidden, ffn, row_dtype)
 
     def forward(self, x, mask):
         h = self.ln1(x)
@@ -89,11 +92,11 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, buf, layers, hidden, heads, ffn, seq):
+    def __init__(self, buf, layers, hidden, heads, ffn, seq, row_dtype=torch.float32):
         super().__init__()
         self.embed = nn.Embedding(256, hidden)
         self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
-        self.blocks = nn.ModuleList(Block(buf, hidden, heads, ffn) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(buf, hidden, heads, ffn, row_dtype) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, 256, bias=False)
 
@@ -109,6 +112,8 @@ class MoELM(nn.Module):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tiny", help="ep_plugin YAML (path or preset name)")
+    ap.add_argument("--backend", default=None, choices=["auto", "torch", "nvlink", "nvshmem"],
+                    help="override the YAML's comm.backend (the tiny preset says torch)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
@@ -117,6 +122,8 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="dtype of the dispatched rows and the expert matmuls (auto: bf16 on GPUs, fp32 on CPU)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -127,15 +134,17 @@ def main():
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)  # same replicated weights everywhere; experts differ per rank below
 
-    cfg = ep_plugin.load_config(args.config)
+    cfg = ep_plugin.load_config(args.config, {"comm.backend": args.backend} if args.backend else None)
     tokens_per_rank = args.batch * args.seq
     cfg.comm.max_tokens_per_rank = max(cfg.comm.max_tokens_per_rank, tokens_per_rank)
     buf = ep_plugin.EPBuffer(dist.group.WORLD, cfg, hidden=args.hidden)
-    model = MoELM(buf, args.layers, args.hidden, args.heads, args.ffn, args.seq).to(device)
+    row_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    model = MoELM(buf, args.layers, args.hidden, args.heads, args.ffn, args.seq, row_dtype).to(device)
     with torch.no_grad():
+        g = torch.Generator().manual_seed(rank + 1)  # a CPU stream: the same draws on any device
         for p in model.parameters():
             if getattr(p, "expert_local", False):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank + 1)) * p.std())
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * p.std())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = local_corpus().to(device)
     gen = torch.Generator(device="cpu").manual_seed(1000 + rank)  # each rank reads its own batches
@@ -169,7 +178,8 @@ def main():
     secs = time.perf_counter() - t0
     if rank == 0:
         tps = args.steps * tokens_per_rank * world / secs
-        print(f"done: {args.steps} steps, loss {first:.3f} -> {last:.3f}, {tps:,.0f} tokens/s, backend {buf.backend_name}")
+        print(f"done: {args.steps} steps, loss {first:.3f} -> {last:.3f}, {tps:,.0f} tokens/s, "
+              f"backend {buf.backend_name}, rows {str(row_dtype).replace('torch.', '')}")
     buf.close()
     dist.barrier()  # no rank tears the group down while a peer still uses it (gloo aborts then)
     dist.destroy_process_group()

@@ -24,14 +24,14 @@ def _expert(h=H):
 
 
 def _make_pair(rank, k, drop, num_experts=4, ep_size=2, capacity_factor=0.5, min_capacity=2, use_rts=True,
-               device="cpu", backend="torch"):
+               device="cpu", backend="torch", hidden=H):
     """DeepSpeed's MoE and an identical copy converted to ep_plugin (params differ per rank)."""
     from deepspeed.moe.layer import MoE
     import ep_plugin.deepspeed as epds
 
     def build():  # twice from the same seed: deepcopy would drop the params' allreduce/group_name tags
         torch.manual_seed(7)
-        moe = MoE(H, _expert(), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+        moe = MoE(hidden, _expert(hidden), num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
                   eval_capacity_factor=capacity_factor, min_capacity=min_capacity, drop_tokens=drop, use_rts=use_rts)
         g = torch.Generator().manual_seed(100 + rank)
         with torch.no_grad():
@@ -115,6 +115,55 @@ def _layer_cases(rank, world, device="cpu", backend="torch"):
         torch.manual_seed(5)
         b = ours(x)
     _close(b[0], a[0], f"rank {rank}: eval output", tol, tol)
+    _capacity_and_cast_cases(rank, device, backend)
+
+
+def _capacity_and_cast_cases(rank, device, backend):
+    import dataclasses
+    import warnings
+    import ep_plugin.deepspeed as epds
+    from ep_plugin.integrations.buffer_cache import get_buffer
+
+    # One buffer for every batch size, sized by comm.max_tokens_per_rank (tiny: 256); more tokens
+    # are refused on every rank before any communication, naming the key to raise.
+    ref, ours = _make_pair(rank, 2, False, device=device, backend=backend)
+    layer = ours.deepspeed_moe
+    for shape in ((2, 12, H), (1, 5, H), (4, 64, H)):
+        ours(torch.randn(shape, device=device))
+    buf = layer.ep_buffer(H)
+    assert get_buffer(layer.ep_group, layer._ep_cfg, H) is buf
+    with pytest.raises(ValueError, match=r"257 tokens.*comm.max_tokens_per_rank=256.*overrides"):
+        ours(torch.randn(1, 257, H, device=device))
+    assert layer.ep_buffer(H) is buf
+
+    # A backend that moves only BF16 rows (as nvlink does): a float32 layer casts around the exchange,
+    # warns once, and still matches DeepSpeed to BF16 precision, gradients included.
+    buf._caps = dataclasses.replace(buf.capabilities, row_dtypes=(torch.bfloat16, torch.float16),
+                                    combine_dtypes=(torch.bfloat16,))
+    seen, dispatch, combine = [], buf.dispatch, buf.combine
+    buf.dispatch = lambda x, *a, **kw: seen.append(x.dtype) or dispatch(x, *a, **kw)
+    buf.combine = lambda x, *a, **kw: seen.append(x.dtype) or combine(x, *a, **kw)
+    try:
+        g = torch.Generator().manual_seed(77 + rank)
+        x = torch.randn(2, 12, H, generator=g).to(device)
+        gy = torch.randn(x.shape, generator=g).to(device)
+        r = _run(ref, x, gy, 31 + rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            o = _run(ours, x, gy, 31 + rank)
+            _run(ours, x, gy, 31 + rank)
+        assert seen == [torch.bfloat16] * 4, seen
+        msgs = [str(w.message) for w in caught if "does not move torch.float32 rows" in str(w.message)]
+        assert len(msgs) == 1, [str(w.message) for w in caught]
+        assert o[0].dtype == torch.float32
+        tag = f"rank {rank} BF16 wire"
+        _close(o[0], r[0], f"{tag}: output", 3e-2, 3e-2)
+        _close(o[3], r[3], f"{tag}: input grad", 3e-2, 3e-2)
+        for name in r[4]:
+            _close(o[4][name], r[4][name], f"{tag}: grad of {name}", 3e-2, 3e-2)
+    finally:
+        epds.release_buffers()  # the patched buffer must not serve later layers
+    assert layer.ep_buffer(H) is not buf
 
 
 def test_layer_matches_deepspeed():
@@ -126,6 +175,31 @@ def test_layer_matches_deepspeed():
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_layer_matches_deepspeed_gpu(backend):
     spawn(_layer_cases, 2, "cuda", backend, backend="nccl", timeout=300)
+
+
+def _nvlink_float32_cases(rank, world):
+    """A float32 DeepSpeed layer on the nvlink backend (BF16 rows only) runs and matches DeepSpeed."""
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="nccl")
+    hidden, device = 256, f"cuda:{rank}"
+    ref, ours = _make_pair(rank, 2, True, device=device, backend="nvlink", hidden=hidden)
+    assert ours.deepspeed_moe.ep_buffer(hidden).backend_name == "nvlink"
+    g = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(4, 32, hidden, generator=g).to(device)
+    gy = torch.randn(x.shape, generator=g).to(device)
+    r, o = _run(ref, x, gy, 11 + rank), _run(ours, x, gy, 11 + rank)
+    assert o[0].dtype == torch.float32
+    _close(o[0], r[0], f"rank {rank}: nvlink float32 output", 3e-2, 3e-2)
+    _close(o[3], r[3], f"rank {rank}: nvlink float32 input grad", 3e-2, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_float32_layer_on_nvlink_gpu():
+    from ep_plugin._ext import has_c
+    if not has_c():
+        pytest.skip("ep_plugin._C is not built")
+    spawn(_nvlink_float32_cases, 2, backend="nccl", timeout=300)
 
 
 class TinyMoELM(torch.nn.Module):

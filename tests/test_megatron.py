@@ -19,253 +19,64 @@ pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 from tests._dist import spawn  # noqa: E402
+from tests.megatron_cases import (  # noqa: E402
+    CASES, H, SCHEDULE_CASES, compare_case, compare_schedule, make_config, make_moe_layer,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt_moe.py")
-H = 16
-
-# name -> (ours: kwargs, reference: kwargs, options); common fields in _config()
-CASES = {
-    "topk_softmax": (
-        dict(moe_token_dispatcher_type="ep_plugin"),
-        dict(moe_token_dispatcher_type="alltoall"), {}),
-    "topk_softmax_aux_loss": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_router_load_balancing_type="aux_loss",
-             moe_aux_loss_coeff=1e-2),
-        dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-             moe_aux_loss_coeff=1e-2), {}),
-    "group_limited_sigmoid_expert_bias": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=4, moe_router_num_groups=4,
-             moe_router_group_topk=2, moe_router_score_function="sigmoid",
-             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
-             moe_router_dtype="fp32"),
-        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=4, moe_router_num_groups=4,
-             moe_router_group_topk=2, moe_router_score_function="sigmoid",
-             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
-             moe_router_dtype="fp32"), {"expert_bias": "random"}),
-    "skew_rank1_receives_nothing": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_router_score_function="sigmoid",
-             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
-        dict(moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
-             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"), {"expert_bias": "skew"}),
-    "capacity_factor_token_drop": (  # dropped (token, expert) pairs become -1 slots
-        dict(moe_token_dispatcher_type="ep_plugin", moe_expert_capacity_factor=0.5),
-        dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=0.5), {}),
-    "top1_probs_on_input": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=1, moe_apply_probs_on_input=True,
-             moe_router_pre_softmax=True),
-        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=1, moe_apply_probs_on_input=True,
-             moe_router_pre_softmax=True), {}),
-    "shared_experts": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12),
-        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12), {}),
-    "shared_expert_overlap_flex": (
-        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
-             moe_shared_expert_intermediate_size=12, moe_shared_expert_overlap=True,
-             moe_shared_expert_gate=True),
-        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
-             moe_shared_expert_overlap=True, moe_shared_expert_gate=True), {}),
-    "shared_expert_overlap_by_name": (
-        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12,
-             moe_shared_expert_overlap=True),
-        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
-             moe_shared_expert_overlap=True), {}),
-    "grouped_mm_experts": (  # TEGroupedMLP (non-TE path) with ep_plugin's GroupedMMLinear
-        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
-        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"grouped": True}),
-    # megatron's overlap_moe_expert_parallel_comm schedule runs route/preprocess, dispatch, experts
-    # and combine as separate graph segments (detached in between): emulate that split
-    "ep_overlap_stage_split_flex": (
-        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
-             moe_shared_expert_intermediate_size=12),
-        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12),
-        {"stage_split": True}),
-}
 
 
-def _config(world, hidden=H, **kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    base = dict(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=8,
-                moe_router_topk=2, moe_ffn_hidden_size=8, expert_model_parallel_size=world,
-                use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
-                activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-                moe_router_load_balancing_type="none")
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
-def _layer(cfg, grouped=False):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-
+def _buffer_reuse(rank, world):
+    """Forwards with different token counts (per step and per rank) share one EPBuffer per
+    (group, config); a batch over comm.max_tokens_per_rank raises before any communication."""
+    import ep_plugin
+    import ep_plugin.buffer
     import ep_plugin.megatron as epm
 
-    torch.manual_seed(0)
-    if grouped:
-        return MoELayer(config=cfg, submodules=MoESubmodules(experts=epm.grouped_mm_experts()))
-    return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
+    epm.clear_buffers()
+    made = []
+    orig_init = ep_plugin.buffer.EPBuffer.__init__
 
+    def counting_init(self, *args, **kwargs):
+        made.append(kwargs.get("hidden"))
+        orig_init(self, *args, **kwargs)
 
-def _staged_forward(layer, x):
-    """MoELayer.forward cut into the four segments of megatron's EP-overlap (1F1B) schedule."""
-    segs = []
-
-    def cut(*ts):
-        outs = tuple(t.detach().requires_grad_(t.requires_grad) for t in ts)
-        segs.append((ts, outs))
-        return outs
-
-    shared = layer.shared_experts_compute(x)
-    probs, routing_map = layer.route(x)
-    hs, probs = layer.preprocess(x, probs, routing_map)
-    hs, probs = cut(hs, probs)
-    disp, dprobs = layer.dispatch(hs, probs)
-    disp, dprobs = cut(disp, dprobs)
-    out, _ = layer.routed_experts_compute(disp, dprobs)
-    (out,) = cut(out)
-    y = layer.postprocess(layer.combine(out), shared)
-    return y, segs
-
-
-def _staged_backward(y, grad, segs):
-    torch.autograd.backward([y], [grad])
-    for ins, outs in reversed(segs):
-        pairs = [(i, o.grad) for i, o in zip(ins, outs) if i.requires_grad and o.grad is not None]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-
-
-def _compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, dtype=torch.float32):
-    import ep_plugin.megatron as epm
-
-    ours_kw, ref_kw, opts = CASES[name]
-    if dtype != torch.float32:
-        low = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-        ref_kw, ours_kw = dict(ref_kw, **low), dict(ours_kw, **low)
-    ref = _layer(_config(world, hidden, **ref_kw), opts.get("grouped", False)).to(device)
-    ours_cfg = _config(world, hidden, **ours_kw)
-    if comm_backend is not None:
-        epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
-    ours = _layer(ours_cfg, opts.get("grouped", False)).to(device)
-
-    assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(100 + rank)  # experts differ per rank
-        for n, p in ref.named_parameters():
-            if "experts.local_experts" in n or ".experts." in n and "shared" not in n:
-                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(device))
-        eb = getattr(ref.router, "expert_bias", None)
-        if opts.get("expert_bias") == "random":
-            eb.copy_((torch.randn(eb.shape, generator=torch.Generator().manual_seed(7)) * 0.1).to(device))
-        elif opts.get("expert_bias") == "skew":
-            eb.zero_()
-            eb[:2] = 100.0  # every token picks experts 0 and 1 (rank 0): rank 1 receives nothing
-    missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
-    assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
-
-    S = 5 + 3 * rank  # ranks dispatch different token counts
-    g = torch.Generator().manual_seed(1000 + rank)
-    x0 = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
-    wout = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
-    res = {}
-    for tag, layer in (("ref", ref), ("ours", ours)):
-        x = x0.clone().requires_grad_()
-        if opts.get("stage_split") and tag == "ours":
-            y, segs = _staged_forward(layer, x)
-            _staged_backward(y, wout, segs)
-        else:
-            y, _ = layer(x)
-            (y * wout).sum().backward()
-        res[tag] = (y.detach(), x.grad.clone(),
-                    {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
-    (y0, gx0, gp0), (y1, gx1, gp1) = res["ref"], res["ours"]
-    assert set(gp0) == set(gp1), (sorted(set(gp0) ^ set(gp1)))
-    out = {
-        "out": (y0 - y1).abs().max().item(),
-        "grad_x": (gx0 - gx1).abs().max().item(),
-        "grad_params": max(((gp0[n] - gp1[n]).abs().max().item() for n in gp0), default=0.0),
-        "rel_out": (y0 - y1).abs().max().item() / max(y0.abs().max().item(), 1e-6),
-        "rel_grad_x": (gx0 - gx1).abs().max().item() / max(gx0.abs().max().item(), 1e-6),
-        "rel_grad_params": max(((gp0[n] - gp1[n]).abs().max().item() / max(gp0[n].abs().max().item(), 1e-6)
-                                for n in gp0), default=0.0),
-        "scale": max(y0.abs().max().item(), 1e-6),
-        "num_param_grads": len(gp0),
-        "recv_rows": int(ours.token_dispatcher.num_recv),
-        "comm_backend": ours.token_dispatcher.buffer.backend_name,
-    }
-    return out
-
-
-# megatron's real EP-overlap (combined 1F1B) schedule: GPTModel.build_schedule_plan +
-# TransformerModelChunkSchedulePlan.run interleave one microbatch's forward with the previous one's
-# backward, layer by layer, on separate (here: stand-in) streams, freeing stage inputs early.
-SCHEDULE_CASES = {
-    "ep_overlap_1f1b_flex": dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin"),
-    "ep_overlap_1f1b_by_name": dict(moe_token_dispatcher_type="ep_plugin"),
-}
-
-
-def _gpt(world, overlap, **kw):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
-        moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16, expert_model_parallel_size=world,
-        overlap_moe_expert_parallel_comm=overlap, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, moe_router_load_balancing_type="none",
-        moe_router_dtype="fp32", masked_softmax_fusion=False, bias_dropout_fusion=False, **kw)
-    torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
-                     vocab_size=64, max_sequence_length=8, position_embedding_type="rope")
-    return model.to(torch.bfloat16)
-
-
-def _compare_schedule(rank, world, name, device="cpu"):
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
-
-    import ep_plugin.megatron as epm
-
-    if device != "cpu":  # megatron's combined-1F1B schedule creates its comm stream the same way
-        from megatron.core.pipeline_parallel.utils import set_streams
-        set_streams()
-    ref = _gpt(world, False, **SCHEDULE_CASES[name]).to(device)
-    ovl = _gpt(world, True, **SCHEDULE_CASES[name]).to(device)
-    ovl.load_state_dict(ref.state_dict(), strict=False)
-    assert isinstance(ovl.decoder.layers[0].mlp.token_dispatcher, epm.EPPluginTokenDispatcher)
-    g = torch.Generator().manual_seed(rank)
-    mbs = [torch.randint(0, 64, (2, 9), generator=g).to(device) for _ in range(3)]
-    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool, device=device), 1)[None, None]
-    pos = torch.arange(8, device=device)[None].expand(2, -1)
-    for d in mbs:  # reference: plain forward/backward per microbatch
-        ref(d[:, :-1], pos, mask, labels=d[:, 1:]).float().sum().backward()
-    prev = None  # (plan, output) of the microbatch whose backward is pending
-    for i in range(len(mbs) + 1):
-        plan = (ovl.build_schedule_plan(mbs[i][:, :-1], pos, mask, labels=mbs[i][:, 1:])
-                if i < len(mbs) else None)
-        out = TransformerModelChunkSchedulePlan.run(
-            plan, prev[0] if prev else None, b_grad=torch.ones_like(prev[1]) if prev else None)
-        prev = (plan, out) if plan is not None else None
-    diffs, scale, n = 0.0, 0.0, 0
-    for (na, pa), (nb, pb) in zip(ref.named_parameters(), ovl.named_parameters()):
-        assert na == nb
-        if pa.grad is None:
-            assert pb.grad is None, na
-            continue
-        assert pb.grad is not None, na
-        diffs = max(diffs, (pa.grad.float() - pb.grad.float()).abs().max().item())
-        scale = max(scale, pa.grad.float().abs().max().item())
-        n += 1
-    return {"grad_params": diffs, "scale": scale, "num_param_grads": n}
+    ep_plugin.buffer.EPBuffer.__init__ = counting_init
+    try:
+        # no YAML: the capacity is the config default, not the first batch's token count
+        layers = [make_moe_layer(make_config(world, moe_token_dispatcher_type="ep_plugin")) for _ in range(2)]
+        for S in (3, 7, 5, 11):
+            x = torch.randn(S + 2 * rank, 2, H, requires_grad=True)
+            for layer in layers:
+                y, _ = layer(x)
+                y.sum().backward()
+        bufs = [layer.token_dispatcher.buffer for layer in layers]
+        out = {"made": len(made), "shared": bufs[0] is bufs[1],
+               "capacity": bufs[0].cfg.comm.max_tokens_per_rank,
+               "default_capacity": ep_plugin.load_config(None).comm.max_tokens_per_rank}
+        cfg = make_config(world, moe_token_dispatcher_type="ep_plugin")
+        epm.attach_config(cfg, {"comm": {"max_tokens_per_rank": 16}})
+        small = make_moe_layer(cfg)
+        small(torch.randn(8, 2, H))  # 16 tokens: exactly the capacity
+        try:
+            small(torch.randn(9, 2, H))  # 18 tokens
+            out["too_large"] = None
+        except ValueError as exc:
+            out["too_large"] = str(exc)
+        small(torch.randn(4 + rank, 2, H))  # the ranks are still in step: nobody entered a collective
+        out["made_total"] = len(made)
+        return out
+    finally:
+        ep_plugin.buffer.EPBuffer.__init__ = orig_init
+        epm.clear_buffers()
 
 
 def _dist_body(rank, world, out_dir):
     import ep_plugin.megatron as epm
+    from ep_plugin.testing import cpu_stand_ins
 
-    epm.cpu_stand_ins()
+    cpu_stand_ins()
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
@@ -273,14 +84,18 @@ def _dist_body(rank, world, out_dir):
     results = {}
     for name in CASES:
         try:
-            results[name] = _compare_case(rank, world, name)
+            results[name] = compare_case(rank, world, name)
         except Exception:  # reported per case by the parametrized test
             results[name] = {"error": traceback.format_exc()}
     for name in SCHEDULE_CASES:
         try:
-            results[name] = _compare_schedule(rank, world, name)
+            results[name] = compare_schedule(rank, world, name)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
+    try:
+        results["buffer_reuse"] = _buffer_reuse(rank, world)
+    except Exception:
+        results["buffer_reuse"] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     epm.clear_buffers()
 
@@ -331,6 +146,23 @@ def test_ep_overlap_schedule_matches_plain_backward(dist_results, case):
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
         assert r["num_param_grads"] > 10
         assert r["grad_params"] <= 1e-6 * max(1.0, r["scale"]), (rank, r)
+
+
+def test_one_buffer_per_config_across_token_counts(dist_results):
+    for rank, results in enumerate(dist_results):
+        r = results["buffer_reuse"]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        assert r["made"] == 1 and r["shared"], (rank, r)
+        assert r["capacity"] == r["default_capacity"], (rank, r)
+
+
+def test_batch_over_capacity_raises_before_communication(dist_results):
+    for rank, results in enumerate(dist_results):
+        r = results["buffer_reuse"]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        assert r["too_large"] is not None, f"rank {rank}: 18 tokens over a capacity of 16 did not raise"
+        assert "comm.max_tokens_per_rank=16" in r["too_large"] and "18" in r["too_large"], r["too_large"]
+        assert r["made_total"] == 2, (rank, r)  # + the capacity-16 buffer, and none after the error
 
 
 def test_example_pretraining_loss_falls(dist_results):
@@ -390,29 +222,25 @@ def test_config_from_yaml_deepseek():
     import ep_plugin.megatron as epm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    old = epm.get_default_config()
-    try:
-        f = epm.config_from_yaml(os.path.join(ROOT, "configs", "deepseek_v3.yaml"),
-                                 **{"comm.backend": "torch", "overlap.shared_expert_overlap": True},
-                                 moe_aux_loss_coeff=0.0)
-        assert f["num_moe_experts"] == 256 and f["moe_router_topk"] == 8
-        assert f["moe_router_num_groups"] == 8 and f["moe_router_group_topk"] == 4
-        assert f["moe_router_score_function"] == "sigmoid"
-        assert f["moe_router_topk_scaling_factor"] == 2.5
-        assert f["moe_router_enable_expert_bias"] is True and f["moe_router_dtype"] == "fp32"
-        assert f["moe_shared_expert_overlap"] is True and f["moe_token_dispatcher_type"] == "ep_plugin"
-        assert f["moe_aux_loss_coeff"] == 0.0
-        assert epm.get_default_config().comm.backend == "torch"
-        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
-                                moe_shared_expert_intermediate_size=64, expert_model_parallel_size=8,
-                                **f)
-        assert cfg.num_moe_experts == 256
-        # flex form
-        f2 = epm.config_from_yaml("tiny", moe_token_dispatcher_type="flex")
-        assert f2["moe_flex_dispatcher_backend"] == "ep_plugin"
-        from ep_plugin.errors import ConfigError
+    f = epm.config_from_yaml(os.path.join(ROOT, "configs", "deepseek_v3.yaml"),
+                             **{"comm.backend": "torch", "overlap.shared_expert_overlap": True},
+                             moe_aux_loss_coeff=0.0)
+    assert f["num_moe_experts"] == 256 and f["moe_router_topk"] == 8
+    assert f["moe_router_num_groups"] == 8 and f["moe_router_group_topk"] == 4
+    assert f["moe_router_score_function"] == "sigmoid"
+    assert f["moe_router_topk_scaling_factor"] == 2.5
+    assert f["moe_router_enable_expert_bias"] is True and f["moe_router_dtype"] == "fp32"
+    assert f["moe_shared_expert_overlap"] is True and f["moe_token_dispatcher_type"] == "ep_plugin"
+    assert f["moe_aux_loss_coeff"] == 0.0
+    assert not hasattr(epm, "get_default_config")  # config enters through attach_config only
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                            moe_shared_expert_intermediate_size=64, expert_model_parallel_size=8,
+                            **f)
+    assert cfg.num_moe_experts == 256
+    # flex form
+    f2 = epm.config_from_yaml("tiny", moe_token_dispatcher_type="flex")
+    assert f2["moe_flex_dispatcher_backend"] == "ep_plugin"
+    from ep_plugin.errors import ConfigError
 
-        with pytest.raises(ConfigError):
-            epm.config_from_yaml("tiny", **{"comm.backend": "pigeon"})
-    finally:
-        epm.set_default_config(old)
+    with pytest.raises(ConfigError):
+        epm.config_from_yaml("tiny", **{"comm.backend": "pigeon"})

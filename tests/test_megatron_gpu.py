@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 from tests._dist import spawn  # noqa: E402
-from tests.test_megatron import CASES, SCHEDULE_CASES, _compare_case, _compare_schedule  # noqa: E402
+from tests.megatron_cases import CASES, SCHEDULE_CASES, compare_case, compare_schedule  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -38,14 +38,14 @@ def _gpu_body(rank, world, out_dir):
             key = f"{name}[{backend}]"
             try:
                 # hidden 256 and BF16 rows: what the nvlink kernels take, so `auto` really runs them
-                results[key] = _compare_case(rank, world, name, device=device, comm_backend=backend,
+                results[key] = compare_case(rank, world, name, device=device, comm_backend=backend,
                                              hidden=256, dtype=dtype)
             except Exception:
                 results[key] = {"error": traceback.format_exc()}
         epm.clear_buffers()
     for name in SCHEDULE_CASES:
         try:
-            results[name] = _compare_schedule(rank, world, name, device=device)
+            results[name] = compare_schedule(rank, world, name, device=device)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()

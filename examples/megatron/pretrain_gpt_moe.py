@@ -28,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import ep_plugin
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_YAML = os.path.join(HERE, "gpt_moe_tiny.yaml")
 
@@ -111,10 +113,12 @@ def get_batch(tokens, step, rank, mbs, seq, seed, device):
 
 # ----------------------------------------------------------------------------------------- model
 
-def build_model(args, model_cfg, ep_fields, world, device):
+def build_model(args, model_cfg, ep_fields, ep_cfg, world, device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import ep_plugin.megatron as epm
 
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     fields = dict(ep_fields)
@@ -150,6 +154,7 @@ def build_model(args, model_cfg, ep_fields, world, device):
     kw.update(mc)
     kw.update(fields)
     config = TransformerConfig(**kw)
+    epm.attach_config(config, ep_cfg)  # the dispatchers' comm and overlap settings
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
     torch.manual_seed(args.seed)  # same dense weights on every rank; expert weights differ below
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
@@ -207,7 +212,9 @@ def main(argv=None) -> dict:
 
     import ep_plugin.megatron as epm  # installs the dispatcher hooks
     if not use_cuda:
-        epm.cpu_stand_ins()  # megatron-core calls a few torch.cuda functions on its MoE path
+        from ep_plugin.testing import cpu_stand_ins
+
+        cpu_stand_ins()  # megatron-core calls a few torch.cuda functions on its MoE path
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
@@ -220,8 +227,12 @@ def main(argv=None) -> dict:
     args.micro_batch_size = args.micro_batch_size or int(train_cfg.get("micro_batch_size", 4))
     args.seq_length = args.seq_length or int(model_cfg.get("seq_length", 64))
     args.lr = args.lr or float(train_cfg.get("lr", 3e-3))
-    over = {"comm.backend": args.backend} if args.backend else {}
-    ep_fields = epm.config_from_yaml(raw, **over)
+    ep_cfg = ep_plugin.load_config(raw, {"comm.backend": args.backend} if args.backend else None)
+    # the EPBuffer is sized once, by comm.max_tokens_per_rank: make room for one micro-batch
+    tokens_per_rank = args.micro_batch_size * args.seq_length  # [S, B, H] per MoE layer (TP = 1)
+    if ep_cfg.comm.max_tokens_per_rank < tokens_per_rank:
+        ep_cfg = ep_plugin.load_config(ep_cfg, {"comm.max_tokens_per_rank": tokens_per_rank})
+    ep_fields = epm.config_from_yaml(ep_cfg)
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     if use_cuda:
@@ -231,7 +242,7 @@ def main(argv=None) -> dict:
 
     tokens, args.vocab, corpus_desc = load_tokens(args)
     args.vocab = max(args.vocab, int(model_cfg.get("vocab_size", 0) or 0)) if not args.data else args.vocab
-    model, config = build_model(args, model_cfg, ep_fields, world, device)
+    model, config = build_model(args, model_cfg, ep_fields, ep_cfg, world, device)
     disp = model.decoder.layers[0].mlp.token_dispatcher
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=float(train_cfg.get("weight_decay", 0.0)))

@@ -1,0 +1,1 @@
+"""Framework adapters: Megatron-core and DeepSpeed."""

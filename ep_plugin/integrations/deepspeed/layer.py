@@ -1,0 +1,172 @@
+"""EPPluginMOELayer: DeepSpeed's ``MOELayer`` with its two padded all-to-alls replaced by EPBuffer.
+
+gate (DeepSpeed's, sparse routes) -> EPBuffer.dispatch -> each local expert on exactly its rows ->
+weighted sum per row -> EPBuffer.combine. A route is kept iff DeepSpeed keeps it (capacity-dropped
+routes come out of the gate as expert -1), so outputs and gradients equal DeepSpeed's.
+
+Buffers: one EPBuffer per (group, config, hidden) from the shared cache
+(``integrations/buffer_cache.py``), sized by ``comm.max_tokens_per_rank`` and reused for every
+batch; a batch with more tokens is refused before any communication.
+
+Dtypes: a kernel backend moves only some row dtypes (nvlink: BF16/FP16 rows, BF16 combine). When
+the layer's dtype is not among them, the rows travel as BF16 and are cast back around the experts,
+so a float32 DeepSpeed model still runs (with BF16 rounding on the wire; a one-time warning says so).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from typing import Any, Sequence
+
+import torch
+from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_ALLTOALL_TIMER, MOELayer
+from deepspeed.utils import groups
+
+from ...config import EPConfig, MoEConfig, load_config
+from ..buffer_cache import get_buffer
+
+_FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
+
+
+def layer_config(base: EPConfig, num_experts: int, k: int) -> EPConfig:
+    """The EPBuffer config of one layer: communication and overlap from the user's YAML, the expert
+    count and top-k from the DeepSpeed layer (DeepSpeed's gate does the routing, so the YAML's
+    routing keys -- groups, score function, bias -- do not apply)."""
+    cfg = copy.deepcopy(base)
+    cfg.moe = MoEConfig(num_experts=num_experts, topk=min(k, num_experts))
+    return load_config(cfg)
+
+
+def wire_dtype(dtype: torch.dtype, allowed: Sequence[torch.dtype]) -> torch.dtype:
+    """``dtype`` if the backend takes it (``allowed``: a Capabilities dtype tuple), else BF16."""
+    if dtype in allowed:
+        return dtype
+    return _FALLBACK_DTYPE if _FALLBACK_DTYPE in allowed else allowed[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cast(backend: str, dtype: torch.dtype, sent: torch.dtype, combined: torch.dtype) -> None:
+    # lru_cache makes this once per (backend, dtype) pair for the whole process, not once per layer
+    warnings.warn(f"ep_plugin.deepspeed: the {backend} backend does not move {dtype} rows; the MoE layers "
+                  f"send them as {sent} and combine as {combined} (the experts still run in {dtype}). "
+                  "Use comm.backend: torch for exact float32 exchange.", stacklevel=2)
+
+
+def _tp_world_size() -> int:
+    if groups.mpu is None:
+        return 1
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+    return bwc_tensor_model_parallel_world_size(groups.mpu)
+
+
+class EPPluginMOELayer(MOELayer):
+    """DeepSpeed's ``MOELayer`` with its two capacity-padded all-to-alls replaced by EPBuffer
+    dispatch/combine. Made by :func:`convert_moe_layers` by swapping an instance's class; never
+    constructed directly. Gate, experts, parameters and attributes are DeepSpeed's."""
+
+    _ep_cfg: EPConfig
+
+    def _set_ep_group(self, ep_group):
+        # convert_moe_layers may have created the groups already; the engine then sets them again.
+        if self.ep_group is not None and ep_group is self.ep_group:
+            return
+        super()._set_ep_group(ep_group)
+
+    def ep_buffer(self, hidden: int):
+        """The shared EPBuffer of this layer's group, config and row width ``hidden``."""
+        if self.ep_group is None:
+            raise RuntimeError("this MoE layer has no expert-parallel group yet: call deepspeed.initialize / "
+                               "ep_plugin.deepspeed.initialize first, or convert_moe_layers after "
+                               "torch.distributed is initialized")
+        return get_buffer(self.ep_group, self._ep_cfg, hidden)
+
+    def _check_capacity(self, num_tokens: int) -> None:
+        # Checked before the gate (a collective when drop_tokens is off) and before dispatch, so that
+        # ranks with the same batch shape all stop here together instead of some inside a collective.
+        cap = self._ep_cfg.comm.max_tokens_per_rank
+        if num_tokens > cap:
+            raise ValueError(
+                f"ep_plugin.deepspeed: this MoE layer got {num_tokens} tokens (batch x sequence) on this rank, "
+                f"more than comm.max_tokens_per_rank={cap} that its EPBuffer is sized for; set "
+                f"comm.max_tokens_per_rank to at least {num_tokens} in the ep_plugin YAML, or in the DeepSpeed "
+                f"config: \"ep_plugin\": {{..., \"overrides\": {{\"comm.max_tokens_per_rank\": {num_tokens}}}}}")
+
+    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if _tp_world_size() > 1:
+            raise NotImplementedError("ep_plugin's DeepSpeed path does not support tensor-parallel non-expert "
+                                      "layers (mpu with tensor-parallel size > 1); turn 'ep_plugin' off")
+        timed = self.wall_clock_breakdown
+        if timed:
+            self.timers(MOE_TIMER).start()
+        x = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        d_model = x.shape[-1]
+        tokens = x.reshape(-1, d_model)
+        self._check_capacity(tokens.shape[0])
+
+        # DeepSpeed's own gate, in its sparse form: per route (k, token) the expert (-1 when the
+        # capacity limit or used_token drops it) and the normalised combine weight.
+        self.l_aux, _, num_experts, indices_, _, gates_, self.exp_counts = self.gate(tokens, used_token, True, False)
+        topk_idx = indices_.t().to(torch.int64).contiguous()  # [S, K]
+        topk_weights = gates_.t().float().contiguous()        # [S, K]
+
+        buf = self.ep_buffer(d_model)
+        caps = buf.capabilities
+        sent = wire_dtype(tokens.dtype, caps.row_dtypes)
+        combined = wire_dtype(tokens.dtype, caps.combine_dtypes)
+        if sent != tokens.dtype or combined != tokens.dtype:
+            _warn_cast(buf.backend_name, tokens.dtype, sent, combined)
+
+        if timed:
+            self.timers(FIRST_ALLTOALL_TIMER).start()
+        # Synchronous: the experts need the rows right away, so an async dispatch (overlap.async_dispatch)
+        # would only add an event to wait on.
+        res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx, topk_weights, async_op=False)
+        if timed:
+            self.timers(FIRST_ALLTOALL_TIMER).stop()
+            self.time_falltoall = self.timers(FIRST_ALLTOALL_TIMER).elapsed(reset=False)
+
+        rows = res.x.to(tokens.dtype)  # the experts' parameters are in the layer's dtype
+        expert_out = self._ep_run_experts(rows, res.topk_idx, res.topk_weights, res.tokens_per_expert)
+
+        if timed:
+            self.timers(SECOND_ALLTOALL_TIMER).start()
+        y = buf.combine(expert_out.to(combined).contiguous(), res.handle, async_op=False)
+        if timed:
+            self.timers(SECOND_ALLTOALL_TIMER).stop()
+            self.time_salltoall = self.timers(SECOND_ALLTOALL_TIMER).elapsed(reset=False)
+            self.timers(MOE_TIMER).stop()
+            self.time_moe = self.timers(MOE_TIMER).elapsed(reset=False)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def _ep_run_experts(self, rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, counts) -> torch.Tensor:
+        """Run each local expert on exactly its rows; return sum_k weight_k * expert_k(row) per row.
+
+        rows [R, H]; idx [R, K] local expert ids (-1: not here); weights [R, K] float32; counts: rows
+        per local expert (host ints). Accumulates in float32 (as DeepSpeed's decode does) and returns
+        rows' dtype.
+        """
+        R, H = rows.shape
+        K = idx.shape[1]
+        n_local = self.num_local_experts
+        counts = [int(c) for c in counts]
+        flat = idx.reshape(-1)
+        # Sort the (row, k) routes by local expert; -1 routes go last and are cut off. The counts
+        # are host values from dispatch, so splitting needs no device sync.
+        key = torch.where(flat >= 0, flat, torch.full_like(flat, n_local))
+        order = torch.argsort(key, stable=True)[:sum(counts)]
+        src_rows = torch.div(order, K, rounding_mode="floor")
+        xin = rows.index_select(0, src_rows)
+        outs = []
+        for chunk, expert in zip(xin.split(counts), self.experts.deepspeed_experts):
+            out = expert(chunk)  # runs on an empty chunk too, so every expert param gets a grad
+            if isinstance(out, tuple):
+                out = out[0]  # DeepSpeed ignores a returned bias the same way
+            outs.append(out)
+        y = torch.cat(outs) if outs else xin
+        w = weights.reshape(-1).index_select(0, order)
+        contrib = y.float() * w.unsqueeze(1)
+        acc = torch.zeros(R, y.shape[1], dtype=torch.float32, device=rows.device)
+        acc = acc.index_add(0, src_rows, contrib)
+        return acc.to(rows.dtype)

@@ -1,0 +1,11 @@
+"""Megatron-core integration. Users import :mod:`ep_plugin.megatron` (the documented entry point,
+which re-exports these and installs the hooks).
+
+    config.py      ep_plugin YAML -> TransformerConfig fields; the EPConfig each dispatcher uses
+    dispatcher.py  EPPluginTokenDispatcher (imports megatron-core; loaded by hooks.install())
+    hooks.py       install / uninstall: how megatron-core builds the dispatcher by name or as flex backend
+    experts.py     GroupedMMLinear and grouped_mm_experts: grouped-GEMM experts without TransformerEngine
+
+EPBuffers come from the cache both integrations share (``integrations/buffer_cache.py``).
+Importing this package does not import megatron-core.
+"""

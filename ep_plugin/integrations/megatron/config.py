@@ -1,0 +1,84 @@
+"""ep_plugin YAML -> megatron-core: TransformerConfig fields, and the EPConfig of each dispatcher.
+
+Routing and shared-expert overlap become TransformerConfig fields (config_from_yaml); the comm and
+overlap settings reach the dispatchers through the TransformerConfig itself:
+
+    fields = config_from_yaml("configs/deepseek_v3.yaml")
+    config = TransformerConfig(..., **fields)
+    attach_config(config, "configs/deepseek_v3.yaml")     # sets config.ep_plugin_config
+
+A dispatcher reads config.ep_plugin_config, the one way its settings enter; without one it uses
+ep_plugin's defaults (comm.max_tokens_per_rank: 4096). Needs no megatron-core at import time.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ...config import EPConfig, load_config
+
+NAME = "ep_plugin"
+_SECTIONS = ("moe", "comm", "overlap")
+
+def attach_config(transformer_config, cfg) -> EPConfig:
+    """Give one TransformerConfig its ep_plugin settings (comm, overlap; routing comes from its fields).
+    Attach before the model is built: a dispatcher reads it once, at its first forward."""
+    cfg = load_config(cfg)
+    transformer_config.ep_plugin_config = cfg
+    return cfg
+
+
+def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
+    """Turn an ep_plugin YAML file (path, preset name, dict or EPConfig) into TransformerConfig fields.
+
+    Keyword overrides: keys naming an ep_plugin setting ("comm.backend", "moe.topk", or a whole
+    section: comm={"backend": "torch"}) are applied to the YAML before validation; any other key is
+    a TransformerConfig field and is put into (or replaces an entry of) the returned dict.
+
+    The routing section becomes moe_router_* fields (experts, top-k, groups, score function,
+    scaling, expert bias, pre-softmax), the overlap section becomes moe_shared_expert_overlap, and
+    moe_token_dispatcher_type is "ep_plugin". The comm section is for the dispatchers: pass the same
+    file to attach_config. Nothing else is changed (no module state).
+    """
+    ep_over, tc_over = {}, {}
+    for k, v in overrides.items():
+        (ep_over if ("." in k or k in _SECTIONS) else tc_over)[k] = v
+    cfg = load_config(path_or_cfg, ep_over or None)
+    m = cfg.moe
+    fields: Dict[str, Any] = {
+        "num_moe_experts": m.num_experts,
+        "moe_router_topk": m.topk,
+        "moe_router_num_groups": m.num_groups,
+        "moe_router_group_topk": m.group_topk,
+        "moe_router_score_function": m.score_function,
+        "moe_router_topk_scaling_factor": m.topk_scaling_factor,
+        "moe_router_enable_expert_bias": bool(m.expert_bias),
+        "moe_router_pre_softmax": bool(getattr(m, "use_pre_softmax", False)),
+        "moe_shared_expert_overlap": bool(cfg.overlap.shared_expert_overlap),
+        "moe_token_dispatcher_type": NAME,
+    }
+    if m.expert_bias:
+        # megatron keeps the expert bias in fp32 and needs fp32 routing for it
+        fields["moe_router_dtype"] = "fp32"
+    fields.update(tc_over)
+    if fields.get("moe_token_dispatcher_type") == "flex":
+        fields.setdefault("moe_flex_dispatcher_backend", NAME)
+    return fields
+
+
+def resolve_config(transformer_config, num_experts: int, topk: int) -> EPConfig:
+    """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the TransformerConfig's expert count and top-k. Its comm.max_tokens_per_rank is
+    the buffer's capacity, never the size of a batch."""
+    raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
+    # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
+    raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
+    return load_config(raw)
+
+
+def uses_ep_plugin(transformer_config) -> Optional[str]:
+    """"name" for moe_token_dispatcher_type="ep_plugin", "flex" for the flex backend form, else None."""
+    t = getattr(transformer_config, "moe_token_dispatcher_type", None)
+    if t == NAME:
+        return "name"
+    if t == "flex" and getattr(transformer_config, "moe_flex_dispatcher_backend", None) == NAME:
+        return "flex"
+    return None

@@ -1,0 +1,199 @@
+"""EPPluginTokenDispatcher: megatron-core's MoETokenDispatcher on ep_plugin.EPBuffer.
+
+Imports megatron-core at import time: hooks.install() (run by `import ep_plugin.megatron` when
+megatron-core is importable) imports this module, and nothing else in ep_plugin does.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from ...buffer import EPBuffer
+from ...config import EPConfig
+from ..buffer_cache import get_buffer
+from .config import resolve_config
+
+
+def _wait(event) -> None:
+    if event is not None:
+        event.current_stream_wait()
+
+
+class EPPluginTokenDispatcher(MoETokenDispatcher):
+    """megatron-core MoETokenDispatcher on ep_plugin.EPBuffer (one copy per destination rank).
+
+    Workflow (same hooks, same outputs as MoEAlltoAllTokenDispatcher):
+      dispatch_preprocess : [S, B, H] -> [T, H]; routing map -> top-k ids + their probs
+      token_dispatch      : EPBuffer.dispatch (rows once per destination rank, + the probs)
+      dispatch_postprocess: (row, local expert) pairs sorted by expert -> expert-grouped rows,
+                            tokens_per_expert (host), permuted probs for the experts
+      combine_preprocess  : sum each row's expert outputs (un-permute)
+      token_combine       : EPBuffer.combine
+      combine_postprocess : [T, H] -> [S, B, H] (+ shared experts when overlapped)
+    Tensors that carry gradients always flow through the method arguments (never through
+    state), so megatron's 1F1B EP-overlap schedule, which detaches between stages, works.
+
+    Buffer: the EPBuffer of (EP group, config, hidden) from integrations/buffer_cache.py, shared by
+    every layer and batch and sized by comm.max_tokens_per_rank; a batch with more tokens raises
+    ValueError in dispatch_preprocess, before any communication.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None) -> None:
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size != 1:
+            raise ValueError(
+                "moe_token_dispatcher_type='ep_plugin' supports expert_tensor_parallel_size=1 "
+                f"only (got expert TP size {self.tp_size})")
+        if config.moe_pad_expert_input_to_capacity:
+            raise ValueError("moe_token_dispatcher_type='ep_plugin' is dropless: "
+                             "moe_pad_expert_input_to_capacity is not supported")
+        if config.moe_router_padding_for_quantization:
+            raise ValueError("moe_token_dispatcher_type='ep_plugin' does not support "
+                             "moe_router_padding_for_quantization")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.router_topk = config.moe_router_topk
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_moe_experts={self.num_experts} is not divisible by the EP size {self.ep_size}")
+        if self.local_expert_indices != list(range(self.ep_rank * num_local_experts,
+                                                   (self.ep_rank + 1) * num_local_experts)):
+            raise ValueError("ep_plugin expects rank r to own experts [r*E/ep, (r+1)*E/ep)")
+        self.cudagraph_attrs = []
+        self.shared_experts = None
+        self.buffer: Optional[EPBuffer] = None
+        self._ep_cfg: Optional[EPConfig] = None
+        # per-forward metadata (no gradients)
+        self.hidden_shape = None
+        self.topk_idx = None
+        self.handle = None
+        self.recv_topk_idx = None
+        self.tokens_per_expert = None
+        self.permute_rows = None
+        self.num_recv = None
+        self.probs_dtype = None
+
+    # ---------------------------------------------------------------- helpers
+    def _ep_config(self) -> EPConfig:
+        if self._ep_cfg is None:
+            self._ep_cfg = resolve_config(self.config, self.num_experts, self.router_topk)
+        return self._ep_cfg
+
+    def _check_capacity(self, num_tokens: int) -> None:
+        # checked at the first hook, before any communication: a rank that went on to dispatch
+        # would leave its peers waiting in a collective
+        cap = self._ep_config().comm.max_tokens_per_rank
+        if num_tokens > cap:
+            raise ValueError(
+                f"ep_plugin.megatron: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank} "
+                f"(hidden states {tuple(self.hidden_shape)}), more than comm.max_tokens_per_rank={cap} "
+                f"that its EPBuffer is sized for; set comm.max_tokens_per_rank to at least {num_tokens} "
+                "in the ep_plugin YAML (or the config given to ep_plugin.megatron.attach_config)")
+
+    def _buffer_for(self, x: torch.Tensor) -> EPBuffer:
+        H = x.shape[1]
+        if self.buffer is None or self.buffer.hidden != H:
+            self.buffer = get_buffer(self.ep_group, self._ep_config(), H)
+        return self.buffer
+
+    def _routing_to_topk(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """[T, E] bool -> [T, K] int64 expert ids in increasing order, -1 for unused slots."""
+        K = min(self.router_topk, routing_map.shape[1])
+        vals, idx = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True, stable=True)
+        vals, idx = vals[:, :K], idx[:, :K]
+        return torch.where(vals > 0, idx, torch.full_like(idx, -1)).contiguous()
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        assert routing_map.dim() == 2 and routing_map.dtype == torch.bool, "routing_map must be [T, E] bool"
+        assert probs.dim() == 2, "probs must be [T, E]"
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self._check_capacity(hidden_states.shape[0])
+        if self.config.overlap_moe_expert_parallel_comm:
+            # megatron's EP-overlap schedule frees the dispatch node's inputs after the
+            # forward (resize_(0)); a view would free the layernorm output the router needs
+            hidden_states = hidden_states.clone()
+        with torch.no_grad():
+            topk_idx = self._routing_to_topk(routing_map)
+        self.topk_idx = topk_idx
+        self.probs_dtype = probs.dtype
+        topk_probs = probs.gather(1, topk_idx.clamp(min=0))
+        topk_probs = topk_probs.masked_fill(topk_idx < 0, 0).float().contiguous()
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        return hidden_states, topk_probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        hidden_states = hidden_states.contiguous()
+        buf = self._buffer_for(hidden_states)
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        res = buf.dispatch(hidden_states, self.topk_idx, probs.float().contiguous())
+        if self.shared_experts is not None:
+            # shared experts' fc1 runs on its stream while the rows are in flight
+            self.shared_experts.linear_fc1_forward_and_act(res.x)
+        _wait(res.event)
+        self.handle = res.handle
+        self.recv_topk_idx = res.topk_idx
+        self.tokens_per_expert = list(res.tokens_per_expert)
+        self.num_recv = res.x.shape[0]
+        self.topk_idx = None
+        return res.x, res.topk_weights
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        idx = self.recv_topk_idx
+        R, K = idx.shape
+        n = int(sum(self.tokens_per_expert))
+        flat = idx.reshape(-1)
+        key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_local_experts))
+        # expert-major, then by received row (= source rank, then position): alltoall's order
+        order = torch.sort(key, stable=True).indices[:n]
+        rows = torch.div(order, K, rounding_mode="floor")
+        self.permute_rows = rows
+        permuted_x = hidden_states.index_select(0, rows)
+        permuted_probs = probs.reshape(-1).index_select(0, order).to(self.probs_dtype)
+        tokens_per_expert = torch.tensor(self.tokens_per_expert, dtype=torch.long)
+        self.recv_topk_idx = None
+        return permuted_x, tokens_per_expert, permuted_probs
+
+    # ---------------------------------------------------------------- combine
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        rows = self.permute_rows
+        self.permute_rows = None
+        out = hidden_states.new_zeros((self.num_recv, hidden_states.shape[-1]))
+        return out.index_add_(0, rows, hidden_states)  # in place: no second [R, H] copy
+
+    def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        out = self.buffer.combine(hidden_states.contiguous(), self.handle)
+        event = None
+        if isinstance(out, tuple):
+            out, event = out
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        _wait(event)
+        self.handle = None
+        return out
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        out = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.get_output()
+        return out
+
+    # flex-dispatcher API used by megatron's paged stash
+    def check_over_budget(self):
+        return None
+
+    def reset_over_budget(self):
+        return None

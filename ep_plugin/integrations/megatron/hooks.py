@@ -1,0 +1,122 @@
+"""The three places where ep_plugin hooks megatron-core (0.19.2), and how to undo them.
+
+megatron-core has no dispatcher registry: MoELayer.__init__ picks a class by name. install()
+  - wraps MoELayer.__init__, for moe_token_dispatcher_type="ep_plugin";
+  - swaps the flex dispatcher class that moe_layer uses for a factory, for
+    moe_token_dispatcher_type="flex" + moe_flex_dispatcher_backend="ep_plugin";
+  - lets TransformerConfig validate "ep_plugin" with the rules of "alltoall" (so shared-expert
+    overlap and overlap_moe_expert_parallel_comm are accepted, as they are for alltoall).
+uninstall() restores all three. Nothing else in megatron is touched.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .config import NAME, uses_ep_plugin
+
+
+@dataclass(frozen=True)
+class _Originals:
+    moe_layer_init: Callable
+    flex_dispatcher: Any
+    config_post_init: Callable
+
+
+_installed: Optional[_Originals] = None
+_LOCK = threading.Lock()
+# set while MoELayer.__init__ builds an "ep_plugin"-named layer through the flex branch
+_BUILDING = threading.local()
+
+
+def _flex_factory(num_local_experts, local_expert_indices, config, pg_collection=None):
+    if getattr(_BUILDING, "active", False) or uses_ep_plugin(config):
+        from .dispatcher import EPPluginTokenDispatcher
+
+        return EPPluginTokenDispatcher(num_local_experts, local_expert_indices, config=config,
+                                       pg_collection=pg_collection)
+    return _installed.flex_dispatcher(num_local_experts, local_expert_indices, config=config,
+                                      pg_collection=pg_collection)
+
+
+def _moe_layer_init(self, config, *args, **kwargs):
+    original = _installed.moe_layer_init
+    if uses_ep_plugin(config) != "name":
+        return original(self, config, *args, **kwargs)
+    # MoELayer.__init__ chooses the dispatcher with an if/elif on the name: let it take the flex
+    # branch (whose class is our factory) while _BUILDING is set, then restore the name.
+    _BUILDING.active = True
+    object.__setattr__(config, "moe_token_dispatcher_type", "flex")
+    try:
+        return original(self, config, *args, **kwargs)
+    finally:
+        object.__setattr__(config, "moe_token_dispatcher_type", NAME)
+        _BUILDING.active = False
+
+
+def _config_post_init(self, *args, **kwargs):
+    original = _installed.config_post_init
+    if getattr(self, "moe_token_dispatcher_type", None) != NAME:
+        return original(self, *args, **kwargs)
+    # validate "ep_plugin" with alltoall's rules (same capabilities: dropless, overlaps)
+    object.__setattr__(self, "moe_token_dispatcher_type", "alltoall")
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        object.__setattr__(self, "moe_token_dispatcher_type", NAME)
+
+
+def install() -> None:
+    """Hook megatron-core so that moe_token_dispatcher_type="ep_plugin" and
+    flex + moe_flex_dispatcher_backend="ep_plugin" build EPPluginTokenDispatcher. Idempotent;
+    done on import of ep_plugin.megatron when megatron-core is importable."""
+    global _installed
+    with _LOCK:
+        if _installed is not None:
+            return
+        from megatron.core.transformer import transformer_config as tc_mod
+        from megatron.core.transformer.moe import moe_layer as ml_mod
+
+        from . import dispatcher  # noqa: F401  (megatron is importable: fail here, not in a forward)
+
+        _installed = _Originals(moe_layer_init=ml_mod.MoELayer.__init__,
+                                flex_dispatcher=ml_mod.MoEFlexTokenDispatcher,
+                                config_post_init=tc_mod.TransformerConfig.__post_init__)
+        _moe_layer_init.__wrapped__ = _installed.moe_layer_init
+        _config_post_init.__wrapped__ = _installed.config_post_init
+        ml_mod.MoELayer.__init__ = _moe_layer_init
+        ml_mod.MoEFlexTokenDispatcher = _flex_factory
+        tc_mod.TransformerConfig.__post_init__ = _config_post_init
+
+
+def uninstall() -> None:
+    """Restore megatron-core's MoELayer.__init__, flex dispatcher class and config validation."""
+    global _installed
+    with _LOCK:
+        if _installed is None:
+            return
+        from megatron.core.transformer import transformer_config as tc_mod
+        from megatron.core.transformer.moe import moe_layer as ml_mod
+
+        ml_mod.MoELayer.__init__ = _installed.moe_layer_init
+        ml_mod.MoEFlexTokenDispatcher = _installed.flex_dispatcher
+        tc_mod.TransformerConfig.__post_init__ = _installed.config_post_init
+        _installed = None
+
+
+def is_installed() -> bool:
+    return _installed is not None
+
+
+def install_if_available() -> bool:
+    """install() when megatron-core is importable; otherwise warn once and leave megatron alone
+    (so that `import ep_plugin.megatron` works without it). True when the hooks are in."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        warnings.warn("ep_plugin.megatron: megatron-core is not importable; hooks not installed")
+        return False
+    install()
+    return True

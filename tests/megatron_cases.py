@@ -1,0 +1,245 @@
+"""The Megatron comparison cases shared by test_megatron.py (CPU, gloo) and test_megatron_gpu.py
+(NCCL): a MoELayer (or GPT model) with ep_plugin's dispatcher against megatron's `alltoall`, same
+weights and inputs; each case returns the largest differences of output and gradients."""
+from __future__ import annotations
+
+import torch
+
+H = 16
+
+# name -> (ours: kwargs, reference: kwargs, options); common fields in make_config()
+CASES = {
+    "topk_softmax": (
+        dict(moe_token_dispatcher_type="ep_plugin"),
+        dict(moe_token_dispatcher_type="alltoall"), {}),
+    "topk_softmax_aux_loss": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_load_balancing_type="aux_loss",
+             moe_aux_loss_coeff=1e-2),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+             moe_aux_loss_coeff=1e-2), {}),
+    "group_limited_sigmoid_expert_bias": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=4, moe_router_num_groups=4,
+             moe_router_group_topk=2, moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+             moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=4, moe_router_num_groups=4,
+             moe_router_group_topk=2, moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+             moe_router_dtype="fp32"), {"expert_bias": "random"}),
+    "skew_rank1_receives_nothing": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"), {"expert_bias": "skew"}),
+    "capacity_factor_token_drop": (  # dropped (token, expert) pairs become -1 slots
+        dict(moe_token_dispatcher_type="ep_plugin", moe_expert_capacity_factor=0.5),
+        dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=0.5), {}),
+    "top1_probs_on_input": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True), {}),
+    "shared_experts": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12), {}),
+    "shared_expert_overlap_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12, moe_shared_expert_overlap=True,
+             moe_shared_expert_gate=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True, moe_shared_expert_gate=True), {}),
+    "shared_expert_overlap_by_name": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True), {}),
+    "grouped_mm_experts": (  # TEGroupedMLP (non-TE path) with ep_plugin's GroupedMMLinear
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"grouped": True}),
+    # megatron's overlap_moe_expert_parallel_comm schedule runs route/preprocess, dispatch, experts
+    # and combine as separate graph segments (detached in between): emulate that split
+    "ep_overlap_stage_split_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12),
+        {"stage_split": True}),
+}
+
+
+def make_config(world, hidden=H, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=8,
+                moe_router_topk=2, moe_ffn_hidden_size=8, expert_model_parallel_size=world,
+                use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+                activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+                moe_router_load_balancing_type="none")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def make_moe_layer(cfg, grouped=False):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    import ep_plugin.megatron as epm
+
+    torch.manual_seed(0)
+    if grouped:
+        return MoELayer(config=cfg, submodules=MoESubmodules(experts=epm.grouped_mm_experts()))
+    return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
+
+
+def _staged_forward(layer, x):
+    """MoELayer.forward cut into the four segments of megatron's EP-overlap (1F1B) schedule."""
+    segs = []
+
+    def cut(*ts):
+        outs = tuple(t.detach().requires_grad_(t.requires_grad) for t in ts)
+        segs.append((ts, outs))
+        return outs
+
+    shared = layer.shared_experts_compute(x)
+    probs, routing_map = layer.route(x)
+    hs, probs = layer.preprocess(x, probs, routing_map)
+    hs, probs = cut(hs, probs)
+    disp, dprobs = layer.dispatch(hs, probs)
+    disp, dprobs = cut(disp, dprobs)
+    out, _ = layer.routed_experts_compute(disp, dprobs)
+    (out,) = cut(out)
+    y = layer.postprocess(layer.combine(out), shared)
+    return y, segs
+
+
+def _staged_backward(y, grad, segs):
+    torch.autograd.backward([y], [grad])
+    for ins, outs in reversed(segs):
+        pairs = [(i, o.grad) for i, o in zip(ins, outs) if i.requires_grad and o.grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, dtype=torch.float32):
+    import ep_plugin.megatron as epm
+
+    ours_kw, ref_kw, opts = CASES[name]
+    if dtype != torch.float32:
+        low = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        ref_kw, ours_kw = dict(ref_kw, **low), dict(ours_kw, **low)
+    ref = make_moe_layer(make_config(world, hidden, **ref_kw), opts.get("grouped", False)).to(device)
+    ours_cfg = make_config(world, hidden, **ours_kw)
+    if comm_backend is not None:
+        epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
+    ours = make_moe_layer(ours_cfg, opts.get("grouped", False)).to(device)
+
+    assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100 + rank)  # experts differ per rank
+        for n, p in ref.named_parameters():
+            if "experts.local_experts" in n or ".experts." in n and "shared" not in n:
+                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(device))
+        eb = getattr(ref.router, "expert_bias", None)
+        if opts.get("expert_bias") == "random":
+            eb.copy_((torch.randn(eb.shape, generator=torch.Generator().manual_seed(7)) * 0.1).to(device))
+        elif opts.get("expert_bias") == "skew":
+            eb.zero_()
+            eb[:2] = 100.0  # every token picks experts 0 and 1 (rank 0): rank 1 receives nothing
+    missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
+    assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
+
+    S = 5 + 3 * rank  # ranks dispatch different token counts
+    g = torch.Generator().manual_seed(1000 + rank)
+    x0 = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
+    wout = torch.randn(S, 2, hidden, generator=g).to(device, dtype)
+    res = {}
+    for tag, layer in (("ref", ref), ("ours", ours)):
+        x = x0.clone().requires_grad_()
+        if opts.get("stage_split") and tag == "ours":
+            y, segs = _staged_forward(layer, x)
+            _staged_backward(y, wout, segs)
+        else:
+            y, _ = layer(x)
+            (y * wout).sum().backward()
+        res[tag] = (y.detach(), x.grad.clone(),
+                    {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    (y0, gx0, gp0), (y1, gx1, gp1) = res["ref"], res["ours"]
+    assert set(gp0) == set(gp1), (sorted(set(gp0) ^ set(gp1)))
+    out = {
+        "out": (y0 - y1).abs().max().item(),
+        "grad_x": (gx0 - gx1).abs().max().item(),
+        "grad_params": max(((gp0[n] - gp1[n]).abs().max().item() for n in gp0), default=0.0),
+        "rel_out": (y0 - y1).abs().max().item() / max(y0.abs().max().item(), 1e-6),
+        "rel_grad_x": (gx0 - gx1).abs().max().item() / max(gx0.abs().max().item(), 1e-6),
+        "rel_grad_params": max(((gp0[n] - gp1[n]).abs().max().item() / max(gp0[n].abs().max().item(), 1e-6)
+                                for n in gp0), default=0.0),
+        "scale": max(y0.abs().max().item(), 1e-6),
+        "num_param_grads": len(gp0),
+        "recv_rows": int(ours.token_dispatcher.num_recv),
+        "comm_backend": ours.token_dispatcher.buffer.backend_name,
+    }
+    return out
+
+
+# megatron's real EP-overlap (combined 1F1B) schedule: GPTModel.build_schedule_plan +
+# TransformerModelChunkSchedulePlan.run interleave one microbatch's forward with the previous one's
+# backward, layer by layer, on separate (here: stand-in) streams, freeing stage inputs early.
+SCHEDULE_CASES = {
+    "ep_overlap_1f1b_flex": dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin"),
+    "ep_overlap_1f1b_by_name": dict(moe_token_dispatcher_type="ep_plugin"),
+}
+
+
+def _gpt(world, overlap, **kw):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16, expert_model_parallel_size=world,
+        overlap_moe_expert_parallel_comm=overlap, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32", masked_softmax_fusion=False, bias_dropout_fusion=False, **kw)
+    torch.manual_seed(0)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+                     vocab_size=64, max_sequence_length=8, position_embedding_type="rope")
+    return model.to(torch.bfloat16)
+
+
+def compare_schedule(rank, world, name, device="cpu"):
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+    import ep_plugin.megatron as epm
+
+    if device != "cpu":  # megatron's combined-1F1B schedule creates its comm stream the same way
+        from megatron.core.pipeline_parallel.utils import set_streams
+        set_streams()
+    ref = _gpt(world, False, **SCHEDULE_CASES[name]).to(device)
+    ovl = _gpt(world, True, **SCHEDULE_CASES[name]).to(device)
+    ovl.load_state_dict(ref.state_dict(), strict=False)
+    assert isinstance(ovl.decoder.layers[0].mlp.token_dispatcher, epm.EPPluginTokenDispatcher)
+    g = torch.Generator().manual_seed(rank)
+    mbs = [torch.randint(0, 64, (2, 9), generator=g).to(device) for _ in range(3)]
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool, device=device), 1)[None, None]
+    pos = torch.arange(8, device=device)[None].expand(2, -1)
+    for d in mbs:  # reference: plain forward/backward per microbatch
+        ref(d[:, :-1], pos, mask, labels=d[:, 1:]).float().sum().backward()
+    prev = None  # (plan, output) of the microbatch whose backward is pending
+    for i in range(len(mbs) + 1):
+        plan = (ovl.build_schedule_plan(mbs[i][:, :-1], pos, mask, labels=mbs[i][:, 1:])
+                if i < len(mbs) else None)
+        out = TransformerModelChunkSchedulePlan.run(
+            plan, prev[0] if prev else None, b_grad=torch.ones_like(prev[1]) if prev else None)
+        prev = (plan, out) if plan is not None else None
+    diffs, scale, n = 0.0, 0.0, 0
+    for (na, pa), (nb, pb) in zip(ref.named_parameters(), ovl.named_parameters()):
+        assert na == nb
+        if pa.grad is None:
+            assert pb.grad is None, na
+            continue
+        assert pb.grad is not None, na
+        diffs = max(diffs, (pa.grad.float() - pb.grad.float()).abs().max().item())
+        scale = max(scale, pa.grad.float().abs().max().item())
+        n += 1
+    return {"grad_params": diffs, "scale": scale, "num_param_grads": n}
