@@ -1,112 +1,296 @@
-"""Time dispatch/combine of the nvlink and torch (NCCL) backends side by side (DESIGN.md protocol).
+"""Dispatch/combine side by side in one run: ep_plugin nvlink, the torch backend (NCCL), a plain NCCL
+all-to-all, and DeepEP V1 when `deep_ep` imports, under both protocols of DESIGN.md (cold call and
+queued; protocols.py).
 
-    python3 benchmarks/bench_dispatch.py                 # EP2 and EP4, all cases, results in benchmarks/results
-    python3 benchmarks/bench_dispatch.py --worlds 4 --iters 50 --out /tmp/res
+    python3 benchmarks/bench_dispatch.py --out /tmp/res --label after           # 2 GPUs, default cases
+    PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_dispatch.py --label before
+    python3 benchmarks/bench_dispatch.py --cases throughput sm_sweep --sms 8 16 24 32
 
-Cases: throughput (4096 tokens/rank, hidden 7168, 256 experts, top-8; BF16 and FP8 dispatch, BF16
-combine), latency (128 tokens/rank, same model), SM sweep (8/16/24/32 SMs, throughput shape).
-Each timing: L2 flushed (a 256 MB write), GPUs aligned by a tiny all-reduce, CUDA events around the
-call, warm-up first, median over iterations; the reported time is the slowest rank's median.
-Logical bandwidth (DeepEP): bytes of rows received by a rank (BF16, one copy per rank) / time,
-bottleneck rank. Floor: the bytes that must cross NVLink into (dispatch) or out of (combine) the busiest
-GPU at the 478 GB/s line rate.
-Writes nvlink_<case>.json (+ nvlink_bench.png with matplotlib) and prints a table.
+Cases: throughput (4096 tokens/rank, hidden 7168, 256 experts, top-8, uniform routing),
+group_limited (the same, experts in 4 contiguous groups, each token's top-8 inside its best 2 groups),
+latency (128 tokens/rank; adds DeepEP's low-latency kernels), sm_sweep (optional: nvlink at --sms).
+Times are the slowest rank's median. Logical GB/s (DeepEP's): BF16 bytes of the rows a rank receives,
+one copy per rank, over the time, bottleneck rank. Floor: remote bytes of the busiest GPU at 478 GB/s.
+Prints one table and writes bench_dispatch_<label>.json (+ .png with matplotlib) to --out.
+The run goes in three phases — ours, DeepEP normal, DeepEP low-latency — and the JSON is rewritten
+after each, so a failure or a hang in DeepEP (killed at --timeout) keeps the rows measured before it.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import inspect
 import os
 import socket
-import statistics
-import subprocess
 import sys
+import time
 import traceback
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ep_plugin  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:  # an ep_plugin on PYTHONPATH (e.g. an older checkout) wins over this tree
+    import ep_plugin
+except ImportError:
+    sys.path.append(os.path.dirname(HERE))
+    import ep_plugin
 
-NVLINK_GBPS = 478.0
-NCCL_GBPS = 330.0
-E, K, H = 256, 8, 7168
+import bench_report as report  # noqa: E402
+from bench_inputs import CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, make_inputs  # noqa: E402
+from bench_launch import run_world  # noqa: E402
+from deepep_rows import LL_OPS, NORMAL_OPS, DeepEP  # noqa: E402
+from protocols import _short, failed, kernel_breakdown, measure, Protocols  # noqa: E402
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_routing(T, seed, device):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int64)
-    w = torch.rand(T, K, generator=g)
-    return idx.to(device), w.to(device)
+NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16")
 
 
-def quantize_fp8(x):
-    T = x.shape[0]
-    s = x.float().abs().view(T, -1, 128).amax(-1).clamp(min=1e-4) / 448.0
-    d = (x.float().view(T, -1, 128) / s.unsqueeze(-1)).view(T, -1).to(torch.float8_e4m3fn)
-    return d, s.contiguous()
+# ---------------------------------------------------------------------------------- ranks
+def gather(v):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, v)
+    return every
 
 
-class Timer:
-    def __init__(self, warmup, iters):
-        self.warmup, self.iters = warmup, iters
-        self.flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # 256 MB > L2
-        self.tok = torch.zeros(1, device="cuda")
-
-    def __call__(self, fn):
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(self.warmup + self.iters)]
-        for a, b in evs:
-            self.flush.zero_()
-            dist.all_reduce(self.tok)  # GPUs start the timed region together
-            a.record()
-            fn()
-            b.record()
-        torch.cuda.synchronize()
-        t = [a.elapsed_time(b) * 1e3 for a, b in evs[self.warmup:]]
-        return statistics.median(t)
+def agreed_error(err: Optional[str]) -> Optional[str]:
+    return next((f"rank {r}: {e}" for r, e in enumerate(gather(err)) if e), None)
 
 
-def kernel_breakdown(fn, n=10):
-    """Average device time per kernel name (us) over n calls, via the torch profiler (CUPTI)."""
+def pending(ops, where: str) -> Dict:
+    return {op: failed(f"did not finish: the run stopped in {where}") for op in ops}
+
+
+def attempt(what: str, fn):
+    """(fn(), None), or (None, the error of the first rank that failed): every rank takes the same branch."""
+    out, err = None, None
     try:
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-        out = {}
-        for ev in prof.key_averages():
-            dt = getattr(ev, "device_time_total", None)
-            if dt is None:
-                dt = getattr(ev, "cuda_time_total", 0)
-            if dt:
-                name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
-                name = name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60]
-                out[name] = out.get(name, 0.0) + dt / n
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
-    except Exception as exc:  # profiler unavailable: not fatal
-        return {"error": str(exc)[:200]}
+        out = fn()
+    except Exception as exc:
+        err = f"{what} failed: {_short(exc)}"
+    err = agreed_error(err)
+    return (None, err) if err else (out, None)
 
 
-def rank_main(rank, world, port, args, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+class RankBench:
+    def __init__(self, rank: int, world: int, args, q):
+        self.rank, self.world, self.args, self.q = rank, world, args, q
+        self.t0 = time.time()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.proto = Protocols(args.warmup, args.iters)
+        self.records: Dict[str, Dict] = {}
+        self.deepep_info: Dict = {"ran": False, "low_latency_ran": False}
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[EP{self.world} +{time.time() - self.t0:5.1f}s] {msg}", flush=True)
+
+    def put(self, kind: str) -> None:
+        if self.rank == 0:
+            self.q.put((kind, {"world": self.world, "records": list(self.records.values()),
+                               "deepep": self.deepep_info}))
+
+    def timed(self, rec: Dict, op: str, fn) -> None:
+        rec["ops"][op] = measure(self.proto, fn)
+        self.report_ops(rec["case"], {op: rec["ops"][op]})
+
+    def new_record(self, inp: Inputs) -> Dict:
+        rem_in = sum(inp.recv) - inp.recv[self.rank]
+        rem_out = sum(inp.send) - inp.send[self.rank]
+        every = gather((sum(inp.recv), rem_in, rem_out))
+        return {"case": inp.case, "world": self.world, "tokens_per_rank": inp.T, "routing": inp.routing, "hidden": H,
+                "num_sms": self.args.num_sms, "ops": {}, "checks": {}, "breakdown": {},
+                "traffic": {"recv_rows": [e[0] for e in every], "remote_in": [e[1] for e in every],
+                            "remote_out": [e[2] for e in every]}}
+
+    # -------------------------------------------------------------- phase 1: ep_plugin and NCCL
+    def make_buffers(self) -> Dict[str, object]:
+        """{"nvlink": EPBuffer or the agreed error text, "torch": the same}."""
+        comm = {"max_tokens_per_rank": 4096, "timeout_s": 15.0, "num_sms": self.args.num_sms}
+        out: Dict[str, object] = {}
+        for name in ("nvlink", "torch"):
+            cfg = {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": name, **comm}}
+            buf, err = attempt(f"EPBuffer(backend={name})", lambda cfg=cfg: ep_plugin.EPBuffer(None, cfg, hidden=H))
+            if err:
+                self.say(err)
+            out[name] = err or buf
+        return out
+
+    def check_ours(self, nv, ref, inp: Inputs) -> Dict:
+        """ep_plugin nvlink against the torch backend (valid rows only: a worst-case-sized dispatch pads)."""
+        x, xf8, idx, w = inp.x, inp.xf8, inp.idx, inp.w
+        a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+        na, nb = sum(a.handle.recv_counts), sum(b.handle.recv_counts)
+        ok = na == nb and torch.equal(a.x[:na], b.x[:nb]) and torch.equal(a.topk_idx[:na], b.topk_idx[:nb])
+        yb = ref.combine(b.x, b.handle).float()
+        ok = ok and torch.allclose(nv.combine(a.x, a.handle).float(), yb, atol=3e-2, rtol=1e-2)
+        be = getattr(nv, "_backend", None)
+        mode0 = getattr(be, "combine_mode", None)
+        if mode0 in ("split", "fused"):  # both combine kernels, where the backend has two
+            try:
+                for mode in ("split", "fused"):
+                    be.combine_mode = mode
+                    ok = ok and torch.allclose(nv.combine(a.x, a.handle).float(), yb, atol=3e-2, rtol=1e-2)
+            finally:
+                be.combine_mode = mode0
+        af, bf = nv.dispatch(xf8, idx, w), ref.dispatch(xf8, idx, w)
+        ok = ok and torch.equal(af.x[0][:na].view(torch.uint8), bf.x[0][:nb].view(torch.uint8)) \
+            and torch.equal(af.x[1][:na], bf.x[1][:nb])
+        inp.ours_x = a.x[:na].clone()  # the buffer behind a.x may be reused by the next dispatch
+        return {"ok": bool(ok), "recv_rows": int(na), "recv_counts_ok": list(a.handle.recv_counts) == inp.recv}
+
+    def ours_case(self, bufs: Dict[str, object], inp: Inputs, rec: Dict) -> None:
+        x, idx, w = inp.x, inp.idx, inp.w
+        nv, ref = bufs["nvlink"], bufs["torch"]
+        if not isinstance(nv, str) and not isinstance(ref, str):
+            mine, err = attempt("ep_plugin check", lambda: self.check_ours(nv, ref, inp))
+            every = gather(mine)
+            if err:
+                self.say(f"{inp.case}: {err}")
+                rec["checks"]["ours_error"] = err
+            else:
+                rec["checks"]["ours_vs_torch"] = [m["ok"] for m in every]
+                rec["checks"]["ours_recv_rows"] = [m["recv_rows"] for m in every]
+                rec["checks"]["ours_recv_counts_match_routing"] = [m["recv_counts_ok"] for m in every]
+                self.say(f"{inp.case}: ep_plugin nvlink == torch backend: {rec['checks']['ours_vs_torch']}, "
+                         f"rows received {rec['checks']['ours_recv_rows']}")
+        if isinstance(nv, str):
+            rec["ops"].update({op: failed(nv) for op in NVLINK_OPS})
+        else:
+            self.nvlink_ops(nv, inp, rec)
+        b, err = (None, ref) if isinstance(ref, str) else attempt("torch backend dispatch", lambda: ref.dispatch(x, idx, w))
+        if err:
+            rec["ops"].update({op: failed(err) for op in ("torch.dispatch_bf16", "torch.combine_bf16")})
+        else:
+            self.timed(rec, "torch.dispatch_bf16", lambda: ref.dispatch(x, idx, w))
+            self.timed(rec, "torch.combine_bf16", lambda: ref.combine(b.x, b.handle))
+        # a plain all-to-all moving the same rows, split sizes known in advance: only the exchange is timed
+        order = torch.cat([inp.in_rank[:, r].nonzero().squeeze(1) for r in range(self.world)])
+        send_buf = x[order].contiguous()
+        recv_buf = torch.empty(sum(inp.recv), H, dtype=x.dtype, device=x.device)
+        back_buf = torch.empty_like(send_buf)
+        self.timed(rec, "nccl.dispatch_bf16", lambda: dist.all_to_all_single(recv_buf, send_buf, inp.recv, inp.send))
+        self.timed(rec, "nccl.combine_bf16", lambda: dist.all_to_all_single(back_buf, recv_buf, inp.send, inp.recv))
+
+    def nvlink_ops(self, nv, inp: Inputs, rec: Dict) -> None:
+        x, xf8, idx, w = inp.x, inp.xf8, inp.idx, inp.w
+        self.timed(rec, "nvlink.dispatch_bf16", lambda: nv.dispatch(x, idx, w))
+        self.timed(rec, "nvlink.dispatch_fp8", lambda: nv.dispatch(xf8, idx, w))
+        a, err = attempt("nvlink dispatch", lambda: nv.dispatch(x, idx, w))  # a fresh handle for what follows
+        if err:
+            rec["ops"]["nvlink.dispatch_cached"] = rec["ops"]["nvlink.combine_bf16"] = failed(err)
+            return
+        self.timed(rec, "nvlink.dispatch_cached", lambda: nv.dispatch(x, handle=a.handle))
+        self.timed(rec, "nvlink.combine_bf16", lambda: nv.combine(a.x, a.handle))
+        if self.args.breakdown:  # every rank profiles; rank 0's numbers are kept
+            rec["breakdown"] = {"dispatch_bf16": kernel_breakdown(lambda: nv.dispatch(x, idx, w)),
+                                "dispatch_fp8": kernel_breakdown(lambda: nv.dispatch(xf8, idx, w)),
+                                "combine_bf16": kernel_breakdown(lambda: nv.combine(a.x, a.handle))}
+
+    def sm_sweep(self, nv, inp: Inputs, rec: Dict) -> None:
+        be = getattr(nv, "_backend", None)
+        if be is None or not hasattr(be, "num_sms"):
+            self.say("sm_sweep: this backend has no num_sms to set; skipped")
+            return
+        a, err = attempt("nvlink dispatch", lambda: nv.dispatch(inp.x, inp.idx, inp.w))
+        if err:
+            self.say(f"sm_sweep: {err}")
+            return
+        sms0 = be.num_sms
+        rec["sms"] = list(self.args.sms)
+        try:
+            for s in self.args.sms:
+                be.num_sms = s
+                self.timed(rec, f"nvlink@{s}.dispatch_bf16", lambda: nv.dispatch(inp.x, inp.idx, inp.w))
+                self.timed(rec, f"nvlink@{s}.dispatch_fp8", lambda: nv.dispatch(inp.xf8, inp.idx, inp.w))
+                self.timed(rec, f"nvlink@{s}.combine_bf16", lambda: nv.combine(a.x, a.handle))
+        finally:
+            be.num_sms = sms0
+
+    # -------------------------------------------------------------- the run
+    def report_ops(self, case: str, ops: Dict) -> None:
+        for op, r in ops.items():
+            if r["error"]:
+                self.say(f"{case} {op}: {r['error']}")
+                break  # the others share it
+            self.say(f"{case} {op}: cold {max(r['cold_us']):.1f} us, queued {max(r['queued_us']):.1f} us")
+
+    def run(self) -> None:
+        args = self.args
+        cases = [c for c in args.cases if c in CASES]
+        inputs = {c: make_inputs(c, self.rank, self.world, self.device) for c in cases}
+        bufs = self.make_buffers()
+        self.say(f"phase 1: ep_plugin ({ep_plugin.__file__}) and NCCL, cases {cases}")
+        for c in cases:
+            self.records[c] = self.new_record(inputs[c])
+            self.ours_case(bufs, inputs[c], self.records[c])
+        if "sm_sweep" in args.cases and not isinstance(bufs["nvlink"], str):
+            inp = inputs.get("throughput") or make_inputs("sm_sweep", self.rank, self.world, self.device)
+            rec = self.records["sm_sweep"] = self.new_record(inp)
+            rec["case"] = "sm_sweep"
+            self.sm_sweep(bufs["nvlink"], inp, rec)
+        self.put("partial")
+
+        # until a phase ends its ops read "did not finish", so a rank that dies in DeepEP leaves a reason
+        run_ll = "latency" in cases and not args.no_deepep_ll
+        for c in cases:
+            self.records[c]["ops"].update(pending(NORMAL_OPS, "DeepEP's normal kernels"))
+        if run_ll:
+            self.records["latency"]["ops"].update(pending(LL_OPS, "DeepEP's normal kernels"))
+        self.put("partial")
+        dep = DeepEP(H, E, args.num_sms, enabled=not args.no_deepep and bool(cases))
+        dep.setup_normal()
+        self.say(f"phase 2: DeepEP normal kernels ({dep.error or 'ready'})")
+        for c in cases:
+            ops, facts = dep.normal_case(self.proto, inputs[c].x, inputs[c].xf8, inputs[c].idx, inputs[c].w)
+            self.records[c]["ops"].update(ops)
+            self.report_ops(c, ops)
+            if not facts.get("error"):
+                theirs, ours = facts.pop("recv_x"), inputs[c].ours_x
+                same = ours is not None and torch.equal(theirs, ours)
+                every = gather((facts["recv_rows"], facts["combine_ok"], same))
+                chk = self.records[c]["checks"]
+                chk["deepep_recv_rows"] = [e[0] for e in every]
+                chk["deepep_combine_ok"] = [e[1] for e in every]
+                chk["deepep_rows_equal_ours"] = [e[2] for e in every]
+                self.deepep_info["ran"] = True
+                self.say(f"{c}: DeepEP rows received {chk['deepep_recv_rows']}, ours {chk.get('ours_recv_rows')}")
+            self.deepep_info.update(error=dep.error, **dep.info)
+            self.put("partial")
+
+        if not run_ll:
+            self.deepep_info["ll_error"] = "skipped (no latency case, or --no-deepep-ll)"
+        else:
+            self.records["latency"]["ops"].update(pending(LL_OPS, "DeepEP's low-latency set-up or kernels"))
+            self.put("partial")
+            dep.setup_low_latency(CASES["latency"][0])
+            self.say(f"phase 3: DeepEP low-latency kernels ({dep.ll_error or 'ready'})")
+            inp = inputs["latency"]
+            ops, facts = dep.low_latency_case(self.proto, inp.x, inp.idx, inp.w)
+            self.records["latency"]["ops"].update(ops)
+            self.report_ops("latency", ops)
+            if not facts.get("error"):
+                every = gather((facts["recv_copies"], facts["combine_ok"]))
+                self.records["latency"]["checks"]["deepep_ll_recv_copies"] = [e[0] for e in every]
+                self.records["latency"]["checks"]["deepep_ll_combine_ok"] = [e[1] for e in every]
+                self.deepep_info["low_latency_ran"] = True
+            self.deepep_info.update(ll_error=dep.ll_error, **dep.info)
+        self.put("done")
+        dep.close()
+        for b in bufs.values():
+            if not isinstance(b, str) and hasattr(b, "close"):
+                b.close()
+
+
+def rank_main(rank: int, world: int, port: int, args, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     try:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world)
-        res = run_cases(rank, world, args)
-        if rank == 0:
-            q.put(("ok", res))
+        kw = {}
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kw["device_id"] = torch.device("cuda", rank)  # binds NCCL (and its barrier) to this GPU
+        dist.init_process_group("nccl", rank=rank, world_size=world, **kw)
+        RankBench(rank, world, args, q).run()
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -114,263 +298,105 @@ def rank_main(rank, world, port, args, q):
         raise
 
 
-def gather_max(v):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, v)
-    return out
-
-
-def run_cases(rank, world, args):
-    timer = Timer(args.warmup, args.iters)
-    comm = {"max_tokens_per_rank": 4096, "timeout_s": 15.0, "num_sms": 24}
-
-    def say(msg):
-        if rank == 0:
-            print(f"[EP{world}] {msg}", flush=True)
-
-    nv = ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": "nvlink", **comm}},
-                            hidden=H)
-    ref = ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": "torch", **comm}},
-                             hidden=H)
-    be = nv._backend
-    results = {}
-    for case, T in (("throughput", 4096), ("latency", 128)):
-        if case not in args.cases and not (case == "throughput" and "sm_sweep" in args.cases):
-            continue
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        idx, w = make_routing(T, 1000 * world + rank, "cuda")
-        xf8 = quantize_fp8(x)
-        a = nv.dispatch(x, idx, w)
-        b = ref.dispatch(x, idx, w)
-        ok = torch.equal(a.x, b.x) and torch.equal(a.topk_idx, b.topk_idx)
-        rows = a.x
-        ya, yb = nv.combine(rows, a.handle), ref.combine(rows, b.handle)
-        ok = ok and torch.allclose(ya.float(), yb.float(), atol=3e-2, rtol=1e-2)
-        modes = ("split", "fused") if hasattr(be, "combine_mode") else ()
-        mode0 = getattr(be, "combine_mode", None)
-        for mode in modes:  # both combine kernels against the reference
-            be.combine_mode = mode
-            ok = ok and torch.allclose(nv.combine(rows, a.handle).float(), yb.float(), atol=3e-2, rtol=1e-2)
-        if modes:
-            be.combine_mode = mode0
-        af, bf = nv.dispatch(xf8, idx, w), ref.dispatch(xf8, idx, w)
-        ok = ok and torch.equal(af.x[0].view(torch.uint8), bf.x[0].view(torch.uint8)) and torch.equal(af.x[1], bf.x[1])
-        h = a.handle
-        self_rows = h.recv_counts[rank]
-        info = {"rank": rank, "num_recv": h.num_recv, "remote_recv": h.num_recv - self_rows,
-                "remote_sent": sum(h.send_counts) - h.send_counts[rank], "check_ok": bool(ok)}
-        rec = {"info": info, "nvlink": {}, "torch": {}, "breakdown": {}}
-        say(f"EP{world} {case}: {json.dumps(info)}")
-
-        def t(fn, label=""):
-            v = timer(fn)
-            say(f"{case} {label}: {v:.1f} us (rank {rank})")
-            return v
-
-        if case in args.cases:
-            be.num_sms = 24
-            rec["nvlink"]["dispatch_bf16"] = t(lambda: nv.dispatch(x, idx, w), "nvlink dispatch_bf16")
-            rec["nvlink"]["dispatch_fp8"] = t(lambda: nv.dispatch(xf8, idx, w), "nvlink dispatch_fp8")
-            rec["nvlink"]["dispatch_bf16_cached"] = t(lambda: nv.dispatch(x, handle=h), "nvlink dispatch_bf16_cached")
-            rec["nvlink"]["combine_bf16"] = t(lambda: nv.combine(rows, h), "nvlink combine_bf16")
-            # the backend alone (no EPBuffer input validation, which syncs the host twice per dispatch)
-            rec["nvlink_backend"] = {
-                "dispatch_bf16": t(lambda: be.dispatch(x, None, idx, w), "nvlink backend dispatch_bf16"),
-                "dispatch_fp8": t(lambda: be.dispatch(xf8[0], xf8[1], idx, w), "nvlink backend dispatch_fp8"),
-                "dispatch_bf16_cached": t(lambda: be.dispatch(x, None, idx, None, h), "nvlink backend cached"),
-                "combine_bf16": t(lambda: be.combine(rows, h), "nvlink backend combine_bf16")}
-            for mode in modes:
-                be.combine_mode = mode
-                rec["nvlink_backend"][f"combine_bf16_{mode}"] = t(lambda: be.combine(rows, h), f"backend combine {mode}")
-            if modes:
-                be.combine_mode = mode0
-            rec["torch"]["dispatch_bf16"] = t(lambda: ref.dispatch(x, idx, w), "torch dispatch_bf16")
-            rec["torch"]["dispatch_fp8"] = t(lambda: ref.dispatch(xf8, idx, w), "torch dispatch_fp8")
-            rec["torch"]["combine_bf16"] = t(lambda: ref.combine(b.x, b.handle), "torch combine_bf16")
-            if args.breakdown:  # collective: every rank profiles, rank 0's numbers are kept
-                rec["breakdown"]["dispatch_bf16"] = kernel_breakdown(lambda: nv.dispatch(x, idx, w))
-                rec["breakdown"]["combine_bf16"] = kernel_breakdown(lambda: nv.combine(rows, h))
-                rec["breakdown"]["dispatch_fp8"] = kernel_breakdown(lambda: nv.dispatch(xf8, idx, w))
-                say(f"breakdown {json.dumps(rec['breakdown'])}")
-            results[case] = rec
-        if case == "throughput" and "sm_sweep" in args.cases:
-            sweep = {}
-            for sms in args.sms:
-                be.num_sms = sms
-                sweep[sms] = {"dispatch_bf16": t(lambda: nv.dispatch(x, idx, w), f"{sms} SMs dispatch_bf16"),
-                              "dispatch_fp8": t(lambda: nv.dispatch(xf8, idx, w), f"{sms} SMs dispatch_fp8"),
-                              "combine_bf16": t(lambda: nv.combine(rows, h), f"{sms} SMs combine_bf16")}
-            be.num_sms = 24
-            results["sm_sweep"] = {"info": info, "nvlink": sweep}
-    # all ranks' numbers to rank 0
-    merged = {}
-    allres = gather_max(results)
-    for case in results:
-        merged[case] = [r[case] for r in allres]
-    nv.close()
-    ref.close()
-    return merged
-
-
-def summarize(world, case, per_rank):
-    infos = [r["info"] for r in per_rank]
-    recv_rows = max(i["num_recv"] for i in infos)
-    remote_in = max(i["remote_recv"] for i in infos)
-    remote_out = max(i["remote_sent"] for i in infos)
-    bf16_row = H * 2
-    fp8_row = H + (H // 128) * 4
-    out = {"world": world, "case": case, "tokens_per_rank": 4096 if case != "latency" else 128,
-           "check_ok": all(i["check_ok"] for i in infos),
-           "rows_received_max": recv_rows, "remote_rows_in_max": remote_in, "remote_rows_out_max": remote_out,
-           "bytes_logical_bf16": recv_rows * bf16_row,
-           "floor_us": {
-               "dispatch_bf16": max(remote_in, remote_out) * bf16_row / NVLINK_GBPS / 1e3,
-               "dispatch_fp8": max(remote_in, remote_out) * fp8_row / NVLINK_GBPS / 1e3,
-               "combine_bf16": max(remote_in, remote_out) * bf16_row / NVLINK_GBPS / 1e3},
-           "per_rank": per_rank}
-
-    def agg(backend, op, sweep_key=None):
-        vals = [(r[backend][sweep_key][op] if sweep_key is not None else r[backend].get(op)) for r in per_rank]
-        if any(v is None for v in vals):
-            return None
-        tmax = max(vals)
-        return {"us": round(tmax, 1), "per_rank_us": [round(v, 1) for v in vals],
-                "logical_GBps": round(recv_rows * bf16_row / tmax / 1e3, 1)}
-
-    if case == "sm_sweep":
-        out["nvlink"] = {str(s): {op: agg("nvlink", op, s) for op in ("dispatch_bf16", "dispatch_fp8", "combine_bf16")}
-                         for s in per_rank[0]["nvlink"]}
-    else:
-        for be in ("nvlink", "nvlink_backend", "torch"):
-            if be in per_rank[0]:
-                out[be] = {op: agg(be, op) for op in per_rank[0][be]}
-        out["breakdown_rank0_us"] = per_rank[0].get("breakdown", {})
-    return out
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--cases", nargs="+", default=["throughput", "latency", "sm_sweep"])
-    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32])
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--breakdown", action="store_true", help="per-kernel times via the torch profiler")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    ngpu = torch.cuda.device_count()
-    dev_name = torch.cuda.get_device_name(0) if ngpu else "none"
-    commit = os.environ.get("EP_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-        except Exception:
-            commit = "unknown"
-    meta = {"device": f"{ngpu}x {dev_name}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "torch": torch.__version__, "num_sms": 24, "hidden": H, "num_experts": E, "topk": K,
-            "iters": args.iters, "warmup": args.warmup, "nvlink_line_rate_GBps": NVLINK_GBPS,
-            "timing": "median over iters of CUDA events per rank, slowest rank reported; L2 flushed; GPUs aligned by all-reduce"}
-    summary = {c: [] for c in args.cases}
-    for world in args.worlds:
-        if world > ngpu:
-            print(f"skip EP{world}: only {ngpu} GPUs")
-            continue
-        ctx = mp.get_context("spawn")
-        q = ctx.SimpleQueue()
-        port = _port()
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, args, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        status, res = q.get()
-        for p in procs:
-            p.join(300)
-            if p.is_alive():
-                p.kill()
-        if status != "ok":
-            print(res)
-            raise SystemExit(f"EP{world} failed")
-        for case, per_rank in res.items():
-            summary[case].append(summarize(world, case, per_rank))
-        for case, lst in summary.items():  # written after each EP size, so a later failure keeps these
-            if lst:
-                with open(os.path.join(args.out, f"nvlink_{case}.json"), "w") as f:
-                    json.dump({"meta": meta, "results": lst}, f, indent=1)
-    report(summary, args, meta)
-
-
-def report(summary, args, meta):
-    lines = []
-    for case in ("throughput", "latency"):
-        for s in summary.get(case, []):
-            lines.append(f"== {case} EP{s['world']} ({s['tokens_per_rank']} tok/rank, check_ok={s['check_ok']}, "
-                         f"rows recv max {s['rows_received_max']}, logical {s['bytes_logical_bf16'] / 1e6:.1f} MB)")
-            lines.append(f"   {'op':<22}{'nvlink us':>10}{'GB/s':>8}{'backend us':>11}{'GB/s':>8}{'torch us':>10}"
-                         f"{'GB/s':>8}{'floor us':>10}")
-            nan = {"us": float("nan"), "logical_GBps": float("nan")}
-            for op, v in s["nvlink"].items():
-                tv = s["torch"].get(op) or nan
-                bv = s.get("nvlink_backend", {}).get(op) or nan
-                fl = s["floor_us"].get(op.replace("_cached", ""), 0)
-                lines.append(f"   {op:<22}{v['us']:>10.1f}{v['logical_GBps']:>8.1f}{bv['us']:>11.1f}"
-                             f"{bv['logical_GBps']:>8.1f}{tv['us']:>10.1f}{tv['logical_GBps']:>8.1f}{fl:>10.1f}")
-            for op, bv in s.get("nvlink_backend", {}).items():
-                if op not in s["nvlink"] and bv:
-                    fl = s["floor_us"].get("combine_bf16" if op.startswith("combine") else op, 0)
-                    lines.append(f"   {op:<22}{'':>10}{'':>8}{bv['us']:>11.1f}{bv['logical_GBps']:>8.1f}"
-                                 f"{'':>10}{'':>8}{fl:>10.1f}")
-            if s.get("breakdown_rank0_us"):
-                lines.append(f"   kernels (rank 0, us/call): {json.dumps(s['breakdown_rank0_us'])}")
-    for s in summary.get("sm_sweep", []):
-        lines.append(f"== SM sweep EP{s['world']} (throughput shape, nvlink)")
-        for sms, ops in s["nvlink"].items():
-            lines.append(f"   {sms:>3} SMs: " + "  ".join(f"{op} {v['us']:.1f} us ({v['logical_GBps']:.0f} GB/s)"
-                                                      for op, v in ops.items()))
-    print("\n".join(lines))
-    for case, lst in summary.items():
-        if lst:
-            with open(os.path.join(args.out, f"nvlink_{case}.json"), "w") as f:
-                json.dump({"meta": meta, "results": lst}, f, indent=1)
+def run_meta(args) -> Dict:
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        plot(summary, os.path.join(args.out, "nvlink_bench.png"))
-    except ImportError:
-        print("matplotlib not available: no plot")
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:
+        nccl = None
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(ep_plugin.__file__)))
+    return {"device": torch.cuda.get_device_name(0) if ngpu else "none", "num_gpus": ngpu, "worlds": list(args.worlds),
+            "date": report.utc_now(), **report.git_commit(tree), "ep_plugin_file": ep_plugin.__file__,
+            "ep_plugin_version": getattr(ep_plugin, "__version__", None), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": nccl, "num_sms": args.num_sms, "hidden": H, "num_experts": E,
+            "topk": K, "group_limited": {"num_groups": NUM_GROUPS, "group_topk": GROUP_TOPK}, "cases": list(args.cases),
+            "iters": args.iters, "warmup": args.warmup, "nvlink_GBps": report.NVLINK_GBPS,
+            "protocols": {"cold": "L2 flush (256 MB write), cuda synchronize, dist.barrier before each call; CUDA "
+                                  "events around it; median per rank, slowest rank",
+                          "queued": "calls enqueued back to back after one all-reduce on the stream; CUDA events "
+                                    "around each; median per rank, slowest rank"},
+            "host": socket.gethostname(), "argv": sys.argv}
 
 
-def plot(summary, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, case in zip(axes[:2], ("throughput", "latency")):
-        labels, nvv, tv = [], [], []
-        for s in summary.get(case, []):
-            for op in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
-                labels.append(f"EP{s['world']}\n{op.replace('_', ' ')}")
-                nvv.append(s["nvlink"][op]["us"])
-                tv.append(s["torch"][op]["us"] if s["torch"].get(op) else 0)
-        xs = range(len(labels))
-        ax.bar([i - 0.2 for i in xs], nvv, 0.4, label="nvlink (24 SMs)")
-        ax.bar([i + 0.2 for i in xs], tv, 0.4, label="torch / NCCL")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("us (slowest rank, median)")
-        ax.set_title(case)
-        ax.legend()
-    ax = axes[2]
-    for s in summary.get("sm_sweep", []):
-        sms = list(s["nvlink"].keys())
-        for op in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
-            ax.plot([int(v) for v in sms], [s["nvlink"][k][op]["us"] for k in sms], marker="o",
-                    label=f"EP{s['world']} {op}")
-    ax.set_xlabel("SMs")
-    ax.set_ylabel("us")
-    ax.set_title("SM sweep (throughput shape)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2], help="EP sizes, one run each (default 2)")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, "sm_sweep"])
+    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32], help="SM counts of the sm_sweep case")
+    ap.add_argument("--num-sms", type=int, default=24, help="SMs for ep_plugin's kernels and DeepEP's (even)")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per op and protocol")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before each protocol")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel times of our calls (torch profiler)")
+    ap.add_argument("--no-deepep", action="store_true", help="leave DeepEP out (its rows say n/a)")
+    ap.add_argument("--no-deepep-ll", action="store_true", help="leave DeepEP's low-latency kernels out")
+    ap.add_argument("--timeout", type=float, default=200.0, help="seconds per EP size before the ranks are killed")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and the plot")
+    ap.add_argument("--label", default="run", help="names the files: bench_dispatch_<label>.json")
+    args = ap.parse_args(argv)
+    if args.num_sms < 2 or args.num_sms % 2:
+        ap.error(f"--num-sms must be even and >= 2 (DeepEP's kernels pair SMs), got {args.num_sms}")
+    if args.iters < 1 or args.warmup < 0:
+        ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if not args.label or not all(ch.isalnum() or ch in "._-" for ch in args.label):
+        ap.error(f"--label becomes part of a file name: letters, digits, '.', '_' and '-' only, got {args.label!r}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.iters < 30:
+        print(f"note: --iters {args.iters} is below the protocol's 30", flush=True)
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)  # NVLink multicast stays off on the lent machines
+    os.makedirs(args.out, exist_ok=True)
+    meta = run_meta(args)
+    path = os.path.join(args.out, f"bench_dispatch_{args.label}.json")
+    t0 = time.time()
+    dirty = " + local changes" if meta["commit_dirty"] else ""
+    print(f"bench_dispatch: ep_plugin from {ep_plugin.__file__} (commit {meta['commit']}{dirty}), "
+          f"{meta['num_gpus']}x {meta['device']}, torch {meta['torch']}, NCCL {meta['nccl']}", flush=True)
+    reports: List[Dict] = []
+    unfinished: List[int] = []
+
+    def emit(extra: Optional[Dict] = None) -> List[Dict]:
+        shown = reports + ([extra] if extra else [])
+        summaries = [report.summarize(r) for rep in shown for r in rep["records"]]
+        infos = {str(rep["world"]): rep["deepep"] for rep in shown}
+        meta.update(wall_s=round(time.time() - t0, 1), complete=not unfinished and extra is None,
+                    unfinished_worlds=list(unfinished),
+                    deepep={"ran": any(i.get("ran") for i in infos.values()),
+                            "low_latency_ran": any(i.get("low_latency_ran") for i in infos.values()),
+                            "per_world": infos})
+        report.write_json(path, report.document(args.label, meta, summaries))
+        return summaries
+
+    for world in args.worlds:
+        if world > meta["num_gpus"]:
+            print(f"skip EP{world}: only {meta['num_gpus']} GPUs", flush=True)
+            continue
+        rep, complete = run_world(rank_main, world, args, on_partial=emit)
+        if not complete:
+            unfinished.append(world)
+        if rep is not None:
+            reports.append(rep)
+        emit()
+    summaries = emit()
+    if not reports:
+        print(f"nothing ran: EP sizes {args.worlds}, {meta['num_gpus']} GPUs", flush=True)
+        return 2
+    print(report.format_table(summaries), flush=True)
+    png = path[:-len(".json")] + ".png"
+    why_not = report.plot(summaries, png)
+    print(f"plot: {png}" if why_not is None else f"plot: none ({why_not})")
+    print(f"json: {path} ({time.time() - t0:.0f} s)", flush=True)
+    bad = [s["case"] for s in summaries if s["checks"].get("ours_vs_torch_ok") is False]
+    if bad:
+        print(f"FAILED: ep_plugin nvlink differs from the torch backend in {bad}", flush=True)
+    if unfinished:
+        print(f"INCOMPLETE: EP sizes {unfinished} did not finish; the JSON holds what they measured", flush=True)
+    return 1 if bad or unfinished else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -119,6 +119,7 @@ def main():
 
 
 def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
+    from ep_plugin.integrations.deepspeed.layer import wire_dtype
     E, H, world_ep = a.experts_per_rank * ep, a.hidden, ep
     results = []
     for drop in (True, False):
@@ -185,11 +186,14 @@ def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
                 moe = layer.deepspeed_moe
                 buf = moe.ep_buffer(H)
                 w = torch.ones(topk.shape, dtype=torch.float32, device=device)
+                # what the layer itself sends: kernel backends move fp32 models' rows as BF16
+                xs = x.to(wire_dtype(x.dtype, buf.capabilities.row_dtypes))
+                ys_dtype = wire_dtype(x.dtype, buf.capabilities.combine_dtypes)
 
-                def ours_comm(buf=buf):
+                def ours_comm(buf=buf, xs=xs, ys_dtype=ys_dtype):
                     with torch.no_grad():
-                        res = buf.dispatch(x, topk, w)
-                        buf.combine(res.x, res.handle)
+                        res = buf.dispatch(xs, topk, w, async_op=False)
+                        buf.combine(res.x.to(ys_dtype), res.handle, async_op=False)
                 t_comm = timer(ours_comm, a.iters, a.warmup)
                 rows = rows_ours
             rows_t = torch.tensor([rows], dtype=torch.float64, device=device)

@@ -14,12 +14,17 @@
    dispatchers. Median over iterations (CUDA events), plus a forward breakdown: communication
    (token_dispatch + token_combine) and local permutation (pre/post-processing).
    megatron's torch.compile'd router helper runs eagerly for both (no compile time on the clock).
+   Memory per dispatcher (GPU): the previous variant freed and its EPBuffers closed, the peak
+   counter reset, then build + forward + timed forward/backward: peak_mem_gib is
+   torch.cuda.max_memory_allocated (the largest over ranks), peak_mem_added_gib the part above what
+   was allocated before the variant started, ep_buffer_gib the kernel backend's communication buffer.
 
 Results are merged into benchmarks/results/megatron_layer.json under "ep<world>".
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -252,6 +257,36 @@ def time_layer(layer, x0, gy, args, cuda):
             "fwd_bwd_ms_all_iters_rank0": [round(t, 3) for t in times]}
 
 
+def _release(cuda):
+    """Free what the previous variant left (layers may sit in reference cycles) and restart the
+    peak counter; returns the bytes still allocated."""
+    gc.collect()
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _ep_buffer_bytes():
+    import ep_plugin.megatron as epm
+
+    sizes = [getattr(getattr(b, "_backend", None), "buffer_bytes", 0) for b in epm.cached_buffers()]
+    return sum(int(n or 0) for n in sizes)
+
+
+def memory_stats(start, device):
+    """Peak memory of this variant, the largest over ranks (GiB)."""
+    if start is None:
+        return {}
+    vals = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_allocated() - start,
+                         _ep_buffer_bytes()], dtype=torch.float64, device=device)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    peak, added, bufs = (v / 2**30 for v in vals.tolist())
+    return {"peak_mem_gib": round(peak, 3), "peak_mem_added_gib": round(added, 3), "ep_buffer_gib": round(bufs, 3)}
+
+
 def timing(world, rank, device, args):
     cuda = device.type == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
@@ -271,12 +306,15 @@ def timing(world, rank, device, args):
     seen_backends = set()
     for kind, backend in variants:
         label = kind if backend is None else f"ep_plugin[{backend}]"
+        layer = y = None
+        epm.clear_buffers()  # collective: every rank runs the same variants in the same order
+        start = _release(cuda)
         try:
             cfg = make_config(world, **common, **dispatcher_kw(kind))
             attach_backend(cfg, backend, args.tokens)
             layer = moe_layer(cfg, grouped=True).to(device)
-            if ref_state is None:
-                ref_state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+            if ref_state is None:  # kept on the host: not part of any variant's peak
+                ref_state = {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}
             else:
                 layer.load_state_dict(ref_state, strict=False)
             with torch.no_grad():
@@ -295,18 +333,20 @@ def timing(world, rank, device, args):
                 r["max_abs_diff_out_vs_alltoall"] = (y.float() - ref_y).abs().max().item()
                 r["max_abs_out"] = ref_y.abs().max().item()
             r.update(time_layer(layer, x0, gy, args, cuda))
+            r.update(memory_stats(start, device))
             r["experts_gemm"] = epm.GroupedMMLinear.impl
             out[label] = r
             if rank == 0:
+                mem = f"  peak {r['peak_mem_gib']:.2f} GiB (+{r['peak_mem_added_gib']:.2f})" if "peak_mem_gib" in r else ""
                 print(f"[ep{world}] {label:22s} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms  "
-                      f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f})", flush=True)
+                      f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f}){mem}", flush=True)
             del layer
         except Exception:
             out[label] = {"error": traceback.format_exc()[-3000:]}
             if rank == 0:
                 print(f"[ep{world}] {label} failed:\n{out[label]['error']}", flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
+    layer = y = None  # noqa: F841  (the last variant goes before its buffers are closed)
+    epm.clear_buffers()
     return out
 
 
@@ -331,7 +371,9 @@ def main():
     import ep_plugin.megatron as epm
 
     if not cuda:
-        epm.cpu_stand_ins()
+        from ep_plugin.testing import cpu_stand_ins
+
+        cpu_stand_ins()
         torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
@@ -342,7 +384,7 @@ def main():
         model_parallel_cuda_manual_seed(123)
 
     result = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "grouped_mm": getattr(epm._grouped_mm(), "__name__", None),
+              "torch": torch.__version__, "grouped_mm": getattr(epm.torch_grouped_mm(), "__name__", None),
               "config": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
                          "experts_per_rank": args.experts_per_rank, "num_experts": args.experts_per_rank * world,
                          "topk": args.topk, "moe_ffn": args.ffn, "score": "sigmoid", "groups": 4,

@@ -1,33 +1,85 @@
 #!/usr/bin/env bash
-# One device call for everything GPU outside the nvlink benchmark: build _C, the GPU tests of the
-# core (layout kernel, torch backend on NCCL), Megatron and DeepSpeed, and the Megatron layer timing.
-# Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh). Logs go to $OUT.
+# GPU suite in as few device calls as possible: build, GPU tests, Megatron layer, dispatch benchmark.
+#
+#   bash scripts/gpu_suite.sh build test layer     # first call
+#   bash scripts/gpu_suite.sh build bench          # second call (build is skipped when already done)
+#
+# Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh), optionally DeepEP
+# sources in .deepep/ (../shared/gpu/deepep_reference.sh prepare) and an older tree in .baseline/
+# (git archive <commit> | tar -x -C .baseline) for before/after rows. Logs and JSON go to $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-/tmp/ep_out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/megatron ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
-t0=$(date +%s)
-# The documented offline install (no build isolation: the machine has no package index).
-python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-python3 -c "import ep_plugin._C as C; print('pip -e build: ep_plugin._C, CUDA runtime', C.cuda_runtime_version())"
-echo "build: $(( $(date +%s) - t0 )) s"
-t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rA -p no:cacheprovider -m gpu \
-  tests/test_layout.py tests/test_buffer_gpu.py tests/test_megatron_gpu.py tests/test_deepspeed.py \
-  > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"
-grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|layout kernel" "$OUT/gpu_tests.log" | head -60
-if [ "${MEGATRON_BENCH:-1}" = 1 ]; then
-  for n in ${MEGATRON_EP:-4 2}; do
-    t0=$(date +%s)
-    timeout "${BENCH_TIMEOUT:-150}" torchrun --nproc-per-node "$n" benchmarks/megatron_layer.py --skip-equality \
-      --out "$OUT/megatron_layer.json" > "$OUT/megatron_ep$n.log" 2>&1
-    echo "megatron layer EP$n rc=$? in $(( $(date +%s) - t0 )) s"
-    grep -E "^\[ep|wrote|ms" "$OUT/megatron_ep$n.log" | tail -12
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+export EP_COMMIT=${EP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ -d .deepep ] && export PYTHONPATH=/tmp/deepep:$PYTHONPATH
+
+stage_build() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
+  if [ -d .deepep ] && [ ! -f /tmp/deepep/.built ]; then
+    (bash .deepep/deepep_reference.sh build > "$OUT/deepep_build.log" 2>&1 &)
+  fi
+  local t0=$(date +%s)
+  # The documented offline install (no build isolation: the machine has no package index).
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  python3 -c "import ep_plugin._C as C; print('ep_plugin._C built, CUDA runtime', C.cuda_runtime_version())"
+  if [ -d .baseline ]; then
+    (cd .baseline && bash benchmarks/device_build.sh > "$OUT/baseline_build.log" 2>&1) || tail -5 "$OUT/baseline_build.log"
+  fi
+  echo "build: $(( $(date +%s) - t0 )) s"
+}
+
+stage_test() {
+  local t0=$(date +%s)
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rA -p no:cacheprovider -m gpu tests ${PYTEST_ARGS:-} \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|layout kernel" "$OUT/gpu_tests.log" | head -60
+}
+
+stage_layer() {  # the Megatron layer at EP2: this tree and the baseline (peak memory before/after)
+  for tree in "$ROOT" "$ROOT/.baseline"; do
+    [ -d "$tree" ] || continue
+    local name=$([ "$tree" = "$ROOT" ] && echo after || echo before)
+    local t0=$(date +%s)
+    (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "${LAYER_TIMEOUT:-150}" torchrun --nproc-per-node 2 \
+      benchmarks/megatron_layer.py --skip-equality --out "$OUT/megatron_layer_$name.json" > "$OUT/megatron_$name.log" 2>&1)
+    echo "megatron layer EP2 ($name) rc=$? in $(( $(date +%s) - t0 )) s"
+    grep -E "^\[ep|peak|GiB|ms" "$OUT/megatron_$name.log" | tail -12
   done
-fi
+}
+
+stage_bench() {  # the dispatch benchmark, both protocols, DeepEP beside; then the baseline tree
+  wait_deepep
+  local t0=$(date +%s)
+  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_dispatch.py --out "$OUT" --label after ${BENCH_ARGS:-} \
+    > "$OUT/bench_after.log" 2>&1
+  echo "bench (after) rc=$? in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/bench_after.log"
+  if [ -d .baseline ]; then
+    t0=$(date +%s)
+    PYTHONPATH=$ROOT/.baseline:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_dispatch.py \
+      --out "$OUT" --label before ${BENCH_ARGS:-} > "$OUT/bench_before.log" 2>&1
+    echo "bench (before) rc=$? in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/bench_before.log"
+  fi
+}
+
+wait_deepep() {
+  [ -d .deepep ] || return 0
+  for _ in $(seq 1 60); do [ -f /tmp/deepep/.built ] && return 0; pgrep -f deepep_reference >/dev/null || break; sleep 3; done
+  [ -f /tmp/deepep/.built ] || { echo "deepep not built:"; tail -5 "$OUT/deepep_build.log" 2>/dev/null; }
+}
+
+for s in "$@"; do
+  case "$s" in
+    build) [ -f /tmp/ep_built ] && [ "${REBUILD:-0}" = 0 ] || { stage_build && touch /tmp/ep_built; } ;;
+    test) stage_test ;;
+    layer) stage_layer ;;
+    bench) stage_bench ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+  esac
+done

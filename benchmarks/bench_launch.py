@@ -1,0 +1,63 @@
+"""Start one process per rank and follow rank 0's reports, so that a rank that dies or hangs (a DeepEP
+kernel timing out, say) costs the run at most --timeout seconds and never the rows measured before it.
+"""
+from __future__ import annotations
+
+import queue
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(target, world: int, args, on_partial):
+    """Spawn target(rank, world, port, args, q) per rank and follow the queue: ("partial", report) goes to
+    on_partial, ("done", report) ends the run, ("err", text) is printed. Returns (last report, finished?)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + args.timeout
+    last, complete, failed_at = None, False, None
+    while True:
+        try:
+            kind, body = q.get(timeout=1.0)
+        except queue.Empty:
+            now = time.time()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if all(not p.is_alive() for p in procs):
+                break
+            if now > deadline:
+                print(f"EP{world}: --timeout {args.timeout:.0f} s reached; killing the ranks", flush=True)
+                break
+            if failed_at is not None and now - failed_at > 20:  # the others wait in a collective forever
+                print(f"EP{world}: a rank failed; stopping the others", flush=True)
+                break
+            continue
+        except (EOFError, OSError):
+            break
+        if kind == "err":
+            print(body, flush=True)
+            failed_at = failed_at or time.time()
+        else:
+            last = body
+            if kind == "done":
+                complete = True
+                break
+            on_partial(body)
+    grace = time.time() + (30 if complete else 0)
+    for p in procs:  # only the processes started here
+        p.join(max(0.0, grace - time.time()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return last, complete

@@ -1,0 +1,265 @@
+"""Turn bench_dispatch's per-case records into rows, one table, one JSON document and a plot.
+
+Pure Python over plain dicts (no GPU, no torch.distributed), so it is tested on CPU with made-up
+numbers. A record (one case, one EP size) as the ranks hand it over:
+    {"case", "world", "tokens_per_rank", "routing", "hidden",
+     "traffic": {"recv_rows": [per rank], "remote_in": [...], "remote_out": [...]},
+     "ops": {op: protocols.measure(...) dict}, "checks": {...}, "breakdown": {...}}
+A row pairs a dispatch op with a combine op (either may be absent); its time under a protocol is the
+slowest rank's median.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+NVLINK_GBPS = 478.0  # 18 NVLink 4 links x 26.6 GB/s per direction (H100/H200)
+SCHEMA = "ep_plugin.bench_dispatch/2"
+
+
+@dataclass(frozen=True)
+class Row:
+    path: str
+    dispatch: Optional[str]  # op key, or None
+    combine: Optional[str]
+    row_dtype: str = "bf16"  # what the dispatch moves, for its floor: bf16 | fp8 | none
+
+
+ROWS = (
+    Row("ep_plugin nvlink BF16", "nvlink.dispatch_bf16", "nvlink.combine_bf16"),
+    Row("ep_plugin nvlink FP8", "nvlink.dispatch_fp8", None, "fp8"),
+    Row("ep_plugin nvlink cached BF16", "nvlink.dispatch_cached", None),
+    Row("torch backend (NCCL) BF16", "torch.dispatch_bf16", "torch.combine_bf16"),
+    Row("NCCL all_to_all_single, a copy per rank", "nccl.dispatch_bf16", "nccl.combine_bf16"),
+    Row("DeepEP V1 BF16 (layout + dispatch)", "deepep.dispatch_bf16", "deepep.combine_bf16"),
+    Row("DeepEP V1 BF16, layout precomputed", "deepep.dispatch_bf16_prelayout", None),
+    Row("DeepEP V1 get_dispatch_layout", "deepep.layout", None, "none"),
+    Row("DeepEP V1 FP8 (layout + dispatch)", "deepep.dispatch_fp8", None, "fp8"),
+    Row("DeepEP V1 cached BF16", "deepep.dispatch_cached", None),
+    Row("DeepEP V1 low-latency BF16", "deepep_ll.dispatch_bf16", "deepep_ll.combine_bf16"),
+)
+
+
+def sweep_rows(sms_list) -> List[Row]:
+    out = []
+    for s in sms_list:
+        out.append(Row(f"ep_plugin nvlink BF16, {s} SMs", f"nvlink@{s}.dispatch_bf16", f"nvlink@{s}.combine_bf16"))
+        out.append(Row(f"ep_plugin nvlink FP8, {s} SMs", f"nvlink@{s}.dispatch_fp8", None, "fp8"))
+    return out
+
+
+def row_bytes(hidden: int, dtype: str) -> int:
+    return hidden * 2 if dtype == "bf16" else hidden + (hidden // 128) * 4
+
+
+def _num(v, nd=1):
+    return None if v is None else round(float(v), nd)
+
+
+def _side(op: Dict, logical_bytes: Optional[int], floor_us: Optional[float]) -> Dict:
+    out = {"cold_us": None, "queued_us": None, "cold_per_rank_us": op.get("cold_us"),
+           "queued_per_rank_us": op.get("queued_us"), "cold_min_us": None, "queued_min_us": None,
+           "logical_GBps_cold": None, "logical_GBps_queued": None, "floor_us": _num(floor_us),
+           "error": op.get("error")}
+    for p in ("cold", "queued"):
+        per_rank = op.get(f"{p}_us")
+        if per_rank:
+            t = max(per_rank)  # the slowest rank's median
+            out[f"{p}_us"] = _num(t)
+            out[f"{p}_min_us"] = _num(min(op.get(f"{p}_min_us") or [t]))
+            out[f"logical_GBps_{p}"] = _num(logical_bytes / t / 1e3) if logical_bytes and t > 0 else None
+    return out
+
+
+def summarize(rec: Dict) -> Dict:
+    """One case record -> its JSON summary (traffic, checks, rows)."""
+    H, tr = rec["hidden"], rec["traffic"]
+    recv_max, rin, rout = max(tr["recv_rows"]), max(tr["remote_in"]), max(tr["remote_out"])
+    logical = recv_max * row_bytes(H, "bf16")
+    remote = max(rin, rout)
+    floors = {d: remote * row_bytes(H, d) / NVLINK_GBPS / 1e3 for d in ("bf16", "fp8")}
+    floors["none"] = None
+    ops = rec.get("ops", {})
+    specs = sweep_rows(rec.get("sms", [])) if rec["case"] == "sm_sweep" else ROWS
+    rows = []
+    for spec in specs:
+        if spec.dispatch not in ops and spec.combine not in ops:
+            continue
+        row = {"path": spec.path, "dispatch_op": spec.dispatch, "combine_op": spec.combine,
+               "dispatch": None, "combine": None}
+        if spec.dispatch in ops:  # a layout-only op moves no rows: no bandwidth, no floor
+            row["dispatch"] = _side(ops[spec.dispatch], logical if spec.row_dtype != "none" else None,
+                                    floors[spec.row_dtype])
+        if spec.combine in ops:
+            row["combine"] = _side(ops[spec.combine], logical, floors["bf16"])
+        errs = [s["error"] for s in (row["dispatch"], row["combine"]) if s and s["error"]]
+        row["error"] = errs[0] if errs else None
+        row["status"] = "n/a" if row["error"] and row["error"].startswith("n/a") else ("error" if errs else "ok")
+        rows.append(row)
+    return {"case": rec["case"], "world": rec["world"], "tokens_per_rank": rec["tokens_per_rank"],
+            "routing": rec.get("routing"), "num_sms": rec.get("num_sms"),
+            "traffic": {"rows_received_per_rank": tr["recv_rows"], "rows_received_max": recv_max,
+                        "remote_rows_in_max": rin, "remote_rows_out_max": rout,
+                        "bytes_logical_bf16": logical,
+                        "floor_us": {"dispatch_bf16": _num(floors["bf16"]), "dispatch_fp8": _num(floors["fp8"]),
+                                     "combine_bf16": _num(floors["bf16"])}},
+            "checks": check_summary(rec.get("checks", {})),
+            "rows": rows, "ops": ops, "breakdown_rank0_us": rec.get("breakdown", {}),
+            **({"sms": rec["sms"]} if "sms" in rec else {})}
+
+
+def check_summary(c: Dict) -> Dict:
+    """ok: ours == torch backend on every rank, and (when DeepEP ran) DeepEP's received rows == ours."""
+    if not c:
+        return {}
+    out = dict(c)
+    ours = c.get("ours_vs_torch")
+    dep, mine = c.get("deepep_recv_rows"), c.get("ours_recv_rows")
+    out["ours_vs_torch_ok"] = False if c.get("ours_error") else (None if ours is None else all(ours))
+    out["deepep_rows_match"] = None if dep is None or mine is None else list(dep) == list(mine)
+    verdicts = [v for v in (out["ours_vs_torch_ok"], out["deepep_rows_match"]) if v is not None]
+    out["ok"] = all(verdicts) if verdicts else None
+    return out
+
+
+# ---------------------------------------------------------------------------------- table
+def _us(side: Optional[Dict], key: str) -> str:
+    if side is None:
+        return "-"
+    if side.get("error"):
+        return "n/a" if side["error"].startswith("n/a") else "error"
+    v = side.get(key)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _pair(a: Optional[float], b: Optional[float], nd=0) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.{nd}f}"
+    return f"{f(a)}/{f(b)}" if b is not None else f(a)
+
+
+def check_line(s: Dict) -> str:
+    c = s["checks"]
+
+    def verdict(v):
+        return "n/a" if v is None else ("OK" if v else "FAIL")
+
+    parts = [f"ep_plugin nvlink == torch backend: {verdict(c.get('ours_vs_torch_ok'))}"]
+    if c.get("deepep_recv_rows") is not None:
+        parts.append(f"DeepEP received rows == ours: {verdict(c.get('deepep_rows_match'))} "
+                     f"(DeepEP {c['deepep_recv_rows']}, ours {c.get('ours_recv_rows')})")
+    else:
+        parts.append("DeepEP received rows == ours: n/a")
+    for key, label in (("deepep_combine_ok", "DeepEP combine"), ("deepep_ll_combine_ok", "DeepEP low-latency combine"),
+                       ("deepep_rows_equal_ours", "DeepEP rows bitwise == ours")):
+        if c.get(key) is not None:
+            v = c[key]
+            parts.append(f"{label}: {verdict(all(v) if isinstance(v, list) else v)}")
+    return "   check: " + "; ".join(parts)
+
+
+def format_table(summaries: List[Dict]) -> str:
+    lines = []
+    w = 44
+    for s in summaries:
+        tr = s["traffic"]
+        lines.append(f"== {s['case']} EP{s['world']}: {s['tokens_per_rank']} tok/rank, {s.get('routing')} routing, "
+                     f"{s.get('num_sms')} SMs; rows received max {tr['rows_received_max']} "
+                     f"({tr['bytes_logical_bf16'] / 1e6:.1f} MB BF16), remote in/out max "
+                     f"{tr['remote_rows_in_max']}/{tr['remote_rows_out_max']} rows")
+        lines.append(f"   {'path':<{w}}{'cold disp':>10}{'cold comb':>10}{'queued disp':>12}{'queued comb':>12}"
+                     f"{'GB/s d/c':>11}{'floor d/c':>11}")
+        notes = []
+        for r in s["rows"]:
+            d, c = r["dispatch"], r["combine"]
+            gb = _pair(d and d["logical_GBps_cold"], c and c["logical_GBps_cold"]) if not r["error"] else "-"
+            fl = _pair(d and d["floor_us"], c and c["floor_us"])
+            lines.append(f"   {r['path']:<{w}}{_us(d, 'cold_us'):>10}{_us(c, 'cold_us'):>10}{_us(d, 'queued_us'):>12}"
+                         f"{_us(c, 'queued_us'):>12}{gb:>11}{fl:>11}")
+            if r["error"] and r["error"] not in notes:
+                notes.append(r["error"])
+        if s["case"] != "sm_sweep":
+            lines.append(check_line(s))
+        for n in notes:
+            lines.append(f"   note: {n[:220]}")
+        if s.get("breakdown_rank0_us"):
+            lines.append(f"   kernels (rank 0, us/call): {json.dumps(s['breakdown_rank0_us'])}")
+    lines.append("us: slowest rank's median (cold call / queued protocols, DESIGN.md); GB/s: DeepEP's logical "
+                 "bandwidth, cold; floor: remote bytes of the busiest GPU at 478 GB/s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- JSON, meta
+def git_commit(tree: str) -> Dict:
+    """HEAD of the git checkout that `tree` is the top of (not of a repository it merely sits inside),
+    else $EP_COMMIT, else "unknown"."""
+    def git(*a):
+        return subprocess.check_output(["git", "-C", tree, *a], text=True, stderr=subprocess.DEVNULL,
+                                       timeout=10).strip()
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if os.path.realpath(top) == os.path.realpath(tree):
+            dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+            return {"commit": git("rev-parse", "HEAD"), "commit_source": "git", "commit_dirty": dirty}
+    except Exception:
+        pass
+    env = os.environ.get("EP_COMMIT")
+    if env:
+        return {"commit": env, "commit_source": "env EP_COMMIT", "commit_dirty": None}
+    return {"commit": "unknown", "commit_source": None, "commit_dirty": None}
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def document(label: str, meta: Dict, summaries: List[Dict]) -> Dict:
+    return {"schema": SCHEMA, "label": label, "meta": meta, "cases": summaries}
+
+
+def write_json(path: str, doc: Dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+
+
+# ---------------------------------------------------------------------------------- plot
+def plot(summaries: List[Dict], path: str) -> Optional[str]:
+    """Bars per row: cold/queued x dispatch/combine. Returns why there is no plot, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not available"
+    shown = [s for s in summaries if s["rows"]]
+    if not shown:
+        return "no rows"
+    fig, axes = plt.subplots(len(shown), 1, figsize=(11, 1.2 + 0.55 * sum(len(s["rows"]) for s in shown)),
+                             squeeze=False)
+    series = (("dispatch", "cold_us", "dispatch, cold"), ("combine", "cold_us", "combine, cold"),
+              ("dispatch", "queued_us", "dispatch, queued"), ("combine", "queued_us", "combine, queued"))
+    for ax, s in zip(axes[:, 0], shown):
+        rows = s["rows"][::-1]
+        ys = range(len(rows))
+        h = 0.2
+        for i, (side, key, label) in enumerate(series):
+            vals = [((r[side] or {}).get(key) or 0) for r in rows]
+            ax.barh([y + (1.5 - i) * h for y in ys], vals, h, label=label)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([r["path"] + ("" if r["status"] == "ok" else f" ({r['status']})") for r in rows], fontsize=7)
+        ax.set_xlabel("us (slowest rank, median)")
+        ax.set_title(f"{s['case']}, EP{s['world']}, {s['tokens_per_rank']} tok/rank", fontsize=9)
+        fl = s["traffic"]["floor_us"]["dispatch_bf16"]
+        if fl:
+            ax.axvline(fl, color="k", ls=":", lw=1, label="BF16 floor")
+        ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -1,0 +1,130 @@
+"""The two timing protocols of DESIGN.md ("Performance protocol"), and a per-kernel breakdown.
+
+cold call: before every timed call the L2 is flushed (a 256 MB write), the device is drained and a
+    `dist.barrier()` leaves host and GPUs idle and aligned; CUDA events around the call. Host work on
+    the critical path (launch overhead, host syncs inside the call) is part of the time, as in a
+    training step.
+queued: the host enqueues all iterations back to back after one tiny all-reduce on the stream has
+    aligned the GPUs; CUDA events around each call. Host latency hides behind the previous call, so
+    this is the kernels' view (unless the call itself waits on the host).
+
+Each protocol runs `warmup` untimed calls, then `iters` timed ones; a rank keeps its median. Every
+rank then shares its numbers (`measure`), so all ranks hold the same per-rank lists and the slowest
+rank's median is `max(list)`.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
+
+
+class Protocols:
+    def __init__(self, warmup: int, iters: int):
+        self.warmup, self.iters = warmup, iters
+        self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self._tok = torch.zeros(1, device="cuda")
+
+    def _events(self):
+        return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(self.iters)]
+
+    def _warm(self, fn):
+        for _ in range(self.warmup):
+            fn()
+
+    def cold(self, fn: Callable[[], object]) -> List[float]:
+        """Per-call times (us) under the cold-call protocol."""
+        self._warm(fn)
+        evs = self._events()
+        for a, b in evs:
+            self._flush.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()  # NCCL's barrier also waits on the host for its all-reduce
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) * 1e3 for a, b in evs]
+
+    def queued(self, fn: Callable[[], object]) -> List[float]:
+        """Per-call times (us) with the iterations enqueued back to back."""
+        self._warm(fn)
+        evs = self._events()
+        self._flush.zero_()  # the first call sees a cold L2, the rest whatever the previous call left
+        torch.cuda.synchronize()
+        dist.barrier()
+        dist.all_reduce(self._tok)  # on the stream: both GPUs start the first call together
+        for a, b in evs:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) * 1e3 for a, b in evs]
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def measure(proto: Protocols, fn: Callable[[], object], protocols=("cold", "queued")) -> Dict:
+    """Time fn under both protocols on every rank; returns the same dict on every rank:
+    {"cold_us": [median per rank], "cold_min_us": [...], "queued_us": [...], "queued_min_us": [...],
+     "error": None or the first rank's error}. A failure on any rank marks the op failed everywhere."""
+    mine: Dict[str, Optional[float]] = {}
+    err = None
+    try:
+        for p in protocols:
+            t = getattr(proto, p)(fn)
+            mine[f"{p}_us"] = statistics.median(t)
+            mine[f"{p}_min_us"] = min(t)
+    except Exception as exc:  # a broken op must not take the other rows with it
+        err = _short(exc)
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (mine, err))
+    out: Dict = {"error": next((f"rank {r}: {e}" for r, (_, e) in enumerate(every) if e), None)}
+    for p in protocols:
+        for key in (f"{p}_us", f"{p}_min_us"):
+            vals = [m.get(key) for m, _ in every]
+            out[key] = None if out["error"] or any(v is None for v in vals) else [round(v, 2) for v in vals]
+    return out
+
+
+def failed(error: str, protocols=("cold", "queued")) -> Dict:
+    """The record of an op that could not run at all (e.g. its library did not import)."""
+    out: Dict = {"error": error}
+    for p in protocols:
+        out[f"{p}_us"] = out[f"{p}_min_us"] = None
+    return out
+
+
+def kernel_breakdown(fn: Callable[[], object], n: int = 10) -> Dict[str, float]:
+    """Average device time per kernel name (us per call) over n calls, via the torch profiler."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        out: Dict[str, float] = {}
+        for ev in prof.key_averages():
+            dt = getattr(ev, "device_time_total", None)
+            if dt is None:
+                dt = getattr(ev, "cuda_time_total", 0)
+            if dt:
+                name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
+                name = name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60]
+                out[name] = round(out.get(name, 0.0) + dt / n, 2)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
+    except Exception as exc:  # profiler unavailable: not fatal
+        return {"error": _short(exc)}
