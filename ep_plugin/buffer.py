@@ -269,6 +269,7 @@ class EPBuffer:
 
     def check(self) -> None:
         """Wait for this rank's queued work on the current stream, then raise what it reported."""
+        self._backend.wait_pending()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
         self.check_finished()

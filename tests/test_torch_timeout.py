@@ -116,3 +116,30 @@ def test_stalled_peer_is_named_on_nccl(monkeypatch, bind_device):
         pytest.skip("needs 2 CUDA GPUs")
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     spawn(stall_body, 2, 1, "cuda", backend="nccl", timeout=120, abandon=True, bind_device=bind_device)
+
+
+def nccl_death_body(rank, world, dead):
+    """A synchronous combine on CUDA does not wait on the host: the deadline is checked by check()
+    (or the next call), which names the dead rank instead of hanging in a device synchronise."""
+    buf = _buffer(world)
+    x, idx, w = _inputs(rank, world, "cuda")
+    res = buf.dispatch(x, idx, w)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == dead:
+        os._exit(0)
+    time.sleep(0.2)
+    start = time.monotonic()
+    buf.combine(res.x, res.handle)
+    with pytest.raises(EPTimeoutError) as info:
+        buf.check()
+    assert info.value.missing_ranks == (dead,), str(info.value)
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+
+
+@pytest.mark.gpu
+def test_dead_peer_before_combine_is_named_on_nccl(monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    spawn(nccl_death_body, 2, 1, backend="nccl", timeout=120, abandon=True)

@@ -91,6 +91,10 @@ class Backend(abc.ABC):
         """Raise what finished work reported (EPTimeoutError; ValueError for expert ids out of range
         when the backend checks them); reads host memory only."""
 
+    def wait_pending(self) -> None:
+        """Wait, within comm.timeout_s, for exchanges the backend left in flight without a host wait
+        (called before the caller synchronises the device, so a dead peer cannot hang it)."""
+
     def close(self) -> None:
         """Release transport resources; safe to call more than once."""
 

@@ -68,7 +68,10 @@ def all_to_all_rows(group, rows: torch.Tensor, out_rows: int, out_splits: List[i
     work = group.all_to_all(out, rows, out_splits, in_splits)
     if async_op:
         return out, work
-    work.wait()
+    if rows.is_cuda:  # the stream waits for it; the host checks its deadline later, without blocking
+        group.defer(work)
+    else:
+        work.wait()
     return out, None
 
 
@@ -185,6 +188,10 @@ class TorchBackend(Backend):
     def check(self) -> None:
         if self._comm.failed is not None:
             raise self._comm.failed
+        self._comm.poll_pending(block=False)
+
+    def wait_pending(self) -> None:
+        self._comm.poll_pending(block=True)
 
     def close(self) -> None:
         self._comm.close()

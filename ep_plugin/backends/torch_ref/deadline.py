@@ -12,9 +12,12 @@ Protocol of one BoundedGroup (one per TorchBackend, built collectively by the EP
      So a stuck exchange never blocks the caller's group; everyone is present when NCCL builds its
      communicator (eagerly: built lazily, it would block the host, unbounded, in the first
      exchange); and NCCL's watchdog, which acts at the group's own timeout, comes after our error.
-  3. Every exchange is issued with async_op=True and waited until issue + timeout_s: on CPU with
-     work.wait(timeout); on CUDA by polling work.is_completed(), since there wait() only orders
-     streams. So on NCCL the host waits for each exchange, as it already did for the counts.
+  3. Every exchange is issued with async_op=True and must finish by issue + timeout_s: on CPU the
+     host waits with work.wait(timeout); on CUDA the counts exchange is polled (work.is_completed(),
+     since there wait() only orders streams) because the host needs the counts, and the rows'
+     exchanges of a synchronous call only order the stream: their deadline is checked, without
+     blocking, at the next call or check() (EPBuffer.check() waits for them, bounded, before it
+     synchronises the device).
   4. On expiry, or a transport error (gloo reports a dead peer's closed connection at once), the
      rank reads every member's count: those below its own step did not arrive. It aborts its group
      (on NCCL that ends the stuck kernel) and raises EPTimeoutError. The BoundedGroup is unusable
@@ -86,6 +89,22 @@ class BoundedWork:
         self._deadline = time.monotonic() + group.timeout_s
         self._done = False
 
+    def order_stream(self) -> None:
+        """Make the current CUDA stream wait for the exchange (no host wait)."""
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            self._group.expire(self._step, self._what, exc)
+
+    def poll(self) -> bool:
+        """True once done; raises EPTimeoutError past the deadline; never blocks."""
+        if self._done or self._work.is_completed():
+            self._done = True
+            return True
+        if time.monotonic() >= self._deadline:
+            self._group.expire(self._step, self._what)
+        return False
+
     def wait(self) -> bool:
         if self._done:
             return True
@@ -118,6 +137,7 @@ class BoundedGroup:
         self.failed: Optional[EPTimeoutError] = None
         self.pg = None
         self._step = 0
+        self._pending: List[BoundedWork] = []  # CUDA exchanges the stream waits for, not yet seen done
         self.arrive("construction")
         self._record()
         self._rendezvous()
@@ -134,10 +154,29 @@ class BoundedGroup:
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
 
+    def defer(self, work: "BoundedWork") -> None:
+        """A synchronous call's CUDA exchange: order the current stream after it now, check its deadline
+        at the next call or check() (no host wait on the hot path)."""
+        work.order_stream()
+        self._pending.append(work)
+
+    def poll_pending(self, block: bool) -> None:
+        """Drop finished deferred exchanges; raise EPTimeoutError for one past its deadline. With block,
+        wait for each (bounded), e.g. before the caller synchronises the device."""
+        keep = []
+        for w in self._pending:
+            if block:
+                w.wait()
+            elif not w.poll():
+                keep.append(w)
+        self._pending = keep
+
     def arrive(self, what: str) -> None:
         """Start a step (a dispatch or combine call): its exchanges carry its number."""
         if self.failed is not None:
             raise self.failed
+        if self._pending:
+            self.poll_pending(block=False)
         self._step += 1
         self._what = what
         self._recorded = False
