@@ -35,11 +35,40 @@ zero-padded rows that never reach the output, we feed them no padding); tensor-p
 non-expert layers (an ``mpu`` with tensor-parallel size > 1) and Tutel are not supported on the
 ep_plugin path (an error says so; Tutel is simply not used).
 
+DeepSpeed AutoEP (Hugging Face MoE models, no model code changes)
+-----------------------------------------------------------------
+Importing this module (or calling :func:`initialize`) also lets AutoEP use ep_plugin as its expert
+all-to-all, next to DeepSpeed's ``"comm"`` and ``"deepep"``::
+
+    "expert_parallel": {"enabled": true, "autoep_size": 2, "comm_backend": "ep_plugin"}
+
+AutoEP's layers then run their exchange route (expert-grouped dispatch, combine, DeepSpeed's own
+autograd and checkpoint replay) over EPBuffer, on any backend. SMs, capacity and backend come from
+the ``"ep_plugin"`` section's YAML, or the section's ``comm_num_sm`` / ``comm_max_tokens_per_rank``.
+:func:`install` is the one hook (checked against DeepSpeed 0.19.8), :func:`uninstall` removes it;
+see :mod:`ep_plugin.integrations.deepspeed.autoep`.
+
 The code lives in :mod:`ep_plugin.integrations.deepspeed`; this module is its public face.
 """
 from .integrations.deepspeed import (
-    SECTION, EPPluginMOELayer, convert_moe_layers, ep_plugin_config, initialize, is_enabled, release_buffers,
+    CHECKED_DEEPSPEED_VERSIONS, EP_PLUGIN_BACKEND, SECTION, EPPluginMOELayer, autoep_ep_config,
+    convert_moe_layers, ep_plugin_config, initialize, install, is_enabled, is_installed, release_buffers,
+    uninstall, uses_ep_plugin,
 )
 
 __all__ = ["SECTION", "initialize", "convert_moe_layers", "ep_plugin_config", "is_enabled",
-           "EPPluginMOELayer", "release_buffers"]
+           "EPPluginMOELayer", "release_buffers", "install", "uninstall", "is_installed",
+           "CHECKED_DEEPSPEED_VERSIONS", "EP_PLUGIN_BACKEND", "autoep_ep_config", "uses_ep_plugin",
+           "EPPluginAutoEPLayer"]
+
+
+def __getattr__(name):
+    # a subclass of AutoEP's layer: importing it needs a DeepSpeed with AutoEP
+    if name == "EPPluginAutoEPLayer":
+        from .integrations.deepspeed.autoep_layer import EPPluginAutoEPLayer
+
+        return EPPluginAutoEPLayer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+install()

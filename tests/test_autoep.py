@@ -1,0 +1,328 @@
+"""DeepSpeed AutoEP with ``"comm_backend": "ep_plugin"``: Hugging Face MoE models train as with "comm".
+
+Tiny Mixtral-like (top-2 softmax) and DeepSeek-V3-like (sigmoid, group-limited top-4 over 4 groups,
+a shared expert, a dense first layer) models are built from ``transformers`` configs with random
+weights (nothing downloaded) and trained through ``deepspeed.initialize`` with AutoEP on 2 ranks, once
+with DeepSpeed's collective path and once through ep_plugin: same losses and gradients at every step,
+within float32 reduction-order noise. CPU cases run in one spawn (gloo, world 2): importing DeepSpeed
+and transformers costs seconds per process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytest.importorskip("deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
+
+from tests._dist import spawn  # noqa: E402
+
+VOCAB, SEQ, MICRO = 64, 16, 2
+
+
+def tiny_model(kind: str, hidden: int = 32):
+    """A tiny HF MoE causal LM with random weights, identical on every rank (fixed seed)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(intermediate_size=48, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, **common)
+        return tf.MixtralForCausalLM(cfg)
+    cfg = tf.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4,
+                              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                              qk_nope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5, **common)
+    return tf.DeepseekV3ForCausalLM(cfg)
+
+
+def ds_config(comm_backend: str, backend: str = "torch", **expert_parallel):
+    ep = dict(enabled=True, autoep_size=2, use_grouped_mm=False, comm_backend=comm_backend, **expert_parallel)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+           "expert_parallel": ep}
+    if comm_backend == "ep_plugin":
+        cfg["ep_plugin"] = {"enabled": True, "overrides": {"comm.backend": backend}}
+    return cfg
+
+
+def _engine(model, cfg):
+    import deepspeed
+    # SGD: Adam's first step is sign(grad), which turns reduction-order noise in near-zero gradients
+    # into parameter differences of the learning rate.
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+    return engine
+
+
+def _train(engine, rank, steps=3):
+    losses, grads = [], []
+    # one batch per rank, every step: the loss must fall
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(100 + rank)).to(engine.device)
+    for _ in range(steps):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        grads.append({n: p.grad.detach().float().cpu().clone()
+                      for n, p in engine.module.named_parameters() if p.grad is not None})
+        engine.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _compare(tag, ours, ref, tol):
+    (l_o, g_o), (l_r, g_r) = ours, ref
+    for step, (a, b) in enumerate(zip(l_o, l_r)):
+        assert abs(a - b) <= tol * max(1.0, abs(b)), f"{tag}: step {step} loss {a} vs comm {b}"
+    assert l_o[-1] < l_o[0], f"{tag}: loss did not fall: {l_o}"
+    for step, (a, b) in enumerate(zip(g_o, g_r)):
+        assert a.keys() == b.keys(), f"{tag}: step {step} parameters with gradients differ"
+        assert any("experts" in n for n in a), f"{tag}: no expert gradients"
+        for name in b:
+            err = (a[name] - b[name]).abs().max().item()
+            scale = b[name].abs().max().item()
+            assert err <= tol * max(scale, 1e-3), f"{tag}: step {step} grad of {name}: max diff {err} (scale {scale})"
+
+
+def _ep_layers(engine):
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    return [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+
+
+def _equality_cases(rank, world, device, backend, hidden, tol, kinds):
+    import deepspeed
+    import ep_plugin.deepspeed as epds
+    from ep_plugin.integrations.deepspeed.autoep_exchange import EPPluginExchange
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    calls = {"dispatch": 0, "replay_dispatch": 0, "dispatch_with_handle": 0, "combine_with_weight_grad": 0}
+    for name in calls:
+        original = getattr(EPPluginExchange, name)
+        setattr(EPPluginExchange, name,
+                lambda self, *a, _n=name, _f=original, **kw: calls.__setitem__(_n, calls[_n] + 1) or _f(self, *a, **kw))
+    for kind in kinds:
+        for checkpointing in ((False, True) if kind == "mixtral" else (False,)):
+            runs = {}
+            for comm_backend in ("comm", "ep_plugin"):
+                model = tiny_model(kind, hidden)
+                if checkpointing:
+                    model.gradient_checkpointing_enable()  # non-reentrant: the exchange replays its handle
+                engine = _engine(model, ds_config(comm_backend, backend))
+                layers = _ep_layers(engine)
+                assert len(layers) == (2 if kind == "mixtral" else 1)
+                if comm_backend == "comm":  # the flag off: DeepSpeed's own layer and route
+                    assert all(type(m).__name__ == "AutoEPMoELayer" and m.comm_backend == "comm" for m in layers)
+                else:
+                    assert all(type(m) is epds.EPPluginAutoEPLayer for m in layers)
+                    assert engine._config.expert_parallel_config.comm_backend == "ep_plugin"
+                before = dict(calls)
+                runs[comm_backend] = _train(engine, rank)
+                if comm_backend == "ep_plugin":
+                    exchanges = {id(m._deepep_exchange) for m in layers}
+                    assert len(exchanges) == 1, "the layers of one model share one exchange"
+                    assert layers[0]._deepep_exchange.buffer.backend_name == backend
+                    assert calls["dispatch"] - before["dispatch"] == 3 * len(layers)
+                    assert calls["combine_with_weight_grad"] > before["combine_with_weight_grad"]
+                    assert calls["dispatch_with_handle"] > before["dispatch_with_handle"]
+                    replays = calls["replay_dispatch"] - before["replay_dispatch"]
+                    assert replays == (3 * len(layers) if checkpointing else 0), replays
+                engine.destroy()
+            _compare(f"rank {rank} {kind} checkpointing={checkpointing}", runs["ep_plugin"], runs["comm"], tol)
+
+
+def _behaviour_cases(rank, world):
+    """Section keys, capacity, the BF16 wire, destroy and uninstall (Mixtral, CPU)."""
+    import deepspeed
+    import ep_plugin.deepspeed as epds
+    from ep_plugin.integrations.deepspeed.autoep_exchange import live_exchanges
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    # The section's own keys size the exchange; a bigger batch is refused before any communication.
+    engine = _engine(tiny_model("mixtral"), ds_config("ep_plugin", comm_num_sm=6, comm_max_tokens_per_rank=20))
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    engine(input_ids=ids, labels=ids)
+    layer = _ep_layers(engine)[0]
+    exchange = layer._deepep_exchange
+    assert exchange.num_max_tokens_per_rank == 20 and exchange.buffer.cfg.comm.num_sms == 6
+    assert exchange.buffer.cfg.moe.num_experts == 4 and exchange.top_k == 2
+    assert "exchange_backend=ep_plugin" in repr(layer)
+    with pytest.raises(ValueError, match=r"32 tokens .*comm.max_tokens_per_rank=20.*comm_max_tokens_per_rank"):
+        engine(input_ids=torch.zeros(MICRO, SEQ, dtype=torch.long), labels=torch.zeros(MICRO, SEQ, dtype=torch.long))
+    # The contract: DeepSpeed's own, unmodified exchange route (written for DeepEPExchange; BF16 only)
+    # drives our exchange to the same output and input gradient as the converted layer's route.
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
+    x = torch.randn(12, layer.hidden_size, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    results = []
+    for route in (AutoEPMoELayer._deepep_route, type(layer)._deepep_route):
+        xr = x.clone().requires_grad_(True)
+        y = route(layer, xr, RouterOutput(*layer.router(xr.float(), layer.expert_bias)))
+        (y.float() * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        results.append((y.detach(), xr.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    # engine.destroy() releases the exchange through DeepSpeed's own destroy_exchanges.
+    engine.destroy()
+    assert layer._deepep_exchange is None and exchange.destroyed and exchange not in live_exchanges()
+
+    # A backend that moves only BF16 rows (as nvlink does): a float32 model's rows travel as BF16,
+    # a warning says so once, and training matches the collective path to BF16 precision.
+    ref = _train(_engine(tiny_model("mixtral"), ds_config("comm")), rank, steps=2)
+    engine = _engine(tiny_model("mixtral"), ds_config("ep_plugin"))
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    engine(input_ids=ids, labels=ids)  # builds the exchange
+    buf = _ep_layers(engine)[0]._deepep_exchange.buffer
+    buf._caps = dataclasses.replace(buf.capabilities, row_dtypes=(torch.bfloat16, torch.float16),
+                                    combine_dtypes=(torch.bfloat16,))
+    seen, dispatch = [], buf.dispatch
+    buf.dispatch = lambda x, *a, **kw: seen.append(x.dtype) or dispatch(x, *a, **kw)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = _train(engine, rank, steps=2)
+        assert seen and set(seen) == {torch.bfloat16}, seen
+        assert sum("does not move torch.float32 rows" in str(w.message) for w in caught) == 1
+        _compare(f"rank {rank} BF16 wire", ours, ref, 3e-2)
+    finally:
+        epds.release_buffers()  # the patched buffer must not serve later engines
+
+    # uninstall(): DeepSpeed's own validation again; install() brings the name back.
+    epds.uninstall()
+    try:
+        assert not epds.is_installed()
+        with pytest.raises(ValueError, match=r"comm_backend must be one of \('comm', 'deepep'\)"):
+            _engine(tiny_model("mixtral"), ds_config("ep_plugin"))
+    finally:
+        assert epds.install()
+    engine = _engine(tiny_model("mixtral"), ds_config("ep_plugin"))
+    assert all(type(m) is epds.EPPluginAutoEPLayer for m in _ep_layers(engine))
+
+
+def test_autoep_trains_like_comm_cpu():
+    spawn(_equality_cases, 2, "cpu", "torch", 32, 1e-5, ("mixtral", "deepseek_v3"), timeout=300)
+
+
+def test_autoep_behaviour_cpu():
+    spawn(_behaviour_cases, 2, timeout=240)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("backend,tol", [("torch", 2e-4), ("nvlink", 3e-2)])
+def test_autoep_trains_like_comm_gpu(backend, tol):
+    if backend == "nvlink":
+        from ep_plugin._ext import has_c
+        if not has_c():
+            pytest.skip("ep_plugin._C is not built")
+    # hidden 256: the nvlink backend's smallest row; its float32 rows travel as BF16 (tolerance)
+    spawn(_equality_cases, 2, "cuda", backend, 256, tol, ("mixtral", "deepseek_v3"), backend="nccl", timeout=400)
+
+
+# ---------------------------------------------------------------------------- no processes
+def test_config_sources_and_precedence(tmp_path):
+    from ep_plugin.deepspeed import autoep_ep_config, uses_ep_plugin
+    from ep_plugin.errors import ConfigError
+
+    assert autoep_ep_config({}).comm.backend == "auto"  # ep_plugin's defaults
+    yaml = tmp_path / "ep.yaml"
+    yaml.write_text("comm:\n  backend: torch\n  num_sms: 8\n  max_tokens_per_rank: 512\n")
+    ds = {"expert_parallel": {"enabled": True, "comm_backend": "ep_plugin"},
+          "ep_plugin": {"enabled": True, "config": str(yaml), "overrides": {"comm.timeout_s": 5}}}
+    assert uses_ep_plugin(ds) and not uses_ep_plugin(ds_config("comm"))
+    cfg = autoep_ep_config(ds)
+    comm = cfg.comm
+    assert (comm.backend, comm.num_sms, comm.max_tokens_per_rank, comm.timeout_s) == ("torch", 8, 512, 5)
+    # The section's own keys win; comm_max_tokens_per_rank 0 is DeepSpeed's "unset".
+    ds["expert_parallel"].update(comm_num_sm=20, comm_max_tokens_per_rank=0)
+    cfg = autoep_ep_config(ds)
+    assert (cfg.comm.num_sms, cfg.comm.max_tokens_per_rank) == (20, 512)
+    ds["expert_parallel"]["comm_max_tokens_per_rank"] = 64
+    assert autoep_ep_config(ds).comm.max_tokens_per_rank == 64
+    ds["expert_parallel"]["comm_num_sm"] = 0
+    with pytest.raises(ConfigError, match=r"expert_parallel.comm_num_sm' \(ep_plugin's comm.num_sms\).*out of range"):
+        autoep_ep_config(ds)
+    with pytest.raises(ConfigError, match=r"'ep_plugin.config' \(used by expert_parallel.comm_backend=\"ep_plugin\"\)"):
+        autoep_ep_config({"ep_plugin": {"config": {"comm": {"backend": "carrier_pigeon"}}}})
+
+
+def test_refused_autoep_options():
+    from types import SimpleNamespace
+
+    from ep_plugin.errors import ConfigError
+    from ep_plugin.integrations.deepspeed.autoep_config import check_autoep_options
+
+    ok = dict(combine_impl="auto", autoep_size=2, expert_tensor_parallel_size=1, row_weighting_impl="auto")
+    check_autoep_options(SimpleNamespace(**ok), tp_size=1)
+    for change, tp, match in ((dict(combine_impl="fused_weighted_sum"), 1, "combine_impl.*leave combine_impl unset"),
+                              (dict(expert_tensor_parallel_size=2), 1, "folded tensor parallelism"),
+                              ({}, 2, "autotp_size=2"),
+                              (dict(row_weighting_impl="fused", autoep_size=1), 1, "row_weighting_impl")):
+        with pytest.raises(ConfigError, match=match):
+            check_autoep_options(SimpleNamespace(**dict(ok, **change)), tp_size=tp)
+
+
+def test_expert_layout_round_trip():
+    from ep_plugin.integrations.expert_layout import collapse, collapse_weights, expand, expand_weights, expert_order
+
+    # 4 received rows, top-2, 3 local experts; row 3 is padding (a worst-case-sized dispatch).
+    idx = torch.tensor([[2, -1], [0, 2], [-1, 0], [-1, -1]])
+    order = expert_order(idx, 3, num_routes=4)
+    assert order.routes.tolist() == [2, 5, 0, 3] and order.rows.tolist() == [1, 2, 0, 1]
+    x = torch.arange(8.0).view(4, 2)
+    assert expand(x, order).tolist() == [[2, 3], [4, 5], [0, 1], [2, 3]]
+    w = torch.tensor([[0.1, 0.0], [0.2, 0.3], [0.0, 0.4], [0.0, 0.0]])
+    assert torch.allclose(expand_weights(w, order), torch.tensor([0.2, 0.4, 0.1, 0.3]))
+    # collapse is expand's adjoint: <expand(x), y> == <x, collapse(y)>, and the weights go back in place
+    y = torch.randn(4, 2)
+    assert torch.allclose((expand(x, order) * y).sum(), (x * collapse(y, order, 4)).sum())
+    assert torch.equal(collapse_weights(expand_weights(w, order), order, 4, 2), w)
+
+
+def _run_example(tmp_path, *args, gpu=False):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests._dist import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(root, "examples", "deepspeed", "autoep_hf_moe.py"), "--json", str(out), *args]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 2
+    return res
+
+
+def _falls(losses):
+    return sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_example_pretrains_on_cpu(tmp_path):
+    res = _run_example(tmp_path, "--steps", "30")
+    assert res["ep_plugin_layers"] == 2 and res["backend"] == "torch"
+    assert _falls(res["losses"]), res["losses"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_example_pretrains_on_gpus_bf16(tmp_path):
+    """The example's GPU setting (BF16, grouped GEMM, ep_plugin.yaml's backend: auto) against "comm"."""
+    from ep_plugin._ext import has_c
+    args = ("--preset", "deepseek_v3", "--hidden", "256", "--steps", "30", "--seq-len", "128")
+    ours = _run_example(tmp_path, *args, gpu=True)
+    ref = _run_example(tmp_path, *args, "--comm-backend", "comm", gpu=True)
+    assert ours["ep_plugin_layers"] == 1 and ref["ep_plugin_layers"] == 0
+    assert ours["backend"] == ("nvlink" if has_c() else "torch"), ours["backend"]
+    assert _falls(ours["losses"]), ours["losses"]
+    # BF16 rows and sums in another order: the first steps agree to BF16 noise
+    diffs = [abs(a - b) for a, b in zip(ours["losses"][:3], ref["losses"][:3])]
+    assert max(diffs) < 5e-2, (ours["losses"][:3], ref["losses"][:3])
