@@ -100,5 +100,6 @@ setup(
     extras_require={"test": ["pytest"], "nvshmem-cu13": ["nvidia-nvshmem-cu13"], "nvshmem-cu12": ["nvidia-nvshmem-cu12"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": NvccBuildExt},
+    entry_points={"console_scripts": ["ep_plugin = ep_plugin.__main__:main"]},  # ep_plugin doctor
     zip_safe=False,
 )

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .autograd import CombineFn, DispatchFn
 from .backends import make_backend
+from .telemetry import CommStats, RecordingBackend
 from .types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, Handle, XInput
 
 
@@ -92,6 +93,10 @@ class EPBuffer:
         self.hidden = hidden
         self.num_local_experts = self.num_experts // self.world
         self._backend = make_backend(self.group, self.cfg, hidden, self.num_experts)
+        self._stats = None
+        if self.cfg.comm.stats:  # off: the backend itself, nothing added to a call
+            self._stats = CommStats(self.rank, self.world, self.num_local_experts, self._backend.name)
+            self._backend = RecordingBackend(self._backend, self._stats)
         self._caps = self._backend.capabilities
         self._index_check = _IndexCheck(self.num_experts)
         self._full_validation = self.cfg.comm.validate == "full"
@@ -255,6 +260,16 @@ class EPBuffer:
         if is_async:
             out += (event,)
         return out if len(out) > 1 else y
+
+    def stats(self, reset: bool = False) -> dict:
+        """What this buffer's exchanges cost and moved since the last reset (comm.stats: true): per op
+        calls and times (device times from CUDA events, host times on CPU), bytes sent and received
+        per domain (local = to itself, remote = to other ranks), rows per destination rank and per
+        local expert with their max/mean imbalance, and timeouts. Waits for the exchanges still in
+        flight, so call it at report time, not per step. See ep_plugin.telemetry."""
+        _need(self._stats is not None, RuntimeError,
+              "stats are off for this buffer: set comm.stats: true in its config")
+        return self._stats.summary(reset=reset)
 
     # ---------------------------------------------------------------- errors
     def _raise_pending(self) -> None:

@@ -9,7 +9,8 @@ The corpus is byte-level text of Python's own standard-library sources, built lo
         --hidden 1024 --batch 16 --seq 512                            # GPUs: NCCL, backend auto
 
 On GPUs the rows travel in BF16 (--dtype auto), the form the nvlink kernels move; the rest of the
-model stays float32.
+model stays float32. Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the
+exchanges cost (comm.stats: time share with the slowest rank, time per call, imbalance).
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import ep_plugin
+from ep_plugin.doctor import refuse
 from ep_plugin.routing import route
+from ep_plugin.telemetry import collect
 
 
 def local_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
@@ -124,6 +126,7 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="dtype of the dispatched rows and the expert matmuls (auto: bf16 on GPUs, fp32 on CPU)")
+    ap.add_argument("--log-every", type=int, default=50, help="steps between summary lines")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -134,10 +137,16 @@ def main():
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)  # same replicated weights everywhere; experts differ per rank below
 
-    cfg = ep_plugin.load_config(args.config, {"comm.backend": args.backend} if args.backend else None)
     tokens_per_rank = args.batch * args.seq
-    cfg.comm.max_tokens_per_rank = max(cfg.comm.max_tokens_per_rank, tokens_per_rank)
-    buf = ep_plugin.EPBuffer(dist.group.WORLD, cfg, hidden=args.hidden)
+    overrides = {"comm.stats": True}
+    if args.backend:
+        overrides["comm.backend"] = args.backend
+    try:
+        cfg = ep_plugin.load_config(args.config, overrides)
+        cfg.comm.max_tokens_per_rank = max(cfg.comm.max_tokens_per_rank, tokens_per_rank)
+        buf = ep_plugin.EPBuffer(dist.group.WORLD, cfg, hidden=args.hidden)
+    except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
+        refuse(exc, rank)
     row_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
     model = MoELM(buf, args.layers, args.hidden, args.heads, args.ffn, args.seq, row_dtype).to(device)
     with torch.no_grad():
@@ -151,9 +160,11 @@ def main():
     shared = [p for p in model.parameters() if not getattr(p, "expert_local", False)]
 
     first = last = None
-    bar = tqdm(range(args.steps), disable=rank != 0, desc=f"train_moe [{buf.backend_name}, EP{world}]")
-    t0 = time.perf_counter()
-    for step in bar:
+    if rank == 0:
+        print(f"train_moe: {args.steps} steps, EP{world}, backend {buf.backend_name}, "
+              f"{args.layers} MoE layers, hidden {args.hidden}", flush=True)
+    t0 = t_log = time.perf_counter()
+    for step in range(1, args.steps + 1):
         start = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=gen).to(device)
         offs = start.unsqueeze(1) + torch.arange(args.seq + 1, device=device)
         batch = data[offs]
@@ -174,7 +185,12 @@ def main():
         avg = avg.item() / world
         first = avg if first is None else first
         last = avg
-        bar.set_postfix(loss=f"{avg:.3f}")
+        if step % args.log_every == 0 or step == args.steps:
+            done = (step - 1) % args.log_every + 1
+            report = collect([buf], tokens=done * tokens_per_rank, wall_s=time.perf_counter() - t_log)
+            if rank == 0:
+                print(f"step {step:4d}  loss {avg:.3f}  {report.text()}", flush=True)
+            t_log = time.perf_counter()
     secs = time.perf_counter() - t0
     if rank == 0:
         tps = args.steps * tokens_per_rank * world / secs

@@ -6,15 +6,15 @@ kernel backends need ep_plugin._C). A backend that cannot serve a group or row w
 before the buffer is built, and never afterwards.
 
 auto: nvshmem when the group spans nodes and it is built; nvlink when all ranks share a node with
-peer access and nvlink takes the row width; torch otherwise. The choice and its reason are logged
-once.
+peer access and nvlink takes the row width; torch otherwise (`auto_choice`, which `ep_plugin doctor`
+asks too). The choice and its reason are logged once.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import socket
-from typing import Tuple, Type
+from typing import Callable, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,49 @@ def backend_class(name: str) -> Type:
         raise BackendUnavailableError(f"the {name} backend could not be imported ({exc}).{hint}") from exc
 
 
+def backend_unavailable(name: str, world: int) -> Optional[str]:
+    """Why `name` cannot serve `world` ranks on this machine, from its import and declared limits, or
+    None. For callers without a group (doctor); with a group, check_group also checks the row width."""
+    try:
+        cls = backend_class(name)
+    except BackendUnavailableError as exc:
+        return str(exc)
+    limit = cls.capabilities.max_ranks
+    if limit is not None and world > limit:
+        return f"the {name} backend supports at most {limit} ranks, got {world}"
+    return None
+
+
+def node_peer_access() -> bool:
+    """Whether every pair of this node's visible GPUs has peer access (what nvlink needs)."""
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
+
+
+def auto_choice(pg_backend: str, cuda: bool, built: bool, world: int, num_nodes: Callable[[], int],
+                peer_access: Callable[[], bool], unavailable: Callable[[str], Optional[str]]) -> Tuple[str, str]:
+    """The `auto` rule on facts, without a group: (name, reason). Shared by choose_backend (a live
+    group) and `ep_plugin doctor --world N` (this machine, no group).
+
+    num_nodes() and peer_access() are asked only when the rule gets that far (counting a live group's
+    hosts is a collective); unavailable(name) says why that backend cannot serve, or None."""
+    if not (pg_backend == "nccl" and cuda):
+        return "torch", f"process group backend is {pg_backend!r} (no NCCL/CUDA)"
+    if not built:
+        return "torch", "ep_plugin._C is not built"
+    nodes = num_nodes()
+    if nodes > 1:
+        if unavailable("nvshmem") is None:
+            return "nvshmem", f"group spans {nodes} nodes and the nvshmem backend is built"
+        return "torch", f"group spans {nodes} nodes and the nvshmem backend is not built"
+    if not peer_access():
+        return "torch", "GPUs of this node lack peer access"
+    why = unavailable("nvlink")
+    if why is not None:
+        return "torch", why
+    return "nvlink", f"all {world} ranks share one node with peer access"
+
+
 def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
     """Returns (name, reason). Raises BackendUnavailableError for a backend that cannot run here."""
     if requested not in BACKEND_NAMES:
@@ -70,26 +113,21 @@ def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
                 f"{pg_backend!r}); use comm.backend: torch or auto")
         backend_class(requested).check_group(group, hidden)
         return requested, f"comm.backend: {requested}"
-    if not on_gpus:
-        return "torch", f"process group backend is {pg_backend!r} (no NCCL/CUDA)"
-    if not has_c():
-        return "torch", "ep_plugin._C is not built"
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
+
+    def num_nodes() -> int:
+        hosts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        return len(set(hosts))
+
+    def unavailable(name: str) -> Optional[str]:
         try:
-            backend_class("nvshmem").check_group(group, hidden)
-            return "nvshmem", f"group spans {len(set(hosts))} nodes and the nvshmem backend is built"
-        except (BackendUnavailableError, ValueError):
-            return "torch", f"group spans {len(set(hosts))} nodes and the nvshmem backend is not built"
-    n = torch.cuda.device_count()
-    if not all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b):
-        return "torch", "GPUs of this node lack peer access"
-    try:
-        backend_class("nvlink").check_group(group, hidden)
-    except (BackendUnavailableError, ValueError) as exc:
-        return "torch", str(exc)
-    return "nvlink", f"all {len(hosts)} ranks share one node with peer access"
+            backend_class(name).check_group(group, hidden)
+        except (BackendUnavailableError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    return auto_choice(pg_backend, torch.cuda.is_available(), has_c(), dist.get_world_size(group),
+                       num_nodes, node_peer_access, unavailable)
 
 
 def make_backend(group, cfg, hidden: int, num_experts: int):

@@ -53,6 +53,12 @@ class CommConfig:
     # device: expert ids outside [-1, E) are found on the device and raised at the next synchronising
     # call; full: checked on the host before any kernel (one host sync per dispatch).
     validate: str = "device"  # one of VALIDATE_MODES
+    # Per-call telemetry (EPBuffer.stats(): device times, bytes per domain, imbalance, timeouts);
+    # off costs nothing.
+    stats: bool = False
+    # Steps between the framework integrations' stats reports (their own logging); None = never,
+    # read EPBuffer.stats() yourself.
+    stats_interval: Optional[int] = 100
 
 
 @dataclass

@@ -43,6 +43,8 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "host_sync": _BOOL,
         "combine_kernel": ("enum", COMBINE_KERNELS),
         "validate": ("enum", VALIDATE_MODES),
+        "stats": _BOOL,
+        "stats_interval": _OPT_POS_INT,
     },
     "overlap": {
         "async_dispatch": _BOOL,

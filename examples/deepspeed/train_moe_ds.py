@@ -13,23 +13,62 @@ The deepspeed launcher works too: deepspeed --num_gpus 4 examples/deepspeed/trai
 Data: synthetic arithmetic sequences x_t = (a + d*t) mod vocab with a random start a and step d
 per sequence; predicting the next token needs the previous two, so the loss falls from
 log(vocab) towards 0 as the model learns.
+
+Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the expert exchanges
+cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
+import re
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import deepspeed
-from deepspeed.moe.layer import MoE
 
-import ep_plugin.deepspeed as epds
+class _DropKnownNotices(logging.Filter):
+    """DeepSpeed's notices that are expected here (CPU accelerator, the scheduler's first read)."""
+
+    KNOWN = ("Setting accelerator to CPU", "Attempting to get learning rate from scheduler before it has started")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.KNOWN)
+
+
+class _DropKnownPrints:
+    """A stdout that drops the lines DeepSpeed prints (not logs) while it sets up groups and comm."""
+
+    KNOWN = re.compile(r"^(DeepSpeed \S+ built successfully|No existing process group found, creating a new group)")
+
+    def __init__(self, out):
+        self.out, self.partial = out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")  # print() sends the newline apart
+        self.out.write("".join(line + "\n" for line in lines if not self.KNOWN.match(line)))
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+logging.getLogger("DeepSpeed").addFilter(_DropKnownNotices())  # before DeepSpeed's import logs anything
+
+import deepspeed  # noqa: E402
+from deepspeed.moe.layer import MoE  # noqa: E402
+
+import ep_plugin  # noqa: E402
+import ep_plugin.deepspeed as epds  # noqa: E402
+from ep_plugin.doctor import refuse  # noqa: E402
+from ep_plugin.integrations.buffer_cache import cached_buffers  # noqa: E402
+from ep_plugin.telemetry import collect  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -114,13 +153,15 @@ def main():
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the loss curve and tokens/s here (rank 0)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between summary lines")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     a = p.parse_args()
 
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(a.local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    with contextlib.redirect_stdout(_DropKnownPrints(sys.stdout)):
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     a.ep_size = a.ep_size or world
     a.experts = a.experts or 2 * a.ep_size
@@ -133,13 +174,19 @@ def main():
         sec["enabled"] = False
     if isinstance(sec.get("config"), str) and not os.path.isabs(sec["config"]):  # relative to the JSON file
         sec["config"] = os.path.join(os.path.dirname(os.path.abspath(a.deepspeed_config)), sec["config"])
+    # stats on, reported by this script (not by the integration's own log lines: interval null)
+    sec["overrides"] = {**sec.get("overrides", {}), "comm.stats": True, "comm.stats_interval": None}
     micro = ds_config["train_micro_batch_size_per_gpu"]
 
     torch.manual_seed(a.seed)
     model = MoETransformer(a)
 
     # The one call that differs from plain DeepSpeed.
-    engine, _, _, _ = epds.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    try:
+        with contextlib.redirect_stdout(_DropKnownPrints(sys.stdout)):
+            engine, _, _, _ = epds.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    except ep_plugin.ConfigError as exc:
+        refuse(exc, rank)
     ep_on = any(isinstance(m, epds.EPPluginMOELayer) for m in model.modules())
 
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
@@ -152,6 +199,8 @@ def main():
               f"hidden {a.hidden}, MoE path: {path}", flush=True)
         bar = tqdm(total=a.steps, desc="train", dynamic_ncols=True, file=sys.stdout)
     losses, t0, t_start, tok_s = [], None, time.perf_counter(), float("nan")
+    t_log = t_start
+    say = bar.write if bar is not None else print
     for step in range(a.steps):
         if step == 2:  # skip warm-up steps in the throughput
             if cuda:
@@ -159,7 +208,10 @@ def main():
             t0 = time.perf_counter()
         for _ in range(engine.gradient_accumulation_steps()):
             ids, labels = batch(gen, micro, a.seq_len, a.vocab, device)
-            loss, lm = engine(ids, labels)
+            try:
+                loss, lm = engine(ids, labels)
+            except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
+                refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
             engine.backward(loss)
             engine.step()
         lm = lm.detach().clone()
@@ -171,6 +223,13 @@ def main():
         if bar is not None:
             bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tok_s:,.0f}")
             bar.update(1)
+        if (step + 1) % a.log_every == 0 or step == a.steps - 1:
+            done = step % a.log_every + 1
+            mine = done * micro * a.seq_len * engine.gradient_accumulation_steps()
+            report = collect(cached_buffers(), tokens=mine, wall_s=time.perf_counter() - t_log)
+            if rank == 0:
+                say(f"step {step + 1:4d}  loss {lm:.3f}  {report.text()}")
+            t_log = time.perf_counter()
     if bar is not None:
         bar.close()
         first = sum(losses[:5]) / min(5, len(losses))

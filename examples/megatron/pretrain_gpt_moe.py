@@ -14,21 +14,45 @@ ep_plugin.megatron.config_from_yaml from the YAML (--dispatcher alltoall compare
 Data: with --data PREFIX, a Megatron indexed dataset (PREFIX.bin/.idx, e.g. from megatron's
 preprocess_data.py); otherwise a byte-level corpus built locally, without any download, from the
 license texts and Python standard-library sources on this machine (vocabulary: 256 bytes).
+
+Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the expert exchanges
+cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance).
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import logging
 import math
 import os
 import sys
 import sysconfig
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.doctor import refuse
+from ep_plugin.telemetry import collect
+
+# Known, harmless notices of megatron-core on a machine without TransformerEngine/Apex (it falls
+# back to torch), printed once per rank: hidden so that the example's own lines stay readable.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex|Apex) (are|is) not installed",
+                        category=UserWarning)
+warnings.filterwarnings("ignore", message=r"absl\.logging is not installed", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+
+
+class _DropKnownNotice(logging.Filter):
+    """megatron-core logs a deprecation notice for GPTModel, which this example uses on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("GPTModel IS DEPRECATED")
+
+
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropKnownNotice())
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_YAML = os.path.join(HERE, "gpt_moe_tiny.yaml")
@@ -52,8 +76,8 @@ def parse_args(argv=None):
                         "or megatron's alltoall for comparison")
     p.add_argument("--backend", default=None, help="override comm.backend (auto|torch|nvlink|nvshmem)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of tqdm")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (the summary lines stay)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between summary lines")
     p.add_argument("--json", default=None, help="write per-step losses and throughput here (rank 0)")
     return p.parse_args(argv)
 
@@ -227,7 +251,14 @@ def main(argv=None) -> dict:
     args.micro_batch_size = args.micro_batch_size or int(train_cfg.get("micro_batch_size", 4))
     args.seq_length = args.seq_length or int(model_cfg.get("seq_length", 64))
     args.lr = args.lr or float(train_cfg.get("lr", 3e-3))
-    ep_cfg = ep_plugin.load_config(raw, {"comm.backend": args.backend} if args.backend else None)
+    # stats on, reported by this script (not by the integration's own log lines: interval null)
+    overrides = {"comm.stats": True, "comm.stats_interval": None}
+    if args.backend:
+        overrides["comm.backend"] = args.backend
+    try:
+        ep_cfg = ep_plugin.load_config(raw, overrides)
+    except ep_plugin.ConfigError as exc:
+        refuse(exc, rank)
     # the EPBuffer is sized once, by comm.max_tokens_per_rank: make room for one micro-batch
     tokens_per_rank = args.micro_batch_size * args.seq_length  # [S, B, H] per MoE layer (TP = 1)
     if ep_cfg.comm.max_tokens_per_rank < tokens_per_rank:
@@ -273,11 +304,15 @@ def main(argv=None) -> dict:
 
     model.train()
     losses, tok_rates = [], []
-    t_start = time.perf_counter()
+    t_start = t_log = time.perf_counter()
+    say = bar.write if bar is not None else print
     for step in range(args.steps):
         t0 = time.perf_counter()
         x, y = get_batch(tokens, step, rank, mbs, seq, args.seed, device)
-        loss = model(x, pos, mask, labels=y).float().mean()
+        try:
+            loss = model(x, pos, mask, labels=y).float().mean()
+        except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
+            refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
         opt.zero_grad(set_to_none=True)
         loss.backward()
         sync_grads(model, world)
@@ -295,12 +330,15 @@ def main(argv=None) -> dict:
         rate = stats[1].item() / dt
         losses.append(gloss)
         tok_rates.append(rate)
-        if rank == 0:
-            if bar is not None:
-                bar.set_postfix(loss=f"{gloss:.3f}", tok_s=f"{rate:,.0f}")
-                bar.update(1)
-            elif step % args.log_every == 0 or step == args.steps - 1:
-                print(f"step {step:4d}  loss {gloss:.4f}  tokens/s {rate:,.0f}", flush=True)
+        if rank == 0 and bar is not None:
+            bar.set_postfix(loss=f"{gloss:.3f}", tok_s=f"{rate:,.0f}")
+            bar.update(1)
+        if (step + 1) % args.log_every == 0 or step == args.steps - 1:
+            done = step % args.log_every + 1
+            report = collect(epm.cached_buffers(), tokens=done * x.numel(), wall_s=time.perf_counter() - t_log)
+            if rank == 0:
+                say(f"step {step + 1:4d}  loss {gloss:.4f}  {report.text()}")
+            t_log = time.perf_counter()
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start

@@ -11,11 +11,17 @@ batch; a batch with more tokens is refused before any communication.
 Dtypes: a kernel backend moves only some row dtypes (nvlink: BF16/FP16 rows, BF16 combine). When
 the layer's dtype is not among them, the rows travel as BF16 and are cast back around the experts,
 so a float32 DeepSpeed model still runs (with BF16 rounding on the wire; a one-time warning says so).
+
+Stats: with comm.stats on, every comm.stats_interval training steps the first converted layer
+reports its buffer's stats (ep_plugin.telemetry: tokens/s, communication share, slowest rank,
+imbalance, timeouts) to DeepSpeed's monitor when one is attached and enabled (`attach_monitor`),
+else to Python logging (logger "ep_plugin.deepspeed").
 """
 from __future__ import annotations
 
 import copy
 import functools
+import logging
 import warnings
 from typing import Any, Sequence
 
@@ -24,9 +30,11 @@ from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_AL
 from deepspeed.utils import groups
 
 from ...config import EPConfig, MoEConfig, load_config
+from ...telemetry import Report, log_to, training_step
 from ..buffer_cache import get_buffer
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
+_LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
 
 
 def layer_config(base: EPConfig, num_experts: int, k: int) -> EPConfig:
@@ -60,12 +68,22 @@ def _tp_world_size() -> int:
     return bwc_tensor_model_parallel_world_size(groups.mpu)
 
 
+def attach_monitor(model: torch.nn.Module, monitor) -> int:
+    """Send the stats reports of ``model``'s converted MoE layers to a DeepSpeed monitor (e.g.
+    ``engine.monitor``; used when its ``enabled`` is true). Returns how many layers now do."""
+    layers = [m for m in model.modules() if isinstance(m, EPPluginMOELayer)]
+    for m in layers:
+        m._ep_monitor = monitor
+    return len(layers)
+
+
 class EPPluginMOELayer(MOELayer):
     """DeepSpeed's ``MOELayer`` with its two capacity-padded all-to-alls replaced by EPBuffer
     dispatch/combine. Made by :func:`convert_moe_layers` by swapping an instance's class; never
     constructed directly. Gate, experts, parameters and attributes are DeepSpeed's."""
 
     _ep_cfg: EPConfig
+    _ep_monitor = None  # a DeepSpeed monitor for the stats reports (attach_monitor)
 
     def _set_ep_group(self, ep_group):
         # convert_moe_layers may have created the groups already; the engine then sets them again.
@@ -112,6 +130,7 @@ class EPPluginMOELayer(MOELayer):
         topk_weights = gates_.t().float().contiguous()        # [S, K]
 
         buf = self.ep_buffer(d_model)
+        training_step(self, buf, tokens.shape[0], self._ep_report)  # every comm.stats_interval steps
         caps = buf.capabilities
         sent = wire_dtype(tokens.dtype, caps.row_dtypes)
         combined = wire_dtype(tokens.dtype, caps.combine_dtypes)
@@ -139,6 +158,13 @@ class EPPluginMOELayer(MOELayer):
             self.timers(MOE_TIMER).stop()
             self.time_moe = self.timers(MOE_TIMER).elapsed(reset=False)
         return y.to(x.dtype).reshape(x.shape)
+
+    def _ep_report(self, report: Report) -> None:
+        monitor = self._ep_monitor
+        if monitor is not None and getattr(monitor, "enabled", False):
+            monitor.write_events(report.events(report.steps[1]))
+        else:
+            _LOG_REPORT(report)
 
     def _ep_run_experts(self, rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, counts) -> torch.Tensor:
         """Run each local expert on exactly its rows; return sum_k weight_k * expert_k(row) per row.

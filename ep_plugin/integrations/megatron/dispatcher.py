@@ -2,9 +2,14 @@
 
 Imports megatron-core at import time: hooks.install() (run by `import ep_plugin.megatron` when
 megatron-core is importable) imports this module, and nothing else in ep_plugin does.
+
+With comm.stats on, the buffer's stats are reported every comm.stats_interval steps through Python
+logging (logger "ep_plugin.megatron", rank 0 of the EP group): tokens/s, the communication share of
+the wall time, the slowest rank, imbalance and timeouts (ep_plugin.telemetry).
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 import torch
@@ -13,8 +18,11 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ...buffer import EPBuffer
 from ...config import EPConfig
+from ...telemetry import log_to, training_step
 from ..buffer_cache import get_buffer
 from .config import resolve_config
+
+_REPORT = log_to(logging.getLogger("ep_plugin.megatron"))
 
 
 def _wait(event) -> None:
@@ -134,6 +142,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_states = hidden_states.contiguous()
         buf = self._buffer_for(hidden_states)
+        training_step(self, buf, hidden_states.shape[0], _REPORT)  # every comm.stats_interval steps
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         res = buf.dispatch(hidden_states, self.topk_idx, probs.float().contiguous())
