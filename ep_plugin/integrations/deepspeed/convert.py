@@ -20,7 +20,7 @@ from deepspeed.moe.sharded_moe import MOELayer
 from deepspeed.utils import groups
 
 from ...config import EPConfig
-from .layer import EPPluginMOELayer, layer_config
+from .layer import EPPluginMOELayer, attach_monitor, layer_config
 from .section import USE_DATA_BEFORE_EP, ep_plugin_config, read_ds_config
 
 logger = logging.getLogger("ep_plugin.deepspeed")
@@ -118,4 +118,8 @@ def initialize(*args, **kwargs):
     if ep_cfg is not None and model is not None:
         # Groups are left to the engine: it knows the mpu and creates them for every MoE layer.
         _convert(model, ep_cfg, create_groups=False)
-    return deepspeed.initialize(*args, **kwargs)
+    out = deepspeed.initialize(*args, **kwargs)
+    monitor = getattr(out[0], "monitor", None)
+    if ep_cfg is not None and model is not None and getattr(monitor, "enabled", False):
+        attach_monitor(model, monitor)  # comm.stats reports go to DeepSpeed's monitor, else to logging
+    return out
