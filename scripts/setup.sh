@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up a CPU machine for ep_plugin's examples and tests: CPU torch, the real frameworks
-# (megatron-core 0.19.2, deepspeed 0.19.8) and ep_plugin itself, with ep_plugin._C compiled when
-# nvcc is found. Safe to run again: pip skips what is already installed, and _C is rebuilt only when
-# csrc/ or setup.py changed (their hash is kept in build/ep_plugin_C.sha256). One line per step, with
-# its time; `ep_plugin doctor` ends it: what this machine can run.
+# (megatron-core 0.19.2, deepspeed 0.19.8), the NVSHMEM wheel matching the CUDA major, and
+# ep_plugin itself, with ep_plugin._C compiled when nvcc is found. Safe to run again: pip skips what
+# is already installed, and _C is rebuilt only when csrc/, setup.py or the NVSHMEM wheel changed
+# (their hash is kept in build/ep_plugin_C.sha256). One line per step, with its time;
+# `ep_plugin doctor` ends it: what this machine can run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,11 +32,48 @@ pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
 # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
 pip_install "transformers==5.17.0"
+step "NVSHMEM wheel"
+# The nvidia-nvshmem-cu<major> wheel that _C's NVSHMEM part compiles against (so CI compiles it on
+# every run): major is torch's CUDA major, nvcc's for a CPU torch. Never when torch itself depends on
+# an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel (both
+# write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
+NVSHMEM_WANT=$("$PY" - <<'PYEOF'
+import importlib.metadata as md, re, shutil, subprocess
+import torch
+deps = [r for r in (md.requires("torch") or []) if r.lower().startswith("nvidia-nvshmem") and "extra ==" not in r]
+installed = []
+for n in ("nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13"):
+    try:
+        md.version(n); installed.append(n)
+    except md.PackageNotFoundError:
+        pass
+major = torch.version.cuda and torch.version.cuda.split(".")[0]
+nvcc = shutil.which("nvcc")
+if not major and nvcc:
+    m = re.search(r"release (\d+)\.", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    major = m and m.group(1)
+want = f"nvidia-nvshmem-cu{major}"
+if deps:
+    print(f"skip: torch depends on {deps[0].split(';')[0]}")
+elif not major:
+    print("skip: CPU torch and no nvcc")
+elif [n for n in installed if n != want]:
+    print(f"skip: {', '.join(n for n in installed if n != want)} is installed; {want} would overwrite its files")
+else:
+    print(want)
+PYEOF
+)
+case $NVSHMEM_WANT in
+  skip:*) STEP="NVSHMEM wheel (not installed: ${NVSHMEM_WANT#skip: })" ;;
+  *) pip_install "$NVSHMEM_WANT"; STEP="NVSHMEM wheel ($NVSHMEM_WANT)" ;;
+esac
 step "ep_plugin"
 # What _C is built from; the same hash as at its last build means the .so beside the sources is current.
+# The NVSHMEM wheel's version counts too: installing or changing it changes what setup.py builds.
 c_sources_hash() {
   { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
-    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"; } | sha256sum | cut -d' ' -f1
+    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"
+    "$PY" -m pip list --disable-pip-version-check 2>/dev/null | grep -i '^nvidia-nvshmem' || true; } | sha256sum | cut -d' ' -f1
 }
 C_HASH_FILE=build/ep_plugin_C.sha256
 C_HASH=$(c_sources_hash)

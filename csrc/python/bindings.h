@@ -10,5 +10,8 @@ namespace ep {
 namespace py = pybind11;
 
 void bind_nvlink(py::module_& m);  // nvlink.cpp (module.cpp binds the module entry and the layout)
+#ifdef EP_WITH_NVSHMEM
+void bind_nvshmem(py::module_& m);  // nvshmem.cpp, compiled only in a build with the NVSHMEM wheel
+#endif
 
 }  // namespace ep

@@ -37,4 +37,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("is_token_in_rank"), py::arg("stream"),
       "Count tokens per rank/expert and mark is_token_in_rank from int64 topk_idx (int32/bool outputs)");
   ep::bind_nvlink(m);
+  // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
+#ifdef EP_WITH_NVSHMEM
+  m.attr("HAS_NVSHMEM") = true;
+  ep::bind_nvshmem(m);
+#else
+  m.attr("HAS_NVSHMEM") = false;
+#endif
 }

@@ -173,11 +173,13 @@ def c_module() -> dict:
         info["c_runtime"] = int(c.cuda_runtime_version())
     except Exception:
         pass
-    names = " ".join(dir(c)).lower()
     if info["c_path"]:
         info["c_arches"] = so_arches(info["c_path"])
+    if hasattr(c, "HAS_NVSHMEM"):  # every _C since issue 11 says whether it was built with NVSHMEM
+        info["c_nvshmem"] = bool(c.HAS_NVSHMEM)
+    elif info["c_path"]:  # older builds: look for the host library in the .so
         try:
-            info["c_nvshmem"] = "nvshmem" in names or b"libnvshmem_host" in Path(info["c_path"]).read_bytes()
+            info["c_nvshmem"] = b"libnvshmem_host" in Path(info["c_path"]).read_bytes()
         except OSError:
             pass
     return info

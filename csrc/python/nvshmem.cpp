@@ -1,0 +1,28 @@
+// ep_plugin._C's NVSHMEM functions (nvshmem/runtime.h). setup.py compiles this file only when it
+// builds the NVSHMEM part (EP_WITH_NVSHMEM), so a build without the wheel has none of these names.
+#include "nvshmem/runtime.h"
+#include "python/bindings.h"
+
+namespace ep {
+
+void bind_nvshmem(py::module_& m) {
+  namespace s = shmem;
+  m.def("nvshmem_unique_id", [] { return py::bytes(s::unique_id()); },
+        "nvshmemx_get_uniqueid as bytes: rank 0 makes it, every rank passes it to nvshmem_init");
+  m.def("nvshmem_unique_id_size", &s::unique_id_size, "Size in bytes of an NVSHMEM unique id");
+  m.def("nvshmem_init", [](int rank, int world, const py::bytes& uid) { s::init(rank, world, std::string(uid)); },
+        py::arg("rank"), py::arg("world"), py::arg("uid"),
+        "Join the NVSHMEM job (unique-id bootstrap); the rank's GPU must be current");
+  m.def("nvshmem_finalize", &s::finalize, "Leave the NVSHMEM job (free symmetric buffers first)");
+  m.def("nvshmem_initialized", &s::initialized);
+  m.def("nvshmem_my_pe", &s::my_pe);
+  m.def("nvshmem_n_pes", &s::n_pes);
+  m.def("nvshmem_malloc", &s::malloc_symmetric, py::arg("bytes"),
+        "Collective symmetric allocation; returns the device pointer as an integer");
+  m.def("nvshmem_free", &s::free_symmetric, py::arg("ptr"), "Collective free of an nvshmem_malloc pointer");
+  m.def("nvshmem_put_ints", &s::put_ints, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("peer"),
+        py::arg("stream"), "Put n int32 from local src to symmetric dst on peer, then quiet (a test kernel)");
+  m.def("nvshmem_barrier_all_on_stream", &s::barrier_all_on_stream, py::arg("stream"));
+}
+
+}  // namespace ep
