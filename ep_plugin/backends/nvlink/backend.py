@@ -143,7 +143,6 @@ class NvlinkBackend(Backend):
             raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated "
                              "as routed nowhere")
 
-    check_errors = check
 
     def _stream(self, async_op: bool):
         cur = torch.cuda.current_stream()

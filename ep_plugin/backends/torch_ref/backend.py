@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ...layout import dispatch_layout
 from ...types import BackendState, DispatchOutput, EPEvent, Handle, counts_from_lists
@@ -49,22 +48,10 @@ def _unpack(buf: torch.Tensor, likes: Sequence[tuple]) -> List[torch.Tensor]:
     return out
 
 
-def send_index(handle: Handle) -> torch.Tensor:
-    """Token index of every row this rank sent, ordered by destination rank then token position."""
-    if isinstance(handle.state, TorchState):
-        return handle.state.send_idx
-    return handle.is_token_in_rank.t().nonzero()[:, 1]
-
-
-def all_to_all_rows(group, rows: torch.Tensor, out_rows: int, out_splits: List[int],
+def all_to_all_rows(group: BoundedGroup, rows: torch.Tensor, out_rows: int, out_splits: List[int],
                     in_splits: List[int], async_op: bool):
-    """Exchange byte rows over a BoundedGroup (deadline waits) or a plain ProcessGroup (none);
-    returns (received rows, work or None)."""
+    """Exchange byte rows with deadline waits; returns (received rows, work or None)."""
     out = rows.new_empty((out_rows, rows.shape[1]))
-    if not isinstance(group, BoundedGroup):
-        work = dist.all_to_all_single(out, rows, output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=group, async_op=async_op)
-        return out, work
     work = group.all_to_all(out, rows, out_splits, in_splits)
     if async_op:
         return out, work
@@ -75,11 +62,9 @@ def all_to_all_rows(group, rows: torch.Tensor, out_rows: int, out_splits: List[i
     return out, None
 
 
-def combine_rows(group, x: torch.Tensor, handle: Handle, async_op: bool = False):
+def combine_rows(group: BoundedGroup, x: torch.Tensor, handle: Handle, async_op: bool = False):
     """Send each received row back to its source and sum per token there (float32 accumulation).
-
-    group: a BoundedGroup, or a ProcessGroup (then waits are unbounded). Works from the generic
-    Handle fields, so it serves rows of any width (the weights' sum too)."""
+    Works for rows of any width (the weights' sum too)."""
     num_sent = sum(handle.send_counts)
     back, work = all_to_all_rows(group, _as_bytes(x.contiguous()), num_sent, handle.send_counts,
                                  handle.recv_counts, async_op)
@@ -88,7 +73,7 @@ def combine_rows(group, x: torch.Tensor, handle: Handle, async_op: bool = False)
     def finish():
         rows = back.view(x.dtype).reshape((num_sent,) + tuple(x.shape[1:]))
         acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-        acc.index_add_(0, send_index(handle), rows.float())
+        acc.index_add_(0, handle.state.send_idx, rows.float())
         y.copy_(acc)
 
     if work is None:
@@ -128,7 +113,7 @@ class TorchBackend(Backend):
         fresh = handle is None
         if fresh:
             handle = self._layout(topk_idx)
-        send_idx = send_index(handle)
+        send_idx = handle.state.send_idx
         parts = [x.index_select(0, send_idx)]
         likes = [((x.shape[1],), x.dtype)]
         if scales is not None:

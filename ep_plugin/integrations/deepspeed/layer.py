@@ -32,6 +32,7 @@ from deepspeed.utils import groups
 from ...config import EPConfig, MoEConfig, load_config
 from ...telemetry import Report, log_to, training_step
 from ..buffer_cache import get_buffer
+from ..expert_layout import expand, expand_weights, expert_order
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
 _LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
@@ -173,17 +174,12 @@ class EPPluginMOELayer(MOELayer):
         per local expert (host ints). Accumulates in float32 (as DeepSpeed's decode does) and returns
         rows' dtype.
         """
-        R, H = rows.shape
-        K = idx.shape[1]
-        n_local = self.num_local_experts
+        R = rows.shape[0]
         counts = [int(c) for c in counts]
-        flat = idx.reshape(-1)
-        # Sort the (row, k) routes by local expert; -1 routes go last and are cut off. The counts
-        # are host values from dispatch, so splitting needs no device sync.
-        key = torch.where(flat >= 0, flat, torch.full_like(flat, n_local))
-        order = torch.argsort(key, stable=True)[:sum(counts)]
-        src_rows = torch.div(order, K, rounding_mode="floor")
-        xin = rows.index_select(0, src_rows)
+        # The counts are host values from dispatch, so splitting needs no device sync.
+        order = expert_order(idx, self.num_local_experts, sum(counts))
+        src_rows = order.rows
+        xin = expand(rows, order)
         outs = []
         for chunk, expert in zip(xin.split(counts), self.experts.deepspeed_experts):
             out = expert(chunk)  # runs on an empty chunk too, so every expert param gets a grad
@@ -191,7 +187,7 @@ class EPPluginMOELayer(MOELayer):
                 out = out[0]  # DeepSpeed ignores a returned bias the same way
             outs.append(out)
         y = torch.cat(outs) if outs else xin
-        w = weights.reshape(-1).index_select(0, order)
+        w = expand_weights(weights, order)
         contrib = y.float() * w.unsqueeze(1)
         acc = torch.zeros(R, y.shape[1], dtype=torch.float32, device=rows.device)
         acc = acc.index_add(0, src_rows, contrib)

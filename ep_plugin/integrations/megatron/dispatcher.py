@@ -20,6 +20,7 @@ from ...buffer import EPBuffer
 from ...config import EPConfig
 from ...telemetry import log_to, training_step
 from ..buffer_cache import get_buffer
+from ..expert_layout import expand, expand_weights, expert_order
 from .config import resolve_config
 
 _REPORT = log_to(logging.getLogger("ep_plugin.megatron"))
@@ -158,17 +159,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return res.x, res.topk_weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        idx = self.recv_topk_idx
-        R, K = idx.shape
-        n = int(sum(self.tokens_per_expert))
-        flat = idx.reshape(-1)
-        key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_local_experts))
         # expert-major, then by received row (= source rank, then position): alltoall's order
-        order = torch.sort(key, stable=True).indices[:n]
-        rows = torch.div(order, K, rounding_mode="floor")
-        self.permute_rows = rows
-        permuted_x = hidden_states.index_select(0, rows)
-        permuted_probs = probs.reshape(-1).index_select(0, order).to(self.probs_dtype)
+        order = expert_order(self.recv_topk_idx, self.num_local_experts, int(sum(self.tokens_per_expert)))
+        self.permute_rows = order.rows
+        permuted_x = expand(hidden_states, order)
+        permuted_probs = expand_weights(probs, order).to(self.probs_dtype)
         tokens_per_expert = torch.tensor(self.tokens_per_expert, dtype=torch.long)
         self.recv_topk_idx = None
         return permuted_x, tokens_per_expert, permuted_probs
