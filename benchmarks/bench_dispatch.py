@@ -37,12 +37,19 @@ except ImportError:
     import ep_plugin
 
 import bench_report as report  # noqa: E402
+try:  # an older ep_plugin (the before/after baseline) has no expert-major layout: its rows are skipped
+    from ep_plugin import expert_major  # noqa: E402
+except ImportError:
+    expert_major = None
 from bench_inputs import CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, make_inputs  # noqa: E402
 from bench_launch import run_world  # noqa: E402
 from deepep_rows import LL_OPS, NORMAL_OPS, DeepEP  # noqa: E402
 from protocols import _short, failed, kernel_breakdown, measure, Protocols  # noqa: E402
 
-NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16")
+NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16",
+              "nvlink_sync.dispatch_bf16", "nvlink_sync.combine_bf16", "nvlink.dispatch_expert_bf16",
+              "nvlink.combine_expert_bf16", "nvlink.dispatch_expert_fp8", "nvlink.dispatch_then_permute",
+              "nvlink.unpermute_then_combine")
 
 
 # ---------------------------------------------------------------------------------- ranks
@@ -104,11 +111,13 @@ class RankBench:
 
     # -------------------------------------------------------------- phase 1: ep_plugin and NCCL
     def make_buffers(self) -> Dict[str, object]:
-        """{"nvlink": EPBuffer or the agreed error text, "torch": the same}."""
+        """{"nvlink": EPBuffer or the agreed error text, "nvlink_sync": the same with comm.host_sync: true,
+        "torch": the same}. nvlink runs the default mode (no host sync)."""
         comm = {"max_tokens_per_rank": 4096, "timeout_s": 15.0, "num_sms": self.args.num_sms}
         out: Dict[str, object] = {}
-        for name in ("nvlink", "torch"):
-            cfg = {"moe": {"num_experts": E, "topk": K}, "comm": {"backend": name, **comm}}
+        for name in ("nvlink", "nvlink_sync", "torch"):
+            extra = {"backend": "nvlink", "host_sync": True} if name == "nvlink_sync" else {"backend": name}
+            cfg = {"moe": {"num_experts": E, "topk": K}, "comm": {**comm, **extra}}
             buf, err = attempt(f"EPBuffer(backend={name})", lambda cfg=cfg: ep_plugin.EPBuffer(None, cfg, hidden=H))
             if err:
                 self.say(err)
@@ -135,6 +144,12 @@ class RankBench:
         af, bf = nv.dispatch(xf8, idx, w), ref.dispatch(xf8, idx, w)
         ok = ok and torch.equal(af.x[0][:na].view(torch.uint8), bf.x[0][:nb].view(torch.uint8)) \
             and torch.equal(af.x[1][:na], bf.x[1][:nb])
+        if expert_major is not None:  # expert-major receive: same layout and combine as the reference
+            ea, eb = nv.dispatch(x, idx, w, layout="expert"), ref.dispatch(x, idx, w, layout="expert")
+            n = int(eb.expert_offsets[-1])
+            ok = ok and ea.expert_offsets.tolist() == eb.expert_offsets.tolist() and torch.equal(ea.x[:n], eb.x[:n])
+            ok = ok and torch.allclose(nv.combine(ea.x, ea.handle).float(), ref.combine(eb.x, eb.handle).float(),
+                                       atol=3e-2, rtol=1e-2)
         inp.ours_x = a.x[:na].clone()  # the buffer behind a.x may be reused by the next dispatch
         return {"ok": bool(ok), "recv_rows": int(na), "recv_counts_ok": list(a.handle.recv_counts) == inp.recv}
 
@@ -156,7 +171,7 @@ class RankBench:
         if isinstance(nv, str):
             rec["ops"].update({op: failed(nv) for op in NVLINK_OPS})
         else:
-            self.nvlink_ops(nv, inp, rec)
+            self.nvlink_ops(nv, bufs["nvlink_sync"], inp, rec)
         b, err = (None, ref) if isinstance(ref, str) else attempt("torch backend dispatch", lambda: ref.dispatch(x, idx, w))
         if err:
             rec["ops"].update({op: failed(err) for op in ("torch.dispatch_bf16", "torch.combine_bf16")})
@@ -171,7 +186,7 @@ class RankBench:
         self.timed(rec, "nccl.dispatch_bf16", lambda: dist.all_to_all_single(recv_buf, send_buf, inp.recv, inp.send))
         self.timed(rec, "nccl.combine_bf16", lambda: dist.all_to_all_single(back_buf, recv_buf, inp.send, inp.recv))
 
-    def nvlink_ops(self, nv, inp: Inputs, rec: Dict) -> None:
+    def nvlink_ops(self, nv, nv_sync, inp: Inputs, rec: Dict) -> None:
         x, xf8, idx, w = inp.x, inp.xf8, inp.idx, inp.w
         self.timed(rec, "nvlink.dispatch_bf16", lambda: nv.dispatch(x, idx, w))
         self.timed(rec, "nvlink.dispatch_fp8", lambda: nv.dispatch(xf8, idx, w))
@@ -181,6 +196,33 @@ class RankBench:
             return
         self.timed(rec, "nvlink.dispatch_cached", lambda: nv.dispatch(x, handle=a.handle))
         self.timed(rec, "nvlink.combine_bf16", lambda: nv.combine(a.x, a.handle))
+        if not isinstance(nv_sync, str):  # the host-synced mode (exact output sizes), for comparison
+            self.timed(rec, "nvlink_sync.dispatch_bf16", lambda: nv_sync.dispatch(x, idx, w))
+            s = nv_sync.dispatch(x, idx, w)
+            self.timed(rec, "nvlink_sync.combine_bf16", lambda: nv_sync.combine(s.x, s.handle))
+        # expert-major receive against the rank-major receive followed by a torch permute (what an
+        # integration did before): both deliver the same grouped-GEMM input
+        if expert_major is None:
+            return
+        self.timed(rec, "nvlink.dispatch_expert_bf16", lambda: nv.dispatch(x, idx, w, layout="expert"))
+        self.timed(rec, "nvlink.dispatch_expert_fp8", lambda: nv.dispatch(xf8, idx, w, layout="expert"))
+        ea = nv.dispatch(x, idx, w, layout="expert")
+        self.timed(rec, "nvlink.combine_expert_bf16", lambda: nv.combine(ea.x, ea.handle))
+        be = nv._backend
+        EL = be.experts_per_rank
+
+        def then_permute():
+            r = nv.dispatch(x, idx, w)
+            n = expert_major.capacity(r.handle.num_recv, idx.shape[1], EL, 1)
+            lay = expert_major.plan(r.topk_idx, EL, 1, n)
+            return expert_major.expand(r.x, lay), expert_major.expand_weights(r.topk_weights, lay)
+
+        self.timed(rec, "nvlink.dispatch_then_permute", then_permute)
+        r = nv.dispatch(x, idx, w)
+        lay = expert_major.plan(r.topk_idx, EL, 1, expert_major.capacity(r.handle.num_recv, idx.shape[1], EL, 1))
+        ex = expert_major.expand(r.x, lay)
+        self.timed(rec, "nvlink.unpermute_then_combine",
+                   lambda: nv.combine(expert_major.collapse(ex, lay), r.handle))
         if self.args.breakdown:  # every rank profiles; rank 0's numbers are kept
             rec["breakdown"] = {"dispatch_bf16": kernel_breakdown(lambda: nv.dispatch(x, idx, w)),
                                 "dispatch_fp8": kernel_breakdown(lambda: nv.dispatch(xf8, idx, w)),

@@ -33,6 +33,10 @@ ROWS = (
     Row("ep_plugin nvlink BF16", "nvlink.dispatch_bf16", "nvlink.combine_bf16"),
     Row("ep_plugin nvlink FP8", "nvlink.dispatch_fp8", None, "fp8"),
     Row("ep_plugin nvlink cached BF16", "nvlink.dispatch_cached", None),
+    Row("ep_plugin nvlink BF16, host_sync: true", "nvlink_sync.dispatch_bf16", "nvlink_sync.combine_bf16"),
+    Row("ep_plugin nvlink expert-major BF16", "nvlink.dispatch_expert_bf16", "nvlink.combine_expert_bf16"),
+    Row("ep_plugin nvlink expert-major FP8", "nvlink.dispatch_expert_fp8", None, "fp8"),
+    Row("ep_plugin nvlink rank-major + torch permute", "nvlink.dispatch_then_permute", "nvlink.unpermute_then_combine"),
     Row("torch backend (NCCL) BF16", "torch.dispatch_bf16", "torch.combine_bf16"),
     Row("NCCL all_to_all_single, a copy per rank", "nccl.dispatch_bf16", "nccl.combine_bf16"),
     Row("DeepEP V1 BF16 (layout + dispatch)", "deepep.dispatch_bf16", "deepep.combine_bf16"),
@@ -64,7 +68,7 @@ def _side(op: Dict, logical_bytes: Optional[int], floor_us: Optional[float]) -> 
     out = {"cold_us": None, "queued_us": None, "cold_per_rank_us": op.get("cold_us"),
            "queued_per_rank_us": op.get("queued_us"), "cold_min_us": None, "queued_min_us": None,
            "logical_GBps_cold": None, "logical_GBps_queued": None, "floor_us": _num(floor_us),
-           "error": op.get("error")}
+           "gap_us": None, "error": op.get("error")}
     for p in ("cold", "queued"):
         per_rank = op.get(f"{p}_us")
         if per_rank:
@@ -72,6 +76,8 @@ def _side(op: Dict, logical_bytes: Optional[int], floor_us: Optional[float]) -> 
             out[f"{p}_us"] = _num(t)
             out[f"{p}_min_us"] = _num(min(op.get(f"{p}_min_us") or [t]))
             out[f"logical_GBps_{p}"] = _num(logical_bytes / t / 1e3) if logical_bytes and t > 0 else None
+    if out["cold_us"] is not None and floor_us is not None:  # what the cold call spends above the wire time
+        out["gap_us"] = _num(out["cold_us"] - floor_us)
     return out
 
 
@@ -172,14 +178,15 @@ def format_table(summaries: List[Dict]) -> str:
                      f"({tr['bytes_logical_bf16'] / 1e6:.1f} MB BF16), remote in/out max "
                      f"{tr['remote_rows_in_max']}/{tr['remote_rows_out_max']} rows")
         lines.append(f"   {'path':<{w}}{'cold disp':>10}{'cold comb':>10}{'queued disp':>12}{'queued comb':>12}"
-                     f"{'GB/s d/c':>11}{'floor d/c':>11}")
+                     f"{'GB/s d/c':>11}{'floor d/c':>11}{'gap d/c':>11}")
         notes = []
         for r in s["rows"]:
             d, c = r["dispatch"], r["combine"]
             gb = _pair(d and d["logical_GBps_cold"], c and c["logical_GBps_cold"]) if not r["error"] else "-"
             fl = _pair(d and d["floor_us"], c and c["floor_us"])
+            gap = _pair(d and d.get("gap_us"), c and c.get("gap_us")) if not r["error"] else "-"
             lines.append(f"   {r['path']:<{w}}{_us(d, 'cold_us'):>10}{_us(c, 'cold_us'):>10}{_us(d, 'queued_us'):>12}"
-                         f"{_us(c, 'queued_us'):>12}{gb:>11}{fl:>11}")
+                         f"{_us(c, 'queued_us'):>12}{gb:>11}{fl:>11}{gap:>11}")
             if r["error"] and r["error"] not in notes:
                 notes.append(r["error"])
         if s["case"] != "sm_sweep":
@@ -189,7 +196,7 @@ def format_table(summaries: List[Dict]) -> str:
         if s.get("breakdown_rank0_us"):
             lines.append(f"   kernels (rank 0, us/call): {json.dumps(s['breakdown_rank0_us'])}")
     lines.append("us: slowest rank's median (cold call / queued protocols, DESIGN.md); GB/s: DeepEP's logical "
-                 "bandwidth, cold; floor: remote bytes of the busiest GPU at 478 GB/s")
+                 "bandwidth, cold; floor: remote bytes of the busiest GPU at 478 GB/s; gap: cold - floor")
     return "\n".join(lines)
 
 

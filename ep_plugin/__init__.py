@@ -1,5 +1,5 @@
 """ep_plugin: expert-parallel dispatch/combine for Mixture-of-Experts layers."""
-from .types import DispatchResult, EPEvent, Handle
+from .types import DispatchResult, EPEvent, ExpertDispatchResult, ExpertLayout, Handle
 from .buffer import EPBuffer
 from . import routing
 from .config import CommConfig, EPConfig, MoEConfig, OverlapConfig, list_presets, load_config

@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 from .autograd import CombineFn, DispatchFn
+from .expert_major import padded
 from .backends import make_backend
 from .telemetry import CommStats, RecordingBackend
-from .types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, Handle, XInput
+from .types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, ExpertDispatchResult, Handle, XInput
+
+LAYOUTS = ("rank", "expert")
 
 
 def _need(cond: bool, exc, msg: str):
@@ -186,16 +189,33 @@ class EPBuffer:
     # ---------------------------------------------------------------- API
     def dispatch(self, x: XInput, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle: Optional[Handle] = None,
-                 async_op: Optional[bool] = None) -> DispatchResult:
+                 async_op: Optional[bool] = None, layout: Optional[str] = None,
+                 expert_alignment: int = 1):
         """Send each token to the ranks that own its experts. With `handle`, reuse that dispatch's
         layout (cached mode; topk_idx may be omitted). With async_op, outputs are valid once
-        `result.event.current_stream_wait()` has been called."""
+        `result.event.current_stream_wait()` has been called.
+
+        layout "rank" (the default): one row per (token, destination rank), ordered by source rank ->
+        DispatchResult. layout "expert": one row per (token, local expert), grouped by expert, each
+        segment padded to a multiple of `expert_alignment` -> ExpertDispatchResult (what a grouped
+        GEMM takes; combine then takes rows in the same layout). A cached dispatch uses its handle's."""
         self._raise_pending()
         data, scales = self._check_rows(x)
         cached = handle is not None
         if cached:
             self._check_handle(handle, num_tokens=data.shape[0])
             topk_idx = handle.topk_idx if topk_idx is None else topk_idx
+            made = "expert" if handle.expert is not None else "rank"
+            _need(layout in (None, made), ValueError,
+                  f"the handle comes from a {made}-major dispatch; a cached dispatch keeps its layout, got layout={layout!r}")
+            layout = made
+        layout = layout or "rank"
+        _need(layout in LAYOUTS, ValueError, f"layout must be one of {LAYOUTS}, got {layout!r}")
+        _need(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
+              f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        alignment = None
+        if layout == "expert":
+            alignment = handle.expert.alignment if cached else expert_alignment
         _need(topk_idx is not None, ValueError, "topk_idx is required unless a handle is given")
         if not cached:
             self._check_routing(data, topk_idx, topk_weights)
@@ -203,21 +223,28 @@ class EPBuffer:
         grad = torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad))
         if grad:
             _need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
-            rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op)
+            rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op, alignment)
         else:
             with torch.no_grad():
-                out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
+                if alignment is None:
+                    out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
+                else:
+                    out = self._backend.dispatch_expert(data, scales, topk_idx, topk_weights, handle, async_op,
+                                                        alignment)
             rx, rw = out.x, out.topk_weights
         if out.handle.exact and not cached:  # the host has waited already: surface a bad id now
             self._raise_pending()
         rows = (rx, out.scales) if scales is not None else rx
         if out.event is not None:
             out.event._check = self.check_finished
+        if alignment is not None:
+            return ExpertDispatchResult(x=rows, topk_weights=rw, handle=out.handle, event=out.event)
         return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=out.handle, event=out.event)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
                 async_op: Optional[bool] = None):
-        """Sum, for each original token, the rows the ranks it reached send back: [T, H].
+        """Sum, for each original token, the rows the ranks it reached send back: [T, H]. x is laid out
+        as the handle's dispatch delivered it (rank-major [R, H] or expert-major [N, H]).
 
         With topk_weights ([R, K] float32, e.g. the dispatched weights after the experts changed
         them), also returns their per-token sum over ranks, [T, K] (as DeepEP's combine does):
@@ -231,29 +258,39 @@ class EPBuffer:
         _need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
               f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
         _need(x.is_contiguous(), ValueError, "x must be contiguous")
-        self._check_handle(handle, num_rows=x.shape[0])
+        expert = handle.expert is not None if isinstance(handle, Handle) else False
+        self._check_handle(handle, num_rows=None if expert else x.shape[0])
+        if expert and x.shape[0] != handle.expert.num_rows:
+            # rows may be cut to the segments in use (a worst-case-sized dispatch): never fewer, as the
+            # kernels read every segment row (the host counts: waits for their pinned copy only)
+            used = sum(padded(handle.tokens_per_expert, handle.expert.alignment))
+            _need(used <= x.shape[0] <= handle.expert.num_rows, ValueError,
+                  f"x must have the {handle.expert.num_rows} expert-major rows that dispatch delivered (or at "
+                  f"least the {used} its expert segments use), got {x.shape[0]}")
         _need(handle.is_token_in_rank.device == x.device, ValueError,
               f"x is on {x.device} but the handle's dispatch ran on {handle.is_token_in_rank.device}")
         if topk_weights is not None:
             _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
                   "combine's topk_weights must be a float32 tensor")
-            _need(topk_weights.shape == handle.recv_topk_idx.shape, ValueError,
-                  f"combine's topk_weights must have shape {tuple(handle.recv_topk_idx.shape)}, "
-                  f"got {tuple(topk_weights.shape)}")
+            want = (x.shape[0],) if expert else tuple(handle.recv_topk_idx.shape)
+            _need(tuple(topk_weights.shape) == want, ValueError,
+                  f"combine's topk_weights must have shape {want}, got {tuple(topk_weights.shape)}")
             _need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
         is_async = self._async(async_op)
         if torch.is_grad_enabled() and x.requires_grad:
             y, event = CombineFn.apply(self._backend, x, handle, is_async)
         else:
             with torch.no_grad():
-                y, event = self._backend.combine(x, handle, is_async)
+                combine = self._backend.combine_expert if expert else self._backend.combine
+                y, event = combine(x, handle, is_async)
         out = (y,)
         if topk_weights is not None:
             if event is not None:  # the weights' exchange goes after the rows', as on one stream
                 event.current_stream_wait()
                 event = None
             with torch.no_grad():
-                weights, event = self._backend.combine_weights(topk_weights, handle, is_async)
+                combine_weights = self._backend.combine_weights_expert if expert else self._backend.combine_weights
+                weights, event = combine_weights(topk_weights, handle, is_async)
             out += (weights,)
         if event is not None:
             event._check = self.check_finished

@@ -8,6 +8,7 @@ int device tensor. `Handle.state` is a dataclass private to the backend that mad
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -66,7 +67,8 @@ class HostCounts:
 
     def __init__(self, lists: Optional[Dict[str, List[int]]] = None,
                  device: Optional[Dict[str, torch.Tensor]] = None, stream=None,
-                 derived: Optional[Dict[str, Callable[["HostCounts"], List[int]]]] = None):
+                 derived: Optional[Dict[str, Callable[["HostCounts"], List[int]]]] = None,
+                 ring: Optional["PinnedRing"] = None):
         self._lists: Dict[str, List[int]] = dict(lists or {})
         self._derived = dict(derived or {})
         self._pinned: Dict[str, torch.Tensor] = {}
@@ -76,13 +78,28 @@ class HostCounts:
             self._capturing = torch.cuda.is_current_stream_capturing()
             if not self._capturing:
                 stream = stream or torch.cuda.current_stream()
-                with torch.cuda.stream(stream):
-                    for name, t in device.items():
-                        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                        host.copy_(t, non_blocking=True)
-                        self._pinned[name] = host
-                    self._event = torch.cuda.Event()
+                if ring is not None:  # reused pinned buffers and event: no allocation per call
+                    self._pinned, self._event = ring.take(self)
+                    with torch.cuda.stream(stream):
+                        for name, t in device.items():
+                            self._pinned[name].copy_(t, non_blocking=True)
                     self._event.record(stream)
+                else:
+                    with torch.cuda.stream(stream):
+                        for name, t in device.items():
+                            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                            host.copy_(t, non_blocking=True)
+                            self._pinned[name] = host
+                        self._event = torch.cuda.Event()
+                        self._event.record(stream)
+
+    def materialize(self) -> None:
+        """Turn the pinned copies into lists (waits for their copy only)."""
+        if self._pinned:
+            self._event.synchronize()
+            for k, t in self._pinned.items():
+                self._lists[k] = t.tolist()
+            self._pinned = {}
 
     def get(self, name: str) -> List[int]:
         if name in self._lists:
@@ -90,18 +107,55 @@ class HostCounts:
         if self._capturing:
             raise RuntimeError(f"{name} is not available on the host for a dispatch captured in a CUDA "
                                "graph; use the device tensors (res.num_tokens_per_expert, res.num_recv)")
-        if self._pinned:
-            self._event.synchronize()
-            for k, t in self._pinned.items():
-                self._lists[k] = t.tolist()
-            self._pinned = {}
+        self.materialize()
         if name not in self._lists and name in self._derived:
             self._lists[name] = self._derived.pop(name)(self)
         return self._lists[name]
 
 
+class PinnedRing:
+    """Pinned host buffers and events for HostCounts, reused round-robin: a dispatch that does not
+    wait on the host copies its counts without allocating pinned memory (which costs tens of us).
+    When a slot comes round again, the counts it held are first turned into lists (their copy
+    finished long ago), so a handle's counts stay readable however late they are read."""
+
+    def __init__(self, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], size: int = 32):
+        self._slots = [({n: torch.empty(shape, dtype=dt, pin_memory=True) for n, (shape, dt) in shapes.items()},
+                        torch.cuda.Event()) for _ in range(size)]
+        self._owners: List[Optional["weakref.ref"]] = [None] * size
+        self._next = 0
+
+    def take(self, owner: "HostCounts"):
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        prev = self._owners[i]() if self._owners[i] is not None else None
+        if prev is not None:
+            prev.materialize()
+        self._owners[i] = weakref.ref(owner)
+        pinned, event = self._slots[i]
+        return dict(pinned), event
+
+
 class BackendState:
     """Base of the per-backend handle state (a dataclass in each backend)."""
+
+
+@dataclass
+class ExpertLayout:
+    """Where an expert-major dispatch put each received (row, top-k slot) (`layout="expert"`).
+
+    Expert e's rows are ``x[offsets[e] : offsets[e] + num_tokens_per_expert[e]]``; a segment is padded
+    with zero rows up to a multiple of `alignment` (grouped GEMMs want aligned segments), so
+    ``offsets[e + 1] - offsets[e]`` is the padded count. Inside a segment the rows keep the received
+    order (source rank, then position on the source): the same layout on every backend, so a run is
+    reproducible. Rows past ``offsets[-1]`` (the worst-case capacity of a dispatch that did not wait on
+    the host) are not written.
+    """
+
+    positions: torch.Tensor   # [R, K] int32: expert-major row of received row i's slot k, -1 if not here
+    offsets: torch.Tensor     # [E_local + 1] int64 on the device: aligned segment starts, offsets[-1] = rows used
+    num_rows: int             # rows of the expert-major tensors (exact, or the worst-case capacity)
+    alignment: int = 1
 
 
 @dataclass
@@ -124,6 +178,7 @@ class Handle:
     counts: HostCounts = field(repr=False)  # host lists, read lazily
     state: BackendState = field(default_factory=BackendState, repr=False)
     exact: bool = True              # num_recv is the exact row count (the dispatch synced the host)
+    expert: Optional[ExpertLayout] = None  # set by an expert-major dispatch (layout="expert")
 
     @property
     def send_counts(self) -> List[int]:
@@ -174,6 +229,38 @@ class DispatchResult:
     def num_recv(self) -> torch.Tensor:
         """Valid received rows, a device scalar (rows past it have topk_idx -1)."""
         return self.handle.num_recv_device
+
+
+@dataclass
+class ExpertDispatchResult:
+    """What ``EPBuffer.dispatch(..., layout="expert")`` returns: one row per (token, local expert),
+    grouped by local expert (see ExpertLayout), ready for a grouped GEMM."""
+
+    x: XInput                             # [N, H], or (data [N, H], scales [N, H/128]) for FP8 input
+    topk_weights: Optional[torch.Tensor]  # [N] float32: the routing weight of each row (0 on padding)
+    handle: Handle                        # what combine and a cached dispatch need (handle.expert is set)
+    event: Optional[EPEvent] = None       # set for async calls: wait before using the outputs
+
+    @property
+    def expert_offsets(self) -> torch.Tensor:
+        """[E_local + 1] int64 device tensor: aligned start of each expert's rows."""
+        return self.handle.expert.offsets
+
+    @property
+    def num_tokens_per_expert(self) -> torch.Tensor:
+        """Rows per local expert, before padding, as an int64 device tensor."""
+        return self.handle.num_tokens_per_expert
+
+    @property
+    def tokens_per_expert(self) -> List[int]:
+        """Rows per local expert, before padding (host values; waits for the pinned copy only)."""
+        return self.handle.tokens_per_expert
+
+    @property
+    def padded_tokens_per_expert(self) -> List[int]:
+        """Rows per local expert after padding to the alignment (host values, what m_splits want)."""
+        a = self.handle.expert.alignment
+        return [(n + a - 1) // a * a for n in self.handle.tokens_per_expert]
 
 
 def counts_from_lists(send_counts: Sequence[int], recv_counts: Sequence[int],

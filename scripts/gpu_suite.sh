@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_suite.sh build test layer     # first call
 #   bash scripts/gpu_suite.sh build bench          # second call (build is skipped when already done)
+#   PYTEST_K=expert: only the GPU tests matching it; LAYER_BASELINE=0: the layer on this tree only
 #
 # Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh), optionally DeepEP
 # sources in .deepep/ (../shared/gpu/deepep_reference.sh prepare) and an older tree in .baseline/
@@ -36,7 +37,7 @@ stage_build() {
 
 stage_test() {
   local t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rA -p no:cacheprovider -m gpu tests ${PYTEST_ARGS:-} \
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rA -p no:cacheprovider -m gpu tests -k "${PYTEST_K:-}" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|layout kernel" "$OUT/gpu_tests.log" | head -60
@@ -45,6 +46,7 @@ stage_test() {
 stage_layer() {  # the Megatron layer at EP2: this tree and the baseline (peak memory before/after)
   for tree in "$ROOT" "$ROOT/.baseline"; do
     [ -d "$tree" ] || continue
+    [ "$tree" = "$ROOT" ] || [ "${LAYER_BASELINE:-1}" = 1 ] || continue
     local name=$([ "$tree" = "$ROOT" ] && echo after || echo before)
     local t0=$(date +%s)
     (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "${LAYER_TIMEOUT:-150}" torchrun --nproc-per-node 2 \

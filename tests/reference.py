@@ -59,3 +59,28 @@ def reference_combine(per_rank_rows, idxs, src, num_experts):
         sel = ((idxs[src] >= 0) & (idxs[src] // epr == r)).any(1).nonzero()[:, 0]
         y = y.index_add(0, sel, per_rank_rows[r][before:before + len(sel)].float())
     return y
+
+
+def reference_expert_dispatch(xs, idxs, ws, rank, num_experts, alignment=1):
+    """What rank `rank` must receive in the expert-major layout: (rows [N, H], weights [N], offsets
+    [E_local + 1], tokens_per_expert). Expert e's rows in received order, zero rows pad each segment
+    to a multiple of `alignment`."""
+    rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, num_experts)
+    epr = num_experts // len(xs)
+    rows, wts, offsets = [], [], [0]
+    for e in range(epr):
+        n = 0
+        for i in range(rx.shape[0]):
+            for k in range(ridx.shape[1]):
+                if int(ridx[i, k]) == e:
+                    rows.append(rx[i])
+                    wts.append(float(rw[i, k]))
+                    n += 1
+        while n % alignment:
+            rows.append(torch.zeros_like(rx[0]) if rx.shape[0] else torch.zeros(rx.shape[1], dtype=rx.dtype))
+            wts.append(0.0)
+            n += 1
+        offsets.append(offsets[-1] + n)
+    H = rx.shape[1]
+    x = torch.stack(rows) if rows else torch.zeros(0, H, dtype=rx.dtype)
+    return x, torch.tensor(wts, dtype=torch.float32), offsets, tpe

@@ -83,7 +83,7 @@ def _layer_cases(rank, world, device="cpu", backend="torch"):
             r = _run(ref, x, gy, seed)
             layer, seen = ours.deepspeed_moe, []
             run_experts = layer._ep_run_experts
-            layer._ep_run_experts = lambda rows, idx, w, counts: seen.append(list(counts)) or run_experts(rows, idx, w, counts)
+            layer._ep_run_experts = lambda rows, w, counts: seen.append(list(counts)) or run_experts(rows, w, counts)
             o = _run(ours, x, gy, seed)
             del layer._ep_run_experts
             # Exactly the routes DeepSpeed keeps travel: compare with the gate's own sparse routes.

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -367,3 +370,59 @@ def test_deepspeed_layer_reports_to_monitor_else_logging(caplog):
     with caplog.at_level(logging.INFO, logger="ep_plugin.deepspeed"):
         EPPluginMOELayer._ep_report(layer, rep)
     assert any(r.name == "ep_plugin.deepspeed" and "steps 1-10" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------- the bench and the examples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    """CPU, one thread per rank, this tree's ep_plugin first."""
+    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
+def test_bench_writes_json(tmp_path):
+    """python -m ep_plugin.telemetry.bench, one process (gloo): off/on per round, the cost per call
+    and relative to a dispatch + combine pair, as printed and as JSON (not a timing)."""
+    out = tmp_path / "telemetry_bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ep_plugin.telemetry.bench", "--calls", "200", "--iters", "3",
+                           "--rounds", "2", "--tokens", "16", "--hidden", "32", "--out", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "us per call" in proc.stdout and "% of a pair" in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert res["world"] == 1 and res["backend"] == "torch" and res["device"] == "cpu" and res["commit"]
+    assert len(res["pair_us_off"]) == len(res["pair_us_on"]) == 2 and res["recorder_us_per_call"] > 0
+    assert res["relative_cost"] == pytest.approx(res["pair_us_on_median"] / res["pair_us_off_median"] - 1)
+    assert res["device_pair_us_off"] is None  # CUDA events on GPUs only
+
+
+# every interval: loss, tokens/s, the exchanges' share naming the slowest rank, time per call,
+# imbalance over ranks and experts, timeouts, bytes per step to other ranks and to itself
+INTERVAL_LINE = re.compile(
+    r"^step +\d+  loss \d+\.\d+  [\d,]+ tokens/s, comm \d+% \(slowest rank \d: \d+%\), dispatch [\d.]+ (ms|us), "
+    r"combine [\d.]+ (ms|us) per call, max/mean rows per rank [\d.]+, per expert [\d.]+, timeouts 0, "
+    r"sent per step [\d.]+ [KMG]?B remote \+ [\d.]+ [KMG]?B local$")
+
+
+@pytest.mark.parametrize("example,args", [
+    ("examples/megatron/pretrain_gpt_moe.py", ["--steps", "4", "--log-every", "2", "--no-progress"]),
+    ("examples/deepspeed/train_moe_ds.py", ["--steps", "4", "--log-every", "2", "--no-progress"]),
+])
+def test_examples_print_one_stats_line_per_interval(example, args):
+    """The Megatron and DeepSpeed examples on CPU (gloo, torch backend): one line per interval with
+    everything comm.stats reports, nothing else per step (no bar, no notices)."""
+    from tests._dist import free_port
+
+    pytest.importorskip("megatron.core" if "megatron" in example else "deepspeed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(ROOT, example), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["2", "4"], proc.stdout
+    for line in steps:
+        assert INTERVAL_LINE.match(line), line
+    assert "it/s" not in proc.stdout and "\r" not in proc.stdout

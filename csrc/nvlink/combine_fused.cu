@@ -89,7 +89,7 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
         break;
       }
       __syncwarp();  // the acquiring lanes' view of the arrived rows extends to the whole warp
-      for (int t = t0; t < t0 + nt; ++t) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane);
+      for (int t = t0; t < t0 + nt; ++t) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, false);
       if (lane < W) arrive[chunk * kMaxRanks + lane] = 0;  // all of this combine's rows have arrived
     } else {
       break;

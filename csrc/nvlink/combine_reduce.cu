@@ -1,5 +1,6 @@
 // combine, reduce half (split mode): the source sums, per token, the slots its peers wrote into its
-// combine area (combine_send.cu) and its own rows read in place, into y.
+// combine area (combine_send.cu) and its own rows read in place, into y (after combine_expert.cu,
+// self_in_area: its own rows too come from its own slots of the area).
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait COMBINE[p] >= ce at this rank for every peer p: every slot of this combine is written.
@@ -19,7 +20,7 @@ namespace {
 template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads)
 combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ send_pos,
-                      const int* __restrict__ recv_off, int4* __restrict__ y, int T) {
+                      const int* __restrict__ recv_off, int4* __restrict__ y, int T, bool self_in_area) {
   __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int W = c.world, me = c.rank;
@@ -28,7 +29,7 @@ combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__
   if (block_wait_peers(c, F_COMBINE, ce, me, K_REDUCE, deadline, &s_fail)) return;
   const int self_lo = recv_off[me];
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  for (int t = gw; t < T; t += NW) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane);
+  for (int t = gw; t < T; t += NW) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, self_in_area);
   if (last_block(c.counters + C_REDUCE)) {
     if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, me), ce);
     if (tid == 0) c.epochs[E_COMBINE] = ce;
@@ -38,12 +39,12 @@ combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__
 }  // namespace
 
 void launch_combine_reduce(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                           int4* y, int T, cudaStream_t stream) {
+                           int4* y, int T, bool self_in_area, cudaStream_t stream) {
   // MAXW slot loads in flight per vector column: fewer ranks afford more columns (U) per round.
   if (c.world <= 4)
-    combine_reduce_kernel<4, 4><<<blocks, kThreads, 0, stream>>>(c, x, send_pos, recv_off, y, T);
+    combine_reduce_kernel<4, 4><<<blocks, kThreads, 0, stream>>>(c, x, send_pos, recv_off, y, T, self_in_area);
   else
-    combine_reduce_kernel<8, 2><<<blocks, kThreads, 0, stream>>>(c, x, send_pos, recv_off, y, T);
+    combine_reduce_kernel<8, 2><<<blocks, kThreads, 0, stream>>>(c, x, send_pos, recv_off, y, T, self_in_area);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

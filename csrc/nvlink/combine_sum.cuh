@@ -17,13 +17,14 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   }
 }
 
-// Sum of one token's slots (own rows read in place from x), float accumulation, BF16 out. For each
+// Sum of one token's slots (own rows read in place from x, or from this rank's own slot of the
+// combine area when self_in_area), float accumulation, BF16 out. For each
 // chunk of 32*U vectors the loads of all (up to MAXW) slots are issued before any is summed, so one
 // chunk costs one memory round trip. The caller has acquired every slot's arrival.
 template <int MAXW, int U>
 __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
                                              const int* __restrict__ send_pos, int self_lo,
-                                             int4* __restrict__ y, int t, int lane) {
+                                             int4* __restrict__ y, int t, int lane, bool self_in_area) {
   const int W = c.world, me = c.rank;
   const int n16 = c.hidden * 2 / 16;
   const size_t row16 = static_cast<size_t>(n16);
@@ -33,7 +34,7 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
 #pragma unroll
   for (int r = 0; r < MAXW; ++r) {
     const int p = __shfl_sync(kFull, mypos, r);
-    srcp[r] = (r < W && p >= 0) ? (r == me ? x + static_cast<size_t>(self_lo + p) * row16
+    srcp[r] = (r < W && p >= 0) ? (r == me && !self_in_area ? x + static_cast<size_t>(self_lo + p) * row16
                                           : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
                                 : nullptr;
   }

@@ -23,10 +23,23 @@ void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* ou
                  int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                  int R_alloc, cudaStream_t stream);
 
-// combine_send.cu + combine_reduce.cu (split combine), combine_fused.cu (one kernel).
+// expert.cu: the expert-major receive (meta, then rows into their experts' segments).
+size_t expert_scratch_ints(int blocks, int local_experts);
+void launch_expert_meta(const Ctx& c, int blocks, int64_t* out_idx, const int* recv_off, int* recv_src,
+                        int* positions, int K, int R_alloc, int alignment, int* scratch, int64_t* offsets,
+                        cudaStream_t stream);
+void launch_expert_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
+                        float* out_w, int K, const int* recv_off, const int* recv_src, int* positions,
+                        const int64_t* out_idx, int cached, const int* scratch, const int64_t* offsets,
+                        const int64_t* counts, cudaStream_t stream);
+
+// combine_send.cu + combine_reduce.cu (split combine), combine_fused.cu (one kernel),
+// combine_expert.cu (send half for expert-major rows; then the reduce with self_in_area).
 void launch_combine_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, cudaStream_t stream);
 void launch_combine_reduce(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                           int4* y, int T, cudaStream_t stream);
+                           int4* y, int T, bool self_in_area, cudaStream_t stream);
+void launch_combine_expert_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions,
+                                int K, cudaStream_t stream);
 void launch_combine_fused(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
                           const int* recv_src, int4* y, int T, cudaStream_t stream);
 

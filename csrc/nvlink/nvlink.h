@@ -15,9 +15,13 @@
 // A timeout marks the missing rank in host-mapped memory, sets an abort word and returns: kernels
 // never trap, so the CUDA context stays usable.
 //
+// Expert-major dispatch replaces pull with expert_meta + expert_pull (expert.cu): rows land in their
+// local experts' segments; its combine sums each row's experts on the way out (combine_expert.cu).
+//
 // Files: this header (shared types), kernels.h (one launcher per kernel), device.cuh (what the
-// kernels share), notify.cu, dispatch.cu (stage + pull), combine_send.cu, combine_reduce.cu,
-// combine_fused.cu, runtime.h/.cpp (the host runtime behind ep_plugin._C.NvlinkRuntime).
+// kernels share), notify.cu, dispatch.cu (stage + pull), expert.cu, combine_send.cu,
+// combine_expert.cu, combine_reduce.cu, combine_fused.cu, runtime.h/.cpp (the host runtime behind
+// ep_plugin._C.NvlinkRuntime).
 #pragma once
 #include <cstddef>
 
@@ -28,7 +32,7 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxTopk = 32;
 enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_NUM };
 enum EpochKind { E_NOTIFY = 0, E_DISPATCH, E_COMBINE, E_NUM };
-enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_NUM };
+enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_META, C_NUM };
 // HostInfo::err_kernel: the step whose wait timed out (0: none), and its name in error messages.
 enum KernelId { K_NOTIFY = 1, K_STAGE, K_PULL, K_SEND, K_REDUCE, K_NUM };
 constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "combine-send", "combine-reduce"};

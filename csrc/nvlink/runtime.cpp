@@ -199,7 +199,44 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   }
   launch_combine_send(ctx_, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
   launch_combine_reduce(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                        ptr<int4>(y), T, stream_of(stream));
+                        ptr<int4>(y), T, false, stream_of(stream));
+}
+
+size_t Runtime::expert_scratch_ints(int num_sms) const {
+  return nvl::expert_scratch_ints(grid_for(num_sms), local_experts_);
+}
+
+void Runtime::expert_pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
+                          uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, uintptr_t positions,
+                          int cached, int R_alloc, int alignment, uintptr_t scratch, uintptr_t offsets,
+                          uintptr_t counts, int num_sms, uintptr_t stream) {
+  check_open();
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  EP_CHECK_ARG(alignment >= 1, "expert alignment must be positive, got %d", alignment);
+  set_device();
+  const int blocks = grid_for(num_sms);
+  if (!cached)
+    launch_expert_meta(ctx_, blocks, ptr<int64_t>(out_idx), ptr<const int>(recv_off), ptr<int>(recv_src),
+                       ptr<int>(positions), K, R_alloc, alignment, ptr<int>(scratch), ptr<int64_t>(offsets),
+                       stream_of(stream));
+  launch_expert_pull(ctx_, blocks, ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales, ptr<float>(out_w),
+                     K, ptr<const int>(recv_off), ptr<const int>(recv_src), ptr<int>(positions),
+                     ptr<const int64_t>(out_idx), cached, ptr<const int>(scratch), ptr<const int64_t>(offsets),
+                     ptr<const int64_t>(counts), stream_of(stream));
+}
+
+void Runtime::combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off,
+                             uintptr_t y, int T, int num_sms, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  set_device();
+  const int blocks = grid_for(num_sms);
+  launch_combine_expert_send(ctx_, blocks, ptr<const int4>(x), ptr<const int>(recv_off), ptr<const int>(positions), K,
+                             stream_of(stream));
+  launch_combine_reduce(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                        ptr<int4>(y), T, true, stream_of(stream));
 }
 
 // The readbacks go through volatile: the kernels write this memory behind the compiler's back.

@@ -39,6 +39,19 @@ class Runtime {
   void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
                int num_sms, int fused, uintptr_t stream);
 
+  // Expert-major receive (expert.cu), replacing pull. Fresh (cached=0): recv_src, out_idx [R_alloc,K],
+  // positions [R_alloc,K] int32 and offsets [EL+1] int64 written; scratch holds
+  // expert_scratch_ints(num_sms) ints. Cached: positions, recv_src, offsets read. counts [EL] int64
+  // (rows per local expert, before padding) locate the padding rows to zero.
+  void expert_pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
+                   uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, uintptr_t positions,
+                   int cached, int R_alloc, int alignment, uintptr_t scratch, uintptr_t offsets, uintptr_t counts,
+                   int num_sms, uintptr_t stream);
+  size_t expert_scratch_ints(int num_sms) const;
+  // combine of expert-major rows x [N, H] bf16 (positions from the dispatch) -> y [T, H] bf16
+  void combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y,
+                      int T, int num_sms, uintptr_t stream);
+
   // Host-side readbacks of the host-mapped info (valid after the notify has completed).
   int num_recv() const;
   std::vector<int> recv_counts() const;

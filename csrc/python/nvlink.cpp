@@ -30,6 +30,13 @@ void bind_nvlink(py::module_& m) {
            py::arg("recv_src"), py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"))
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("fused"), py::arg("stream"))
+      .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
+           py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
+           py::arg("recv_src"), py::arg("positions"), py::arg("cached"), py::arg("R_alloc"), py::arg("alignment"),
+           py::arg("scratch"), py::arg("offsets"), py::arg("counts"), py::arg("num_sms"), py::arg("stream"))
+      .def("expert_scratch_ints", &Runtime::expert_scratch_ints, py::arg("num_sms"))
+      .def("combine_expert", &Runtime::combine_expert, py::arg("x"), py::arg("positions"), py::arg("K"),
+           py::arg("send_pos"), py::arg("recv_off"), py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("stream"))
       .def("results",
            [](const Runtime& r) {
              return py::make_tuple(r.num_recv(), r.send_counts(), r.recv_counts(), r.tokens_per_expert(),

@@ -13,12 +13,14 @@ another.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .. import expert_major
 from ..types import DispatchOutput, EPEvent, Handle, ROW_DTYPES
 
 
@@ -86,6 +88,42 @@ class Backend(abc.ABC):
             finish()
             return y, None
         return y, EPEvent([work], on_complete=finish)
+
+    # ------------------------------------------------------------ expert-major layout
+    # The defaults go through the rank-major exchange and build the layout with torch ops
+    # (ep_plugin/expert_major.py, the reference); a backend that receives straight into expert
+    # segments overrides all three.
+    def dispatch_expert(self, x, scales, topk_idx, topk_weights, handle: Optional[Handle] = None,
+                        async_op: bool = False, alignment: int = 1) -> DispatchOutput:
+        """Like dispatch, but one row per (token, local expert), grouped by expert (types.ExpertLayout):
+        x [N, H], scales [N, H/128], topk_weights [N]; `handle.expert` is set. With `handle` (an
+        expert-major one), its layout is reused."""
+        out = self.dispatch(x, scales, topk_idx, topk_weights, handle, async_op)
+        if out.event is not None:  # the layout is built on the caller's stream, after the exchange
+            out.event.current_stream_wait()
+        h = out.handle
+        if handle is not None:
+            layout = handle.expert
+        else:
+            exact = h.tokens_per_expert if h.exact else None
+            n = expert_major.capacity(h.num_recv, h.topk_idx.shape[1], self.experts_per_rank, alignment, exact)
+            layout = expert_major.plan(h.recv_topk_idx, self.experts_per_rank, alignment, n)
+            h = dataclasses.replace(h, expert=layout)
+        return DispatchOutput(
+            x=expert_major.expand(out.x, layout),
+            scales=expert_major.expand(out.scales, layout) if out.scales is not None else None,
+            topk_idx=out.topk_idx,
+            topk_weights=expert_major.expand_weights(out.topk_weights, layout) if out.topk_weights is not None else None,
+            handle=h, event=EPEvent() if async_op else None)
+
+    def combine_expert(self, x: torch.Tensor, handle: Handle, async_op: bool = False):
+        """combine for expert-major rows [N, H]: each received row is the sum of its local experts' rows
+        (float32, slot order), then the rank-major combine."""
+        return self.combine(expert_major.collapse(x, handle.expert), handle, async_op)
+
+    def combine_weights_expert(self, weights: torch.Tensor, handle: Handle, async_op: bool = False):
+        """combine_weights for [N] per-row weights of an expert-major dispatch: ([T, K], event)."""
+        return self.combine_weights(expert_major.collapse_weights(weights, handle.expert), handle, async_op)
 
     def check(self) -> None:
         """Raise what finished work reported (EPTimeoutError; ValueError for expert ids out of range

@@ -47,8 +47,10 @@ class CommConfig:
     combine_dtype: str = "bf16"  # one of COMBINE_DTYPES
     max_tokens_per_rank: int = 4096
     timeout_s: float = 60.0
-    # False: dispatch never waits on the host and its outputs are sized for the worst case.
-    host_sync: bool = True
+    # False (default): dispatch never waits on the host; its outputs are sized for the worst case that
+    # max_tokens_per_rank allows and the counts come back as device tensors plus a lazy pinned copy.
+    # True: the host waits for the counts so that outputs have their exact size (one sync per dispatch).
+    host_sync: bool = False
     combine_kernel: str = "split"  # one of COMBINE_KERNELS: send + reduce kernels, or one fused
     # device: expert ids outside [-1, E) are found on the device and raised at the next synchronising
     # call; full: checked on the host before any kernel (one host sync per dispatch).

@@ -44,13 +44,33 @@ class RecordingBackend:
                fresh=handle is None)
         return out
 
+    def dispatch_expert(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False, alignment=1):
+        st = self.stats
+        start = st.begin(x)
+        try:
+            out = self._inner.dispatch_expert(x, scales, topk_idx, topk_weights, handle, async_op, alignment)
+        except EPTimeoutError as exc:
+            st.timeout(exc)
+            raise
+        st.end("dispatch", start, x, _dispatch_row_bytes(x, scales), out.handle, out.event,
+               fresh=handle is None)
+        return out
+
     def combine(self, x, handle, async_op=False):
         return self._exchange("combine", self._inner.combine, x, handle, async_op)
+
+    def combine_expert(self, x, handle, async_op=False):
+        return self._exchange("combine", self._inner.combine_expert, x, handle, async_op)
+
+    def combine_weights_expert(self, weights, handle, async_op=False):
+        # [N] per-row weights travel as [R, K] rows of K floats
+        return self._exchange("combine_weights", self._inner.combine_weights_expert, weights, handle, async_op,
+                              row_bytes=handle.topk_idx.shape[1] * 4)
 
     def combine_weights(self, weights, handle, async_op=False):
         return self._exchange("combine_weights", self._inner.combine_weights, weights, handle, async_op)
 
-    def _exchange(self, op, fn, x, handle, async_op):
+    def _exchange(self, op, fn, x, handle, async_op, row_bytes=None):
         st = self.stats
         start = st.begin(x)
         try:
@@ -58,7 +78,7 @@ class RecordingBackend:
         except EPTimeoutError as exc:
             st.timeout(exc)
             raise
-        st.end(op, start, x, x.shape[1] * x.element_size(), handle, event)
+        st.end(op, start, x, row_bytes or x.shape[1] * x.element_size(), handle, event)
         return y, event
 
     def check(self) -> None:

@@ -19,6 +19,10 @@ DeepSpeed's own collective path, for comparison: --comm-backend comm.
 
 Data: synthetic arithmetic sequences x_t = (a + d*t) mod vocab, a random start a and step d per
 sequence; the next token needs the previous two, so the loss falls from log(vocab) as the model learns.
+
+Output: a tqdm bar (--no-progress: none), a line every --log-every steps with the loss and tokens/s;
+with --stats (comm.stats on, ep_plugin only) that line also says what the exchanges cost: time share
+with the slowest rank, time per call, imbalance, bytes sent per step to other ranks and to itself.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import deepspeed
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
 import ep_plugin.deepspeed as epds
+from ep_plugin.integrations.buffer_cache import cached_buffers
+from ep_plugin.telemetry import collect
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,9 +101,35 @@ def ds_config(a, world: int, cuda: bool):
         # the exchange's capacity: every token of one micro batch on one rank
         ep["comm_max_tokens_per_rank"] = a.micro_batch * a.seq_len
         cfg["ep_plugin"] = {"enabled": True, "config": a.ep_config}
+        overrides = {}
         if a.ep_backend:
-            cfg["ep_plugin"]["overrides"] = {"comm.backend": a.ep_backend}
+            overrides["comm.backend"] = a.ep_backend
+        if a.stats:  # reported by this script every --log-every steps
+            overrides.update({"comm.stats": True, "comm.stats_interval": None})
+        if overrides:
+            cfg["ep_plugin"]["overrides"] = overrides
     return cfg
+
+
+def sent_bytes(buffers, device):
+    """(local, remote) bytes the exchanges sent since the last report, summed over the ranks; None
+    when stats are off. Collective (every rank at the same point); read before collect(), which
+    resets the buffers' stats."""
+    mine = [b.stats() for b in buffers if b.cfg.comm.stats]
+    if not mine:
+        return None
+    t = torch.tensor([float(sum(op["bytes_sent"][d] for s in mine for op in s["ops"].values()))
+                      for d in ("local", "remote")], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def batch(gen, n, seq_len, vocab, device):
@@ -131,6 +163,10 @@ def parse_args():
     p.add_argument("--fp32", action="store_true", help="on GPUs: float32 instead of BF16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the loss curve and tokens/s here (rank 0)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between summary lines")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (the summary lines stay)")
+    p.add_argument("--stats", action="store_true",
+                   help="comm.stats on: the summary lines say what the exchanges cost (ep_plugin only)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     a = p.parse_args()
     a.topk = a.topk or (4 if a.preset == "deepseek_v3" else 2)
@@ -157,15 +193,18 @@ def main():
     tokens_per_step = a.micro_batch * a.seq_len * world
     bar = None
     if rank == 0:
-        from tqdm import tqdm
         name = a.hf_config or a.preset
         path = f"ep_plugin ({len(ours)} layers)" if ours else "DeepSpeed collective all-to-all"
         print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on rank 0, "
               f"{len(layers)} AutoEP MoE layers, world {world}, "
               f"autoep_size {config['expert_parallel']['autoep_size']}, "
               f"{'bf16' if 'bf16' in config else 'float32'}; expert all-to-all: {path}", flush=True)
-        bar = tqdm(total=a.steps, desc="pretrain", dynamic_ncols=True, file=sys.stdout)
+        if not a.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=a.steps, desc="pretrain", dynamic_ncols=True, file=sys.stdout)
+    say = bar.write if bar is not None else print
     losses, t0, t_start, tok_s = [], None, time.perf_counter(), float("nan")
+    t_log = t_start
     for step in range(a.steps):
         if step == 2:  # warm-up steps (buffer builds, allocator) stay out of the throughput
             if cuda:
@@ -183,9 +222,28 @@ def main():
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
             bar.update(1)
+        if (step + 1) % a.log_every == 0 or step == a.steps - 1:
+            done = step % a.log_every + 1
+            line = f"step {step + 1:4d}  loss {losses[-1]:.4f}"
+            if a.stats and ours:  # collective: every rank, the same steps
+                if cuda:
+                    torch.cuda.synchronize()
+                buffers = cached_buffers()
+                sent = sent_bytes(buffers, device)  # before collect(), which resets the stats
+                report = collect(buffers, tokens=done * a.micro_batch * a.seq_len, wall_s=time.perf_counter() - t_log)
+                line += f"  {report.text()}"
+                if sent is not None:
+                    local, remote = (v / done for v in sent)
+                    line += f", sent per step {_size(remote)} remote + {_size(local)} local"
+            elif tok_s == tok_s:  # not NaN: past the warm-up steps
+                line += f"  {tok_s:,.0f} tokens/s"
+            if rank == 0:
+                say(line)
+            t_log = time.perf_counter()
     backend = ours[0]._deepep_exchange.buffer.backend_name if ours and ours[0]._deepep_exchange else None
     if bar is not None:
         bar.close()
+    if rank == 0:
         first, last = sum(losses[:5]) / min(5, len(losses)), sum(losses[-5:]) / min(5, len(losses))
         print(f"loss {first:.3f} -> {last:.3f} (log vocab = {math.log(a.vocab):.3f}); {tok_s:,.0f} tokens/s; "
               f"ep_plugin backend: {backend}; {time.perf_counter() - t_start:.1f} s", flush=True)

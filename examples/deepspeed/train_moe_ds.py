@@ -15,7 +15,9 @@ per sequence; predicting the next token needs the previous two, so the loss fall
 log(vocab) towards 0 as the model learns.
 
 Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the expert exchanges
-cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance).
+cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance, and the
+bytes sent per step to other ranks and to itself, summed over the ranks, forward and backward).
+--no-progress drops the tqdm bar (for logs).
 """
 from __future__ import annotations
 
@@ -127,6 +129,34 @@ class MoETransformer(torch.nn.Module):
         return lm + self.aux_coef * aux, lm
 
 
+def sent_bytes(buffers, device):
+    """(local, remote) bytes the exchanges sent since the last report, summed over the ranks; None
+    when stats are off. Collective (every rank at the same point); read before collect(), which
+    resets the buffers' stats."""
+    mine = [b.stats() for b in buffers if b.cfg.comm.stats]
+    if not mine:
+        return None
+    t = torch.tensor([float(sum(op["bytes_sent"][d] for s in mine for op in s["ops"].values()))
+                      for d in ("local", "remote")], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def sent_text(sent, steps: int) -> str:
+    if sent is None:
+        return ""
+    local, remote = (v / max(1, steps) for v in sent)
+    return f", sent per step {_size(remote)} remote + {_size(local)} local"
+
+
 def batch(gen, n, seq_len, vocab, device):
     start = torch.randint(0, vocab, (n, 1), generator=gen)
     step = torch.randint(1, 5, (n, 1), generator=gen)
@@ -154,6 +184,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the loss curve and tokens/s here (rank 0)")
     p.add_argument("--log-every", type=int, default=10, help="steps between summary lines")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (the summary lines stay)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     a = p.parse_args()
 
@@ -193,11 +224,12 @@ def main():
     tokens_per_step = micro * a.seq_len * engine.dp_world_size * engine.gradient_accumulation_steps()
     bar = None
     if rank == 0:
-        from tqdm import tqdm
         path = "ep_plugin" if ep_on else "DeepSpeed all-to-all"
         print(f"world {world}, ep_size {a.ep_size}, {a.experts} experts, top-{a.k}, {a.layers} MoE layers, "
               f"hidden {a.hidden}, MoE path: {path}", flush=True)
-        bar = tqdm(total=a.steps, desc="train", dynamic_ncols=True, file=sys.stdout)
+        if not a.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=a.steps, desc="train", dynamic_ncols=True, file=sys.stdout)
     losses, t0, t_start, tok_s = [], None, time.perf_counter(), float("nan")
     t_log = t_start
     say = bar.write if bar is not None else print
@@ -226,12 +258,15 @@ def main():
         if (step + 1) % a.log_every == 0 or step == a.steps - 1:
             done = step % a.log_every + 1
             mine = done * micro * a.seq_len * engine.gradient_accumulation_steps()
-            report = collect(cached_buffers(), tokens=mine, wall_s=time.perf_counter() - t_log)
+            buffers = cached_buffers()
+            sent = sent_bytes(buffers, device)  # before collect(), which resets the stats
+            report = collect(buffers, tokens=mine, wall_s=time.perf_counter() - t_log)
             if rank == 0:
-                say(f"step {step + 1:4d}  loss {lm:.3f}  {report.text()}")
+                say(f"step {step + 1:4d}  loss {lm:.3f}  {report.text()}{sent_text(sent, done)}")
             t_log = time.perf_counter()
     if bar is not None:
         bar.close()
+    if rank == 0:
         first = sum(losses[:5]) / min(5, len(losses))
         last = sum(losses[-5:]) / min(5, len(losses))
         print(f"loss {first:.3f} -> {last:.3f} (log vocab = {math.log(a.vocab):.3f}); {tok_s:,.0f} tokens/s; "

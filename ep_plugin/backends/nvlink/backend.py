@@ -40,7 +40,9 @@ import torch.distributed as dist
 
 from ..._ext import get_c
 from ...errors import BackendUnavailableError, EPTimeoutError
-from ...types import FP8_DTYPES, BackendState, DispatchOutput, EPEvent, Handle, HostCounts, counts_from_lists
+from ... import expert_major
+from ...types import (FP8_DTYPES, BackendState, DispatchOutput, EPEvent, ExpertLayout, Handle, HostCounts,
+                      PinnedRing, counts_from_lists)
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
 from .plan import plan_num_sms
@@ -116,6 +118,7 @@ class NvlinkBackend(Backend):
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
         self._failed: Optional[EPTimeoutError] = None
+        self._ring: Optional[PinnedRing] = None  # pinned copies of the counts of no-sync dispatches
         self._closed = False
         _live.add(self)
 
@@ -185,12 +188,24 @@ class NvlinkBackend(Backend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
+        return self._dispatch(x, scales, topk_idx, topk_weights, handle, async_op, None)
+
+    def dispatch_expert(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False, alignment=1):
+        """Expert-major receive (csrc/nvlink/expert.cu): rows land in their local experts' segments."""
+        if handle is not None and handle.expert is None:
+            raise ValueError("this handle comes from a rank-major dispatch; an expert-major cached dispatch "
+                             "needs the handle of an expert-major one")
+        return self._dispatch(x, scales, topk_idx, topk_weights, handle, async_op, alignment)
+
+    def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment):
         self.check()
         if x.dtype in FP8_DTYPES and scales is None:
             raise TypeError("FP8 dispatch needs (x_fp8, scales)")
         K = topk_idx.shape[1] if topk_idx is not None else handle.topk_idx.shape[1]
         self._check_call(x, K)
         if handle is not None:
+            if alignment is not None:
+                return self._dispatch_expert_cached(x, scales, topk_weights, handle, async_op)
             return self._dispatch_cached(x, scales, topk_weights, handle, async_op)
         rt, W, dev = self._rt, self.world, x.device
         T = x.shape[0]
@@ -207,35 +222,58 @@ class NvlinkBackend(Backend):
                   tpe.data_ptr(), sp)
         if not worst:
             self._notify_ev.record(s)
+        else:  # the counts' copy goes right behind notify, so the host may read them before the rows land
+            if self._ring is None:
+                self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
+                                         "recv_off": ((W + 1,), torch.int32)})
+            # send_counts is read only by the generic weight reduction: computed (with a sync) if asked
+            counts = HostCounts(device={"tokens_per_expert": tpe, "recv_off": recv_off}, stream=s, ring=self._ring,
+                                derived={"send_counts": lambda c: is_in.sum(0).tolist(),
+                                         "recv_counts": lambda c: _diff(c.get("recv_off"))})
         rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
                  topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K,
                  self.num_sms, sp)
         if worst:
             R = W * self.max_tokens
-            # send_counts is read only by the generic weight reduction: computed (with a sync) if asked
-            counts = HostCounts(device={"tokens_per_expert": tpe, "recv_off": recv_off}, stream=s,
-                                derived={"send_counts": lambda c: is_in.sum(0).tolist(),
-                                         "recv_counts": lambda c: _diff(c.get("recv_off"))})
         else:
             self._notify_ev.synchronize()
             R, send_counts, recv_counts, tpe_host, err = rt.results()
             if err:
                 self.check()
             counts = counts_from_lists(send_counts, recv_counts, tpe_host)
-        out_x = torch.empty((R, self.hidden), dtype=x.dtype, device=dev)
-        out_s = torch.empty((R, nscales), dtype=torch.float32, device=dev) if scales is not None else None
+        # rank-major: R rows; expert-major: N rows, one per (row, local expert), segments padded
+        layout = None
+        if alignment is None:
+            N = R
+        else:
+            N = expert_major.capacity(R, K, self.experts_per_rank, alignment, None if worst else tpe_host)
+        out_x = torch.empty((N, self.hidden), dtype=x.dtype, device=dev)
+        out_s = torch.empty((N, nscales), dtype=torch.float32, device=dev) if scales is not None else None
         out_idx = torch.empty((R, K), dtype=torch.int64, device=dev)
-        out_w = torch.empty((R, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+        wshape = (R, K) if alignment is None else (N,)
+        out_w = torch.empty(wshape, dtype=torch.float32, device=dev) if topk_weights is not None else None
         recv_src = torch.empty(R, dtype=torch.int32, device=dev)
-        rt.pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
-                out_idx.data_ptr(), out_w.data_ptr() if out_w is not None else 0, K, recv_off.data_ptr(),
-                recv_src.data_ptr(), 0, R, self.num_sms, sp)
+        extra = ()
+        if alignment is None:
+            rt.pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
+                    out_idx.data_ptr(), out_w.data_ptr() if out_w is not None else 0, K, recv_off.data_ptr(),
+                    recv_src.data_ptr(), 0, R, self.num_sms, sp)
+        else:
+            positions = torch.empty((R, K), dtype=torch.int32, device=dev)
+            offsets = torch.empty(self.experts_per_rank + 1, dtype=torch.int64, device=dev)
+            scratch = torch.empty(rt.expert_scratch_ints(self.num_sms), dtype=torch.int32, device=dev)
+            rt.expert_pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
+                           out_idx.data_ptr(), out_w.data_ptr() if out_w is not None else 0, K, recv_off.data_ptr(),
+                           recv_src.data_ptr(), positions.data_ptr(), 0, R, alignment, scratch.data_ptr(),
+                           offsets.data_ptr(), tpe.data_ptr(), self.num_sms, sp)
+            layout = ExpertLayout(positions=positions, offsets=offsets, num_rows=N, alignment=alignment)
+            extra = (positions, offsets, scratch)
         handle = Handle(backend=self.name, num_tokens=T, num_recv=R, num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=recv_off[W], num_tokens_per_expert=tpe, counts=counts,
-                        state=NvlinkState(send_pos, recv_off, recv_src, worst), exact=not worst)
+                        state=NvlinkState(send_pos, recv_off, recv_src, worst), exact=not worst, expert=layout)
         event = self._finish(s, async_op, (x, scales, topk_idx, topk_weights, out_x, out_s, out_idx, out_w,
-                                           recv_src, send_pos, is_in, recv_off, tpe))
+                                           recv_src, send_pos, is_in, recv_off, tpe) + extra)
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle,
                               event=event)
 
@@ -263,7 +301,49 @@ class NvlinkBackend(Backend):
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle, event=event)
 
+    def _dispatch_expert_cached(self, x, scales, topk_weights, handle, async_op):
+        """Reuse an expert-major handle: stage, then rows straight to the handle's positions."""
+        st, lay = self._state(handle), handle.expert
+        T, K = x.shape[0], handle.topk_idx.shape[1]
+        if T != handle.num_tokens:
+            raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {T}")
+        s = self._stream(async_op)
+        nscales = scales.shape[1] if scales is not None else 0
+        row_bytes = x.shape[1] * x.element_size()
+        idx_ptr = handle.topk_idx.data_ptr() if topk_weights is not None else 0
+        self._rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
+                       idx_ptr, topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms,
+                       s.cuda_stream)
+        N, dev = lay.num_rows, x.device
+        out_x = torch.empty((N, self.hidden), dtype=x.dtype, device=dev)
+        out_s = torch.empty((N, nscales), dtype=torch.float32, device=dev) if scales is not None else None
+        out_w = torch.empty(N, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        self._rt.expert_pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
+                             0, out_w.data_ptr() if out_w is not None else 0, K, st.recv_off.data_ptr(),
+                             st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
+                             lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms,
+                             s.cuda_stream)
+        event = self._finish(s, async_op, (x, scales, topk_weights, out_x, out_s, out_w))
+        return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
+                              handle=handle, event=event)
+
     # ---------------------------------------------------------------- combine
+    def combine_expert(self, x, handle, async_op=False):
+        """Sum each received row's local experts on the way out, then reduce at the source (split
+        kernels whatever comm.combine_kernel says: the fused kernel reads own rows in place)."""
+        self.check()
+        st = self._state(handle)
+        if handle.expert is None:
+            raise ValueError("combine of expert-major rows needs the handle of an expert-major dispatch")
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
+        s = self._stream(async_op)
+        T, K = handle.num_tokens, handle.topk_idx.shape[1]
+        y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=x.device)
+        self._rt.combine_expert(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.send_pos.data_ptr(),
+                                st.recv_off.data_ptr(), y.data_ptr(), T, self.num_sms, s.cuda_stream)
+        return y, self._finish(s, async_op, (x, y))
+
     def combine(self, x, handle, async_op=False):
         self.check()
         st = self._state(handle)

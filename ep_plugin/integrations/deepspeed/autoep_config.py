@@ -57,7 +57,9 @@ def autoep_ep_config(ds_config) -> EPConfig:
             cfg = load_config(cfg, {ep_key: ep[ds_key]})
         except ConfigError as exc:
             raise ConfigError(f"DeepSpeed config '{EXPERT_PARALLEL}.{ds_key}' (ep_plugin's {ep_key}): {exc}") from exc
-    return cfg
+    # AutoEP's layer needs the row count on the host (its autograd checks shapes against it): exact
+    # sizes cost no extra sync and save the worst-case rows
+    return load_config(cfg, {"comm.host_sync": True})
 
 
 def check_autoep_options(autoep, tp_size: int) -> None:

@@ -17,10 +17,11 @@ class keeps that contract over one EPBuffer, so every ep_plugin backend serves A
 backend (gloo on CPU, NCCL), nvlink, nvshmem when built. None of these methods records autograd;
 DeepSpeed's functions do.
 
-Layout: EPBuffer sends a token once per destination rank; the layer's grouped GEMM wants one row per
-(token, local expert), grouped by expert (what AutoEP asks DeepEP for with ``do_expand=True``,
-``expert_alignment=1``). ``integrations/expert_layout.py`` goes from one to the other and back; the
-order it records lives in the handle, so the backward passes and a checkpoint recompute reuse it.
+Layout: the layer's grouped GEMM wants one row per (token, local expert), grouped by expert (what
+AutoEP asks DeepEP for with ``do_expand=True``, ``expert_alignment=1``): EPBuffer's expert-major
+dispatch (``layout="expert"``) delivers exactly that, and its combine sums each token's rows (on
+nvlink inside the kernels, with no permute pass). The layout lives in EPBuffer's handle, so the
+backward passes and a checkpoint recompute reuse it.
 
 Dtypes: rows travel in the model's dtype when the backend moves it (torch: any), else as BF16 and are
 cast back (nvlink with a float32 model; a warning says so once).
@@ -37,9 +38,6 @@ from ...buffer import EPBuffer
 from ...config import EPConfig
 from ...types import Handle
 from ..buffer_cache import buffer_key, get_buffer
-from ..expert_layout import (
-    ExpertOrder, collapse, collapse_weights, expand, expand_weights, expert_order,
-)
 from .layer import _warn_cast, wire_dtype
 
 logger = logging.getLogger("ep_plugin.deepspeed")
@@ -51,8 +49,7 @@ class AutoEPHandle:
     ``psum_num_recv_tokens_per_expert``, ``topk_idx``, ``do_expand``) plus what EPBuffer needs back.
     Valid until the exchange is destroyed."""
 
-    inner: Handle             # EPBuffer's handle: combine and cached dispatches
-    order: ExpertOrder        # received (row, slot) routes in expert order
+    inner: Handle             # EPBuffer's (expert-major) handle: combine and cached dispatches
     num_expanded_tokens: int  # N: expert-grouped rows this rank received
     do_expand: bool = True    # rows are expert-grouped, one per (token, local expert)
 
@@ -117,13 +114,12 @@ class EPPluginExchange:
         sent = self._wire(tokens.dtype)
         with torch.no_grad():
             res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx.to(torch.int64).contiguous(),
-                               topk_weights.float().contiguous(), async_op=False)
+                               topk_weights.float().contiguous(), async_op=False, layout="expert")
         # The host counts are needed anyway: the layer's autograd checks gradient shapes against N.
-        counts = res.tokens_per_expert
-        order = expert_order(res.topk_idx, self.num_local_experts, sum(counts))
-        handle = AutoEPHandle(inner=res.handle, order=order, num_expanded_tokens=len(order))
+        n = int(sum(res.tokens_per_expert))
+        handle = AutoEPHandle(inner=res.handle, num_expanded_tokens=n)
         self.last_handle = handle
-        return expand(res.x, order).to(tokens.dtype), expand_weights(res.topk_weights, order), handle
+        return res.x[:n].to(tokens.dtype), res.topk_weights[:n], handle
 
     def replay_dispatch(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         handle: AutoEPHandle):
@@ -141,8 +137,8 @@ class EPPluginExchange:
         with torch.no_grad():
             res = buf.dispatch(tokens.to(sent).contiguous(), None, weights, handle=handle.inner, async_op=False)
         self.last_handle = handle
-        rows = expand(res.x, handle.order).to(tokens.dtype)
-        return rows, None if weights is None else expand_weights(res.topk_weights, handle.order), handle
+        n = handle.num_expanded_tokens
+        return res.x[:n].to(tokens.dtype), None if weights is None else res.topk_weights[:n], handle
 
     def combine(self, rows: torch.Tensor, handle: AutoEPHandle) -> torch.Tensor:
         """[N, H] expert-grouped outputs (already weighted by the layer) -> [T, H] summed per token."""
@@ -155,7 +151,7 @@ class EPPluginExchange:
         sent = self._wire(tokens.dtype)
         with torch.no_grad():
             res = buf.dispatch(tokens.to(sent).contiguous(), handle=handle.inner, async_op=False)
-        return expand(res.x, handle.order).to(tokens.dtype)
+        return res.x[:handle.num_expanded_tokens].to(tokens.dtype)
 
     def combine_with_weight_grad(self, rows: torch.Tensor, handle: AutoEPHandle,
                                  weight_grads: Optional[torch.Tensor] = None):
@@ -167,13 +163,11 @@ class EPPluginExchange:
     def _combine(self, rows: torch.Tensor, handle: AutoEPHandle, weight_grads: Optional[torch.Tensor]):
         buf = self._live()
         wire = self._wire(rows.dtype, combine=True)
-        R = handle.inner.num_recv
-        per_row = collapse(rows, handle.order, R).to(wire).contiguous()
+        x = rows.to(wire).contiguous()
         with torch.no_grad():
             if weight_grads is None:
-                return buf.combine(per_row, handle.inner, async_op=False).to(rows.dtype), None
-            w = collapse_weights(weight_grads, handle.order, R, handle.topk_idx.shape[1])
-            y, wsum = buf.combine(per_row, handle.inner, w, async_op=False)
+                return buf.combine(x, handle.inner, async_op=False).to(rows.dtype), None
+            y, wsum = buf.combine(x, handle.inner, weight_grads.float().contiguous(), async_op=False)
         return y.to(rows.dtype), wsum
 
     # ------------------------------------------------------------------ lifetime

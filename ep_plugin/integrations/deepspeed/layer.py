@@ -1,7 +1,7 @@
 """EPPluginMOELayer: DeepSpeed's ``MOELayer`` with its two padded all-to-alls replaced by EPBuffer.
 
-gate (DeepSpeed's, sparse routes) -> EPBuffer.dispatch -> each local expert on exactly its rows ->
-weighted sum per row -> EPBuffer.combine. A route is kept iff DeepSpeed keeps it (capacity-dropped
+gate (DeepSpeed's, sparse routes) -> EPBuffer.dispatch (expert-major: rows grouped by local expert)
+-> each local expert on exactly its rows, times its weight -> EPBuffer.combine (sums each token's rows). A route is kept iff DeepSpeed keeps it (capacity-dropped
 routes come out of the gate as expert -1), so outputs and gradients equal DeepSpeed's.
 
 Buffers: one EPBuffer per (group, config, hidden) from the shared cache
@@ -32,7 +32,6 @@ from deepspeed.utils import groups
 from ...config import EPConfig, MoEConfig, load_config
 from ...telemetry import Report, log_to, training_step
 from ..buffer_cache import get_buffer
-from ..expert_layout import expand, expand_weights, expert_order
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
 _LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
@@ -44,6 +43,9 @@ def layer_config(base: EPConfig, num_experts: int, k: int) -> EPConfig:
     routing keys -- groups, score function, bias -- do not apply)."""
     cfg = copy.deepcopy(base)
     cfg.moe = MoEConfig(num_experts=num_experts, topk=min(k, num_experts))
+    # the experts split their rows by host counts, so the host waits for them anyway: exact sizes
+    # cost no extra sync and save the worst-case rows
+    cfg.comm.host_sync = True
     return load_config(cfg)
 
 
@@ -142,13 +144,16 @@ class EPPluginMOELayer(MOELayer):
             self.timers(FIRST_ALLTOALL_TIMER).start()
         # Synchronous: the experts need the rows right away, so an async dispatch (overlap.async_dispatch)
         # would only add an event to wait on.
-        res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx, topk_weights, async_op=False)
+        # Expert-major: one row per (token, local expert), grouped by expert, with its weight.
+        res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx, topk_weights, async_op=False, layout="expert")
         if timed:
             self.timers(FIRST_ALLTOALL_TIMER).stop()
             self.time_falltoall = self.timers(FIRST_ALLTOALL_TIMER).elapsed(reset=False)
 
-        rows = res.x.to(tokens.dtype)  # the experts' parameters are in the layer's dtype
-        expert_out = self._ep_run_experts(rows, res.topk_idx, res.topk_weights, res.tokens_per_expert)
+        counts = [int(c) for c in res.tokens_per_expert]  # host values: splitting needs no device sync
+        n = sum(counts)  # the rows in use (all of them: the layer's buffer waits for exact sizes)
+        rows = res.x[:n].to(tokens.dtype)  # the experts' parameters are in the layer's dtype
+        expert_out = self._ep_run_experts(rows, res.topk_weights[:n], counts)
 
         if timed:
             self.timers(SECOND_ALLTOALL_TIMER).start()
@@ -167,28 +172,17 @@ class EPPluginMOELayer(MOELayer):
         else:
             _LOG_REPORT(report)
 
-    def _ep_run_experts(self, rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, counts) -> torch.Tensor:
-        """Run each local expert on exactly its rows; return sum_k weight_k * expert_k(row) per row.
+    def _ep_run_experts(self, rows: torch.Tensor, weights: torch.Tensor, counts) -> torch.Tensor:
+        """Run each local expert on exactly its rows; return weight * expert(row) per row.
 
-        rows [R, H]; idx [R, K] local expert ids (-1: not here); weights [R, K] float32; counts: rows
-        per local expert (host ints). Accumulates in float32 (as DeepSpeed's decode does) and returns
-        rows' dtype.
+        rows [N, H] grouped by local expert (counts: rows per expert, host ints); weights [N] float32.
+        Multiplies in float32 and returns rows' dtype; the combine sums each token's rows (float32).
         """
-        R = rows.shape[0]
-        counts = [int(c) for c in counts]
-        # The counts are host values from dispatch, so splitting needs no device sync.
-        order = expert_order(idx, self.num_local_experts, sum(counts))
-        src_rows = order.rows
-        xin = expand(rows, order)
         outs = []
-        for chunk, expert in zip(xin.split(counts), self.experts.deepspeed_experts):
+        for chunk, expert in zip(rows.split(counts), self.experts.deepspeed_experts):
             out = expert(chunk)  # runs on an empty chunk too, so every expert param gets a grad
             if isinstance(out, tuple):
                 out = out[0]  # DeepSpeed ignores a returned bias the same way
             outs.append(out)
-        y = torch.cat(outs) if outs else xin
-        w = expand_weights(weights, order)
-        contrib = y.float() * w.unsqueeze(1)
-        acc = torch.zeros(R, y.shape[1], dtype=torch.float32, device=rows.device)
-        acc = acc.index_add(0, src_rows, contrib)
-        return acc.to(rows.dtype)
+        y = torch.cat(outs) if outs else rows
+        return (y.float() * weights.unsqueeze(1)).to(rows.dtype)

@@ -66,11 +66,15 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
 
 
 def resolve_config(transformer_config, num_experts: int, topk: int) -> EPConfig:
-    """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the TransformerConfig's expert count and top-k. Its comm.max_tokens_per_rank is
-    the buffer's capacity, never the size of a batch."""
+    """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the
+    TransformerConfig's expert count and top-k, and comm.host_sync on (see below). Its
+    comm.max_tokens_per_rank is the buffer's capacity, never the size of a batch."""
     raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
+    # megatron's experts split their input by host counts, so the host waits for them anyway: an
+    # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
+    raw["comm"]["host_sync"] = True
     return load_config(raw)
 
 

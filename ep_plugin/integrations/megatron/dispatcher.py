@@ -20,7 +20,6 @@ from ...buffer import EPBuffer
 from ...config import EPConfig
 from ...telemetry import log_to, training_step
 from ..buffer_cache import get_buffer
-from ..expert_layout import expand, expand_weights, expert_order
 from .config import resolve_config
 
 _REPORT = log_to(logging.getLogger("ep_plugin.megatron"))
@@ -36,11 +35,11 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     Workflow (same hooks, same outputs as MoEAlltoAllTokenDispatcher):
       dispatch_preprocess : [S, B, H] -> [T, H]; routing map -> top-k ids + their probs
-      token_dispatch      : EPBuffer.dispatch (rows once per destination rank, + the probs)
-      dispatch_postprocess: (row, local expert) pairs sorted by expert -> expert-grouped rows,
-                            tokens_per_expert (host), permuted probs for the experts
-      combine_preprocess  : sum each row's expert outputs (un-permute)
-      token_combine       : EPBuffer.combine
+      token_dispatch      : EPBuffer.dispatch(layout="expert"): one row per (token, local expert),
+                            grouped by expert in the received order, with its prob
+      dispatch_postprocess: tokens_per_expert (host) for the experts; no permute
+      combine_preprocess  : nothing (the un-permute is summed inside the combine kernel)
+      token_combine       : EPBuffer.combine of the expert-major rows
       combine_postprocess : [T, H] -> [S, B, H] (+ shared experts when overlapped)
     Tensors that carry gradients always flow through the method arguments (never through
     state), so megatron's 1F1B EP-overlap schedule, which detaches between stages, works.
@@ -82,10 +81,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = None
         self.topk_idx = None
         self.handle = None
-        self.recv_topk_idx = None
-        self.tokens_per_expert = None
-        self.permute_rows = None
         self.num_recv = None
+        self.tokens_per_expert = None
         self.probs_dtype = None
 
     # ---------------------------------------------------------------- helpers
@@ -146,34 +143,35 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         training_step(self, buf, hidden_states.shape[0], _REPORT)  # every comm.stats_interval steps
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        res = buf.dispatch(hidden_states, self.topk_idx, probs.float().contiguous())
+        # expert-major: the rows land grouped by local expert, in the received order (alltoall's)
+        res = buf.dispatch(hidden_states, self.topk_idx, probs.float().contiguous(), layout="expert")
         if self.shared_experts is not None:
             # shared experts' fc1 runs on its stream while the rows are in flight
             self.shared_experts.linear_fc1_forward_and_act(res.x)
         _wait(res.event)
         self.handle = res.handle
-        self.recv_topk_idx = res.topk_idx
-        self.tokens_per_expert = list(res.tokens_per_expert)
-        self.num_recv = res.x.shape[0]
+        self.num_recv = res.handle.num_recv  # tokens received (one per source token), for reports
+        self.tokens_per_expert = list(res.tokens_per_expert)  # the experts' split sizes (host)
         self.topk_idx = None
         return res.x, res.topk_weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        # expert-major, then by received row (= source rank, then position): alltoall's order
-        order = expert_order(self.recv_topk_idx, self.num_local_experts, int(sum(self.tokens_per_expert)))
-        self.permute_rows = order.rows
-        permuted_x = expand(hidden_states, order)
-        permuted_probs = expand_weights(probs, order).to(self.probs_dtype)
+        # already grouped by expert: nothing to permute. An exact-size dispatch (the config this
+        # dispatcher resolves) has exactly sum(tokens_per_expert) rows; a worst-case-sized one is cut
+        # to them (a view)
+        n = int(sum(self.tokens_per_expert))
         tokens_per_expert = torch.tensor(self.tokens_per_expert, dtype=torch.long)
-        self.recv_topk_idx = None
-        return permuted_x, tokens_per_expert, permuted_probs
+        rows = hidden_states[:n]
+        if self.config.overlap_moe_expert_parallel_comm:
+            # megatron's EP-overlap schedule frees the dispatch stage's outputs after the forward
+            # (resize_(0)), but the experts keep their input for backward: give them their own copy
+            rows = rows.clone()
+        return rows, tokens_per_expert, probs[:n].to(self.probs_dtype)
 
     # ---------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        rows = self.permute_rows
-        self.permute_rows = None
-        out = hidden_states.new_zeros((self.num_recv, hidden_states.shape[-1]))
-        return out.index_add_(0, rows, hidden_states)  # in place: no second [R, H] copy
+        # the un-permute (sum of each row's experts) happens inside the combine kernel
+        return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
         if self.shared_experts is not None:

@@ -1,0 +1,99 @@
+"""The expert-major layout computed from a rank-major dispatch with torch ops: the reference.
+
+A rank-major dispatch delivers one row per (token, destination rank) with its local expert ids
+[R, K]; a grouped GEMM wants one row per (token, local expert), contiguous per expert. Here the
+positions are computed on the device with no host sync: route (i, k) of local expert e goes to
+``offsets[e] + (number of routes of e in rows before i)``, i.e. inside an expert the rows keep the
+received order. Backends without a native expert-major receive (torch) use these functions; the
+nvlink kernels write the same layout directly (csrc/nvlink/expert.cu) and are tested against it.
+
+A token's top-k experts must be distinct (every router's are): a duplicated local expert would get
+one row per slot here.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .types import ExpertLayout
+
+
+def padded(counts: List[int], alignment: int) -> List[int]:
+    return [(n + alignment - 1) // alignment * alignment for n in counts]
+
+
+def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
+             tokens_per_expert: Optional[List[int]] = None) -> int:
+    """Rows of the expert-major tensors: exact from host counts when given, else the worst case that
+    `num_recv` received rows allow (each reaching min(K, E_local) local experts, every segment padded)."""
+    if tokens_per_expert is not None:
+        return sum(padded(tokens_per_expert, alignment))
+    pad = num_local_experts * (alignment - 1)
+    return num_recv * min(top_k, num_local_experts) + pad
+
+
+def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:
+    """Positions of every received (row, slot) in the expert-major rows; device ops only."""
+    R, K = recv_topk_idx.shape
+    EL, dev = num_local_experts, recv_topk_idx.device
+    flat = recv_topk_idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, EL))
+    counts = torch.zeros(EL + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:EL]
+    seg = (counts + alignment - 1) // alignment * alignment
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    offsets = torch.cat([zero, torch.cumsum(seg, 0)])
+    starts = torch.cat([zero, torch.cumsum(counts, 0)])  # where each expert's routes begin in sorted order
+    order = torch.sort(key, stable=True).indices
+    ks = key[order]
+    e = ks.clamp(max=EL - 1)
+    j = torch.arange(R * K, dtype=torch.int64, device=dev)
+    dest = torch.where(ks < EL, offsets[e] + (j - starts[e]), torch.full_like(j, -1))
+    positions = torch.empty(R * K, dtype=torch.int32, device=dev)
+    positions[order] = dest.to(torch.int32)
+    return ExpertLayout(positions=positions.view(R, K), offsets=offsets, num_rows=num_rows, alignment=alignment)
+
+
+def _targets(layout: ExpertLayout, scratch: int) -> torch.Tensor:
+    """[R, K] int64 positions with -1 sent to a scratch row (index `scratch`)."""
+    p = layout.positions.long()
+    return torch.where(p >= 0, p, torch.full_like(p, scratch))
+
+
+def expand(rows: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """[R, C] rank-major rows -> [N, C] expert-major rows (padding rows zero)."""
+    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8: index_copy_ moves bytes
+        return expand(rows.view(torch.uint8), layout).view(rows.dtype)
+    out = rows.new_zeros((layout.num_rows + 1,) + tuple(rows.shape[1:]))
+    tgt = _targets(layout, layout.num_rows)
+    for k in range(tgt.shape[1]):  # one [R, C] copy per slot: no [R*K, C] temporary
+        out.index_copy_(0, tgt[:, k], rows)
+    return out[:layout.num_rows]
+
+
+def expand_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """[R, K] dispatched weights -> [N] float32 weight of each expert-major row (0 on padding)."""
+    out = torch.zeros(layout.num_rows + 1, dtype=torch.float32, device=weights.device)
+    out.index_copy_(0, _targets(layout, layout.num_rows).reshape(-1), weights.reshape(-1).float())
+    return out[:layout.num_rows]
+
+
+def collapse(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """[N, H] expert-major rows -> [R, H]: each received row gets the float32 sum of its local experts'
+    rows in slot order (what the nvlink combine computes on the fly), in x's dtype. x may be cut to
+    the rows the segments use."""
+    tgt = _targets(layout, x.shape[0])
+    xp = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+    acc = torch.zeros((tgt.shape[0],) + tuple(x.shape[1:]), dtype=torch.float32, device=x.device)
+    for k in range(tgt.shape[1]):
+        acc += xp.index_select(0, tgt[:, k]).float()
+    return acc.to(x.dtype)
+
+
+def collapse_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """[N] per-row values -> [R, K] float32 at their (row, slot) places, 0 elsewhere."""
+    wp = torch.cat([weights.reshape(-1).float(), weights.new_zeros(1, dtype=torch.float32)])
+    return wp[_targets(layout, weights.numel())]
+
+
+__all__ = ["capacity", "plan", "expand", "expand_weights", "collapse", "collapse_weights", "padded"]
