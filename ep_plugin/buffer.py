@@ -242,13 +242,17 @@ class EPBuffer:
         return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=out.handle, event=out.event)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
-                async_op: Optional[bool] = None):
+                async_op: Optional[bool] = None, weights_local_only: bool = True):
         """Sum, for each original token, the rows the ranks it reached send back: [T, H]. x is laid out
         as the handle's dispatch delivered it (rank-major [R, H] or expert-major [N, H]).
 
         With topk_weights ([R, K] float32, e.g. the dispatched weights after the experts changed
-        them), also returns their per-token sum over ranks, [T, K] (as DeepEP's combine does):
-        (y, weights). Async calls append the event: (y, event) or (y, weights, event)."""
+        them), also returns their per-token sum over ranks, [T, K]: (y, weights). Each (token, k) counts
+        on the rank owning expert k only, unless weights_local_only=False (then every entry sent back is
+        summed, as DeepEP's combine does). Async calls append the event: (y, event) or (y, weights, event).
+
+        A rank-major x may also be cut to the valid rows of a worst-case-sized dispatch (at least
+        sum(handle.recv_counts): that host count is read, waiting for its pinned copy only)."""
         self._raise_pending()
         _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
         _need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -259,7 +263,12 @@ class EPBuffer:
               f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
         _need(x.is_contiguous(), ValueError, "x must be contiguous")
         expert = handle.expert is not None if isinstance(handle, Handle) else False
-        self._check_handle(handle, num_rows=None if expert else x.shape[0])
+        self._check_handle(handle)
+        if not expert and x.shape[0] != handle.num_recv:
+            used = sum(handle.recv_counts) if not handle.exact else handle.num_recv
+            _need(used <= x.shape[0] <= handle.num_recv, ValueError,
+                  f"x must have the {handle.num_recv} rows that dispatch delivered (or at least the {used} valid "
+                  f"ones), got {x.shape[0]}")
         if expert and x.shape[0] != handle.expert.num_rows:
             # rows may be cut to the segments in use (a worst-case-sized dispatch): never fewer, as the
             # kernels read every segment row (the host counts: waits for their pinned copy only)
@@ -272,7 +281,7 @@ class EPBuffer:
         if topk_weights is not None:
             _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
                   "combine's topk_weights must be a float32 tensor")
-            want = (x.shape[0],) if expert else tuple(handle.recv_topk_idx.shape)
+            want = (x.shape[0],) if expert else (x.shape[0], handle.recv_topk_idx.shape[1])
             _need(tuple(topk_weights.shape) == want, ValueError,
                   f"combine's topk_weights must have shape {want}, got {tuple(topk_weights.shape)}")
             _need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
@@ -289,8 +298,13 @@ class EPBuffer:
                 event.current_stream_wait()
                 event = None
             with torch.no_grad():
-                combine_weights = self._backend.combine_weights_expert if expert else self._backend.combine_weights
-                weights, event = combine_weights(topk_weights, handle, is_async)
+                if expert:
+                    _need(weights_local_only, ValueError,
+                          "weights_local_only=False takes rank-major weights; an expert-major row has one weight")
+                    weights, event = self._backend.combine_weights_expert(topk_weights, handle, is_async)
+                else:
+                    weights, event = self._backend.combine_weights(topk_weights, handle, is_async,
+                                                                   weights_local_only)
             out += (weights,)
         if event is not None:
             event._check = self.check_finished

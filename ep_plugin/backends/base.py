@@ -65,13 +65,16 @@ class Backend(abc.ABC):
     def combine(self, x: torch.Tensor, handle: Handle, async_op: bool = False):
         """Send received rows back and sum them per original token: returns (y [T, H], event or None)."""
 
-    def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False):
-        """Per-token sum over ranks of [R, K] float32 weights (each (token, k) lives on the rank owning
-        the expert; other ranks' entries count as 0): ([T, K] float32, event or None).
+    def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False,
+                        local_only: bool = True):
+        """Per-token sum over ranks of [R, K] float32 weights: ([T, K] float32, event or None). With
+        local_only, each (token, k) counts on the rank owning expert k only (other ranks' entries count
+        as 0); without, every entry every rank sends back is summed (DeepEP's combine).
 
         A small exchange, so the default is one torch.distributed all-to-all on the group for every
         backend; it needs the handle's host counts (a wait when the dispatch did not sync)."""
-        local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0)
+        idx = handle.recv_topk_idx[:weights.shape[0]]  # weights may be cut to the valid rows
+        local = torch.where(idx >= 0, weights.float(), 0.0) if local_only else weights.float()
         send_counts, recv_counts = handle.send_counts, handle.recv_counts
         R = sum(recv_counts)
         back = local.new_empty((sum(send_counts), local.shape[1]))

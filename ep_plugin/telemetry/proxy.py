@@ -67,8 +67,9 @@ class RecordingBackend:
         return self._exchange("combine_weights", self._inner.combine_weights_expert, weights, handle, async_op,
                               row_bytes=handle.topk_idx.shape[1] * 4)
 
-    def combine_weights(self, weights, handle, async_op=False):
-        return self._exchange("combine_weights", self._inner.combine_weights, weights, handle, async_op)
+    def combine_weights(self, weights, handle, async_op=False, local_only=True):
+        fn = lambda w, h, a: self._inner.combine_weights(w, h, a, local_only)  # noqa: E731
+        return self._exchange("combine_weights", fn, weights, handle, async_op)
 
     def _exchange(self, op, fn, x, handle, async_op, row_bytes=None):
         st = self.stats

@@ -165,9 +165,10 @@ class TorchBackend(Backend):
         self._comm.arrive("combine")
         return combine_rows(self._comm, x, handle, async_op)
 
-    def combine_weights(self, weights, handle, async_op=False):
+    def combine_weights(self, weights, handle, async_op=False, local_only=True):
         self._comm.arrive("combine of the weights")
-        local = torch.where(handle.recv_topk_idx >= 0, weights.float(), 0.0).contiguous()
+        w = weights.float()
+        local = (torch.where(handle.recv_topk_idx >= 0, w, 0.0) if local_only else w).contiguous()
         return combine_rows(self._comm, local, handle, async_op)
 
     def check(self) -> None:

@@ -1,0 +1,278 @@
+"""deep_ep.Buffer (DeepEP V1, tag v1.2.1), intranode part, over EPBuffer.
+
+Written from DeepEP's documented API (the docstrings of deep_ep/buffer.py), not from its code. The
+same arguments and return tuples; what is not supported raises an error naming the argument:
+internode (`num_tokens_per_rdma_rank`, an RDMA group) and the low-latency calls (ep_plugin's
+low-latency kernels are the nvshmem backend, not built yet).
+
+Mapping: one EPBuffer per (hidden, num_experts), built at the first dispatch of that shape (every
+rank dispatches the same shapes in the same order, as with DeepEP). Its config comes from
+`ep_config` (path, preset, dict or EPConfig; default: ep_plugin's defaults, backend auto, so nvlink
+on one node of GPUs and the torch backend elsewhere), with `Buffer.num_sms` as comm.num_sms.
+A dispatch without `topk_idx` routes by `is_token_in_rank` (a stand-in expert per destination).
+Outputs have exactly the received rows (the host waits for the counts, as DeepEP's does), or
+`num_worst_tokens` rows with no host sync when that is given.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..buffer import EPBuffer
+from ..config import EPConfig, load_config
+from .events import Config, EventOverlap, capture
+from .handle import DeepEPHandle
+
+_LOW_LATENCY = ("ep_plugin.deep_ep: {name} needs ep_plugin's low-latency kernels (the nvshmem backend), "
+                "which are not built yet; dispatch(..., num_worst_tokens=N) gives a host-sync-free, "
+                "CUDA-graph-capturable dispatch meanwhile")
+_INTERNODE = ("ep_plugin.deep_ep: {name}: internode dispatch/combine (RDMA ranks) is not supported yet; "
+              "ep_plugin's intranode backends serve one node")
+
+
+def _cut(t: Optional[torch.Tensor], n: int, fill=0) -> Optional[torch.Tensor]:
+    """The first n rows of t, padded with `fill` when t has fewer."""
+    if t is None or t.shape[0] == n:
+        return t
+    if t.shape[0] > n:
+        return t[:n]
+    out = t.new_full((n,) + tuple(t.shape[1:]), fill)
+    out[:t.shape[0]] = t
+    return out
+
+
+class Buffer:
+    """deep_ep.Buffer over ep_plugin.EPBuffer (intranode high-throughput API)."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, comm=None, *, ep_config=None) -> None:
+        if group is None:
+            raise ValueError("ep_plugin.deep_ep.Buffer: group must be a torch.distributed ProcessGroup "
+                             "(the mpi4py `comm` form is not supported)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self._cfg: EPConfig = load_config(ep_config)
+        self._buffers: Dict[Tuple[int, int], EPBuffer] = {}
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ class-level settings
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True where FP8 dispatch runs (a GPU of compute capability 9.0 or newer)."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if new_num_sms % 2:
+            raise ValueError(f"The SM count must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    capture = staticmethod(capture)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return 0  # no RDMA buffer: callers pass it to Buffer(num_rdma_bytes=...), which ignores it
+
+    def get_comm_stream(self) -> torch.Stream:
+        return torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise NotImplementedError("ep_plugin.deep_ep: get_local_buffer_tensor exposes DeepEP's raw NVLink buffer, "
+                                  "which ep_plugin does not have")
+
+    # ------------------------------------------------------------------ buffers
+    def _live(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("ep_plugin.deep_ep.Buffer: this buffer was destroyed")
+
+    def _buffer(self, hidden: int, num_experts: int) -> EPBuffer:
+        key = (hidden, num_experts)
+        buf = self._buffers.get(key)
+        if buf is None:
+            raw = self._cfg.to_dict()
+            raw["moe"] = {"num_experts": num_experts, "topk": min(int(raw["moe"].get("topk") or 1), num_experts)}
+            raw["comm"]["num_sms"] = Buffer.num_sms
+            buf = self._buffers[key] = EPBuffer(self.group, load_config(raw), hidden=hidden)
+        return buf
+
+    @staticmethod
+    def _apply(buf: EPBuffer, config: Optional[Config]) -> None:
+        """A Config's num_sms reaches the kernels of backends that have an SM count."""
+        backend = getattr(buf._backend, "wrapped", buf._backend)
+        if config is not None and hasattr(backend, "num_sms"):
+            backend.num_sms = int(config.num_sms)
+
+    def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor) -> torch.Tensor:
+        """[W, W] int32: entry [i][j] = tokens ranks 0..i send to rank j (one small all-gather)."""
+        mine = num_tokens_per_rank.to(torch.int32).contiguous()
+        every = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return torch.cumsum(torch.stack(every), 0, dtype=torch.int32)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W]
+        bool, EventOverlap)."""
+        from ..layout import dispatch_layout, dispatch_layout_cuda
+        from .._ext import has_c
+
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        fn = dispatch_layout_cuda if topk_idx.is_cuda and has_c() else dispatch_layout
+        per_rank, per_expert, in_rank = fn(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, EventOverlap(capture().event if async_finish else None)
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event),
+        as DeepEP's intranode dispatch returns them."""
+        self._live()
+        if num_tokens_per_rdma_rank is not None:
+            raise NotImplementedError(_INTERNODE.format(name="num_tokens_per_rdma_rank"))
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        rows = (data, scales.contiguous()) if scales is not None else data  # DeepEP takes column-major scales
+        if handle is not None:
+            if not isinstance(handle, DeepEPHandle):
+                raise TypeError("handle must come from this module's dispatch")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle given) takes no topk_idx / topk_weights")
+            self._apply(handle.buffer, config)
+            res = handle.buffer.dispatch(rows, handle=handle.inner, async_op=async_finish)
+            return self._rows(res, handle.num_rows), None, None, None, None, EventOverlap(res.event)
+        for name, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                        ("num_tokens_per_expert", num_tokens_per_expert)):
+            if v is None:
+                raise ValueError(f"dispatch without a handle needs {name} (from get_dispatch_layout)")
+        W = self.group_size
+        E = num_tokens_per_expert.numel()
+        buf = self._buffer(data.shape[1], E)
+        self._apply(buf, config)
+        idx = topk_idx
+        if idx is None:  # route by is_token_in_rank: the first expert of every destination stands in
+            first = torch.arange(W, dtype=torch.int64, device=data.device) * (E // W)
+            idx = torch.where(is_token_in_rank, first, torch.full_like(first, -1)).contiguous()
+        weights = topk_weights.float().contiguous() if topk_weights is not None else None
+        res = buf.dispatch(rows, idx.contiguous(), weights, async_op=async_finish)
+        if num_worst_tokens > 0:
+            n, counts = num_worst_tokens, []
+        else:
+            n = sum(res.handle.recv_counts)  # the host waits for the counts, as DeepEP's dispatch does
+            if topk_idx is not None:
+                per_expert = list(res.tokens_per_expert)
+            else:  # routed by rank only: this rank's experts' counts from every rank's layout
+                total = num_tokens_per_expert.to(torch.int64).clone()
+                dist.all_reduce(total, group=self.group)
+                per_expert = total.view(W, -1)[self.rank].tolist()
+            a = max(int(expert_alignment), 1)
+            counts = [(c + a - 1) // a * a for c in per_expert]
+        recv_x = self._rows(res, n)
+        recv_idx = _cut(res.topk_idx, n, -1) if topk_idx is not None else None
+        recv_w = _cut(res.topk_weights, n, 0) if topk_weights is not None else None
+        recv_src = getattr(res.handle.state, "recv_src", None)
+        h = DeepEPHandle(res.handle, self._rank_prefix_matrix(num_tokens_per_rank),
+                         _cut(recv_src, n, -1) if recv_src is not None else None, is_token_in_rank, n)
+        h.buffer = buf
+        return recv_x, recv_idx, recv_w, counts, h, EventOverlap(res.event)
+
+    @staticmethod
+    def _rows(res, n: int):
+        if res.event is not None and res.x is not None:
+            data = res.x[0] if isinstance(res.x, tuple) else res.x
+            if data.shape[0] < n:  # padding copies the rows: they must have landed
+                res.event.current_stream_wait()
+        if isinstance(res.x, tuple):
+            return _cut(res.x[0], n), _cut(res.x[1], n)
+        return _cut(res.x, n)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(combined_x [T, H], combined_topk_weights [T, K] or None, event): the rows every rank sends
+        back, summed per token (no weights applied); topk_weights summed the same way (every entry)."""
+        self._live()
+        if not isinstance(handle, DeepEPHandle):
+            raise TypeError("handle must come from this module's dispatch")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        buf = handle.buffer
+        self._apply(buf, config)
+        cap = handle.inner.num_recv  # rows past it (num_worst_tokens padding) were never received
+        x = x[:cap].contiguous()
+        w = topk_weights[:cap].float().contiguous() if topk_weights is not None else None
+        out = buf.combine(x, handle.inner, w, async_op=async_finish, weights_local_only=False)
+        out = out if isinstance(out, tuple) else (out,)
+        y, rest = out[0], list(out[1:])
+        event = rest.pop() if async_finish else None
+        combined_w = rest[0] if w is not None else None
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        if any(b is not None for b in biases):
+            if event is not None:  # the bias is added to the combined rows: they must have landed
+                event.current_stream_wait()
+                event = None
+            for b in biases:
+                if b is not None:
+                    y = y + b
+        return y, combined_w, EventOverlap(event)
+
+    # ------------------------------------------------------------------ not supported yet
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError(_INTERNODE.format(name="internode_dispatch"))
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError(_INTERNODE.format(name="internode_combine"))
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise NotImplementedError(_LOW_LATENCY.format(name="low_latency_dispatch"))
+
+    def low_latency_combine(self, *args, **kwargs):
+        raise NotImplementedError(_LOW_LATENCY.format(name="low_latency_combine"))
+
+    def clean_low_latency_buffer(self, *args, **kwargs):
+        raise NotImplementedError(_LOW_LATENCY.format(name="clean_low_latency_buffer"))
+
+    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
+        raise NotImplementedError(_LOW_LATENCY.format(name="get_next_low_latency_combine_buffer"))
+
+    # ------------------------------------------------------------------ lifetime
+    def destroy(self) -> None:
+        """Close the EPBuffers (collective: every rank calls it)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        for buf in self._buffers.values():
+            buf.close()
+        self._buffers.clear()
+
+
+__all__ = ["Buffer"]
