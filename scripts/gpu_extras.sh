@@ -137,7 +137,7 @@ step_5() {
   run_step 5 "AutoEP example" 60 "$OUT/autoep_example.log" \
     torchrun --nproc-per-node 2 examples/deepspeed/autoep_hf_moe.py "${AUTOEP[@]}" --stats --no-progress \
       --json "$OUT/autoep_example.json"
-  show "$OUT/autoep_example.log" "parameters on rank 0|^ep_plugin: (using|[0-9])|AutoEP ep_plugin exchange|^step |^loss " 8
+  show "$OUT/autoep_example.log" "parameters on rank 0|^ep_plugin: (using|[0-9])|AutoEP ep_plugin exchange|^step |^ep_plugin stats|^loss " 8
 }
 
 step_6() {

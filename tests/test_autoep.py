@@ -214,6 +214,70 @@ def _behaviour_cases(rank, world):
     assert all(type(m) is epds.EPPluginAutoEPLayer for m in _ep_layers(engine))
 
 
+class _Monitor:
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def write_events(self, events):
+        self.events += events
+
+
+def _stats_cases(rank, world):
+    """comm.stats with comm.stats_interval 2: the AutoEP layers report every 2 steps, once for the
+    model's shared exchange (not once per layer), through logging, or the engine's monitor when it
+    is enabled; a checkpoint's recompute and an eval forward are no steps."""
+    import logging
+
+    import deepspeed
+    import ep_plugin.deepspeed as epds
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("ep_plugin.deepspeed")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    cfg = ds_config("ep_plugin")
+    cfg["ep_plugin"]["overrides"].update({"comm.stats": True, "comm.stats_interval": 2})
+    model = tiny_model("mixtral")
+    model.gradient_checkpointing_enable()  # backward recomputes each layer's forward (and exchange)
+    engine = _engine(model, cfg)
+    layers = _ep_layers(engine)
+    _train(engine, rank, steps=4)
+    with torch.no_grad():  # an eval forward: not a step
+        ids = torch.zeros(MICRO, SEQ, dtype=torch.long)
+        engine(input_ids=ids, labels=ids)
+    logged = [m for m in seen if m.startswith("ep_plugin stats")]
+    # DeepSpeed's monitor, when enabled, takes the reports instead of logging
+    monitor = engine.monitor = _Monitor()
+    _train(engine, rank, steps=2)
+    exchanges = {id(m._deepep_exchange) for m in layers}
+    log.removeHandler(handler)
+    engine.destroy()
+    epds.release_buffers()
+
+    # checked after the last collective, so that a failure on one rank does not leave the other waiting
+    assert len(layers) == 2 and len(exchanges) == 1
+    assert [m for m in seen if m.startswith("ep_plugin stats")] == logged  # none logged with the monitor
+    tags = {tag: step for tag, _, step in monitor.events}
+    if rank == 0:  # collected on every rank, written by rank 0: steps 1-2 and 3-4, one line each
+        assert [line.split(":")[0] for line in logged] == ["ep_plugin stats [torch, EP2] steps 1-2",
+                                                           "ep_plugin stats [torch, EP2] steps 3-4"], seen
+        for line in logged:
+            assert re.search(r": [\d,]+ tokens/s, comm \d+% \(slowest rank \d: \d+%\), .*, timeouts 0, "
+                             r"sent per step [\d.]+ [KM]B remote \+ [\d.]+ [KM]B local$", line), line
+        assert tags.get("ep_plugin/comm_share") == 6 and "ep_plugin/sent_remote_bytes_per_step" in tags, tags
+    else:
+        assert logged == [] and monitor.events == [], seen
+
+
+def test_autoep_reports_stats_every_interval_cpu():
+    spawn(_stats_cases, 2, timeout=120)
+
+
 def test_autoep_trains_like_comm_cpu():
     spawn(_equality_cases, 2, "cpu", (("torch", 1e-5, None),), 32, ("mixtral", "deepseek_v3"), timeout=300)
 
@@ -318,17 +382,24 @@ def test_example_pretrains_on_cpu(tmp_path):
 
 
 def test_example_stats_lines_cpu(tmp_path):
-    """--stats --no-progress: one line per interval with the loss, tokens/s, the exchanges' share of
-    the time naming the slowest rank, time per call, imbalance and bytes per domain; no tqdm bar."""
+    """--stats --no-progress: a line per interval with the loss, and the AutoEP layers' own stats line
+    per interval (comm.stats_interval = --log-every): tokens/s, the exchanges' share of the time
+    naming the slowest rank, time per call, imbalance and bytes per domain; no tqdm bar."""
     out = tmp_path / "stats.json"
     proc = _torchrun(os.path.join("examples", "deepspeed", "autoep_hf_moe.py"), "--json", str(out), "--steps", "6",
                      "--log-every", "3", "--stats", "--no-progress")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["3", "6"], proc.stdout
     for line in lines:
-        assert re.search(r"loss \d+\.\d+ +[\d,]+ tokens/s, comm \d+% \(slowest rank \d: \d+%\), dispatch .* per call, "
+        assert re.match(r"step +\d+  loss \d+\.\d+( +[\d,]+ tokens/s)?$", line), line
+    stats = [line for line in proc.stdout.splitlines() if line.startswith("ep_plugin stats")]
+    assert [line.split(":")[0] for line in stats] == ["ep_plugin stats [torch, EP2] steps 1-3",
+                                                      "ep_plugin stats [torch, EP2] steps 4-6"], proc.stdout
+    for line in stats:
+        assert re.search(r": [\d,]+ tokens/s, comm \d+% \(slowest rank \d: \d+%\), dispatch .* per call, "
                          r"max/mean rows per rank [\d.]+, per expert [\d.]+, timeouts 0, "
                          r"sent per step [\d.]+ [KMG]?B remote \+ [\d.]+ [KMG]?B local$", line), line
+    assert "ep_plugin stats" not in proc.stderr  # printed once, with the script's lines
     assert "it/s" not in proc.stdout and "\r" not in proc.stdout
 
 

@@ -7,6 +7,7 @@ across ranks name the slowest rank. Real gloo groups of 2 ranks, one spawn for a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -72,18 +73,26 @@ def _body(rank, world, out_dir):
         on.combine(r.x, r.handle)
     rep = collect([on], tokens=3 * T, wall_s=10.0, steps=(1, 3))
     out["report"] = {"comm_s": rep.comm_s, "rows": rep.rows_received, "tokens": rep.tokens,
-                     "slowest": rep.slowest_rank, "line": rep.line(), "share": rep.comm_share}
+                     "slowest": rep.slowest_rank, "line": rep.line(), "share": rep.comm_share,
+                     "sent": rep.bytes_sent, "sent_per_step": rep.bytes_sent_per_step,
+                     "sent_local": rep.sent_local, "sent_remote": rep.sent_remote}
 
     lines = []
     layer_a, layer_b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     emit = lambda report: lines.append(report.line())  # noqa: E731
-    made = []
+    made, reports = [], []
     for _ in range(4):
-        made.append(training_step(layer_a, on, T, emit) is not None)
+        got = training_step(layer_a, on, T, emit)  # a layer calls it before its step's exchanges
+        made.append(got is not None)
+        if got is not None:
+            reports.append({"steps": got.steps, "step_count": got.step_count, "tokens": got.tokens,
+                            "per_step": got.bytes_sent_per_step})
         made.append(training_step(layer_b, on, T, emit) is not None)  # not the first layer: no step
         with torch.no_grad():
             made.append(training_step(layer_a, on, T, emit) is not None)  # no gradients: not a step
-    out["interval"] = {"made": made, "lines": lines}
+        r = on.dispatch(torch.randn(T, H), routing(rank))  # the step's exchanges
+        on.combine(r.x, r.handle)
+    out["interval"] = {"made": made, "lines": lines, "reports": reports}
     logger = logging.getLogger("ep_plugin.test_telemetry")
     logger.setLevel(logging.INFO)
     seen = []
@@ -130,6 +139,8 @@ def test_counts_bytes_and_backward_exchanges(ranks):
         assert s["expert_imbalance"] == pytest.approx(imbalance(per_expert))
         assert s["rank_imbalance"] == pytest.approx(imbalance(sent))
         assert s["timeouts"] == 0 and r["after_reset"] == 0
+        for key in ("bytes_sent", "bytes_received"):  # every op, forward and backward, per domain
+            assert s[key] == {d: sum(o[key][d] for o in ops.values()) for d in ("local", "remote")}
 
 
 def test_report_across_ranks_names_the_slowest(ranks):
@@ -141,6 +152,17 @@ def test_report_across_ranks_names_the_slowest(ranks):
     assert a["share"] == pytest.approx(sum(a["comm_s"]) / 2 / 10.0)
     assert a["line"].startswith("ep_plugin stats [torch, EP2] steps 1-3: 4 tokens/s, comm ")
     assert f"slowest rank {a['slowest']}" in a["line"] and "timeouts 0" in a["line"]
+    # bytes per domain: each rank's dispatches and combines (3 of each), summed over the ranks, per step
+    assert a["sent"] == b["sent"] and a["sent_local"] == b["sent_local"]
+    local = remote = 0
+    for r in range(2):
+        sent, received, _ = expected(r, 2)
+        assert a["sent_local"][r] == 3 * 2 * sent[r] * H * 4  # dispatch to itself, and its combine back
+        assert a["sent_remote"][r] == 3 * ((sum(sent) - sent[r]) + (received - sent[r])) * H * 4
+        local, remote = local + a["sent_local"][r], remote + a["sent_remote"][r]
+    assert a["sent"] == {"local": local, "remote": remote}
+    assert a["sent_per_step"] == {"local": local / 3, "remote": remote / 3}
+    assert re.search(r", timeouts 0, sent per step [\d.]+ [KMG]?B remote \+ [\d.]+ [KMG]?B local$", a["line"]), a["line"]
 
 
 def test_integration_reports_every_interval(ranks):
@@ -151,6 +173,12 @@ def test_integration_reports_every_interval(ranks):
         assert len(lines) == (2 if rank == 0 else 0)  # collected everywhere, emitted by rank 0
         if lines:
             assert "steps 1-2" in lines[0] and "steps 3-4" in lines[1] and "tokens/s" in lines[0]
+            assert "sent per step" in lines[0] and "sent per step" in lines[1]
+        # made before the step's exchanges: the report of steps 1-2 holds step 1, that of 3-4 steps 2-3
+        first, second = r["interval"]["reports"]
+        assert first["steps"] == [1, 2] and first["step_count"] == 1 and first["tokens"] == 2 * T
+        assert second["steps"] == [3, 4] and second["step_count"] == 2 and second["tokens"] == 2 * 2 * T
+        assert first["per_step"] == second["per_step"] and first["per_step"]["remote"] > 0  # one pair a step
         assert r["logged"] and r["logged"][0].startswith("ep_plugin stats [torch, EP2]")
 
 
@@ -262,6 +290,60 @@ def test_report_text_and_events():
     assert rep.line().startswith("ep_plugin stats [nvlink, EP2] steps 11-20: 4,000 tokens/s")
     ev = dict((k, v) for k, v, step in rep.events(20))
     assert ev["ep_plugin/comm_share"] == pytest.approx(0.25) and ev["ep_plugin/slowest_rank"] == 1
+    assert "ep_plugin/sent_remote_bytes_per_step" not in ev  # no bytes gathered
+
+
+def test_report_bytes_sent_per_domain():
+    """The bytes every rank sent to the others (remote) and to itself (local), summed over the ranks,
+    per step of the interval (10 steps here), at the end of the line."""
+    rep = Report(rank=0, backend="nvlink", comm_s=[0.2, 0.3], rows_received=[100, 300], tokens=4000,
+                 timeouts=0, expert_imbalance=1.5, dispatch_us=812.0, combine_us=1604.0, wall_s=1.0,
+                 steps=(11, 20), local={}, sent_local=[1.1e9, 1.06e9], sent_remote=[1.0e9, 1.1e9])
+    assert rep.line() == ("ep_plugin stats [nvlink, EP2] steps 11-20: 4,000 tokens/s, comm 25% (slowest rank 1: "
+                          "30%), dispatch 812 us, combine 1.60 ms per call, max/mean rows per rank 1.50, per "
+                          "expert 1.50, timeouts 0, sent per step 210 MB remote + 216 MB local")
+    assert rep.bytes_sent == {"remote": 2.1e9, "local": 2.16e9}
+    ev = dict((k, v) for k, v, step in rep.events(20))
+    assert ev["ep_plugin/sent_remote_bytes_per_step"] == pytest.approx(2.1e8)
+    assert ev["ep_plugin/sent_local_bytes_per_step"] == pytest.approx(2.16e8)
+    # the steps the exchanges belong to, when not the interval's span (an IntervalReporter's first report)
+    assert rep.text() == dataclasses.replace(rep, steps=(1, 10), num_steps=10).text()
+    assert dataclasses.replace(rep, num_steps=5).text().endswith("sent per step 420 MB remote + 432 MB local")
+    # steps unknown: the interval's bytes; sizes in B, KB, MB, GB with three digits
+    assert dataclasses.replace(rep, steps=None).text().endswith(", sent 2.10 GB remote + 2.16 GB local")
+    small = dataclasses.replace(rep, steps=None, sent_local=[512, 0], sent_remote=[21_000, 4_000])
+    assert small.text().endswith(", sent 25.0 KB remote + 512 B local")
+    # no exchange stats on any rank: no bytes
+    assert "sent" not in dataclasses.replace(rep, local=None).text()
+
+
+class _Buf:
+    cfg = SimpleNamespace(comm=SimpleNamespace(stats=True, stats_interval=5))
+
+
+class _InBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer, buf):
+        ctx.layer, ctx.buf = layer, buf
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.result = training_step(ctx.layer, ctx.buf, 4, lambda report: None)
+        return grad, None, None
+
+
+def test_recompute_in_backward_is_not_a_step():
+    """An activation-checkpoint recompute runs the layer's forward inside the backward pass, with
+    gradients on: it is no training step (nor a report, which is a collective)."""
+    from ep_plugin.telemetry import report as report_mod
+
+    buf, layer = _Buf(), torch.nn.Linear(1, 1)
+    x = torch.ones(2, requires_grad=True)
+    _InBackward.apply(x, layer, buf).sum().backward()
+    assert buf not in report_mod._REPORTERS  # the backward's call counted nothing
+    assert training_step(layer, buf, 4, lambda report: None) is None  # a forward: a step
+    assert report_mod._REPORTERS[buf].steps == 1
 
 
 def test_config_keys():

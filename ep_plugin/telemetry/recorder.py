@@ -236,6 +236,10 @@ class CommStats:
             "calls": sum(t.calls for t in self._ops.values()),
             "comm_time_s": sum(t.time_s for t in self._ops.values()),
             "ops": ops,
+            # all ops together (dispatch, combine, combine_weights; forward and backward), by domain:
+            # local = this rank to itself, remote = to (from) the other ranks
+            "bytes_sent": {d: sum(o["bytes_sent"][d] for o in ops.values()) for d in ("local", "remote")},
+            "bytes_received": {d: sum(o["bytes_received"][d] for o in ops.values()) for d in ("local", "remote")},
             "rows_sent_per_rank": list(self._sent_per_rank),
             "rows_received": self._received,
             "rank_imbalance": imbalance(self._sent_per_rank),

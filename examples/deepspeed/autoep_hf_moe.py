@@ -21,13 +21,22 @@ Data: synthetic arithmetic sequences x_t = (a + d*t) mod vocab, a random start a
 sequence; the next token needs the previous two, so the loss falls from log(vocab) as the model learns.
 
 Output: a tqdm bar (--no-progress: none), a line every --log-every steps with the loss and tokens/s;
-with --stats (comm.stats on, ep_plugin only) that line also says what the exchanges cost: time share
-with the slowest rank, time per call, imbalance, bytes sent per step to other ranks and to itself.
+with --stats (comm.stats on, comm.stats_interval = --log-every; ep_plugin only) the AutoEP layers
+themselves report every interval, through DeepSpeed's monitor when one is enabled, else through the
+"ep_plugin.deepspeed" logger, which this script prints with its own lines (CPU, 2 processes):
+
+    ep_plugin stats [torch, EP2] steps 1-10: 3,821 tokens/s, comm 47% (slowest rank 1: 50%), dispatch
+    4.88 ms, combine 2.91 ms per call, max/mean rows per rank 1.03, per expert 1.35, timeouts 0, sent
+    per step 425 KB remote + 417 KB local
+
+(what the exchanges cost: time share with the slowest rank, time per call, imbalance, bytes sent per
+step to other ranks and to itself, summed over the ranks, forward and backward).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -39,8 +48,6 @@ import deepspeed
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
 import ep_plugin.deepspeed as epds
-from ep_plugin.integrations.buffer_cache import cached_buffers
-from ep_plugin.telemetry import collect
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -104,32 +111,33 @@ def ds_config(a, world: int, cuda: bool):
         overrides = {}
         if a.ep_backend:
             overrides["comm.backend"] = a.ep_backend
-        if a.stats:  # reported by this script every --log-every steps
-            overrides.update({"comm.stats": True, "comm.stats_interval": None})
+        if a.stats:  # the AutoEP layers report every --log-every steps (see print_reports)
+            overrides.update({"comm.stats": True, "comm.stats_interval": a.log_every})
         if overrides:
             cfg["ep_plugin"]["overrides"] = overrides
     return cfg
 
 
-def sent_bytes(buffers, device):
-    """(local, remote) bytes the exchanges sent since the last report, summed over the ranks; None
-    when stats are off. Collective (every rank at the same point); read before collect(), which
-    resets the buffers' stats."""
-    mine = [b.stats() for b in buffers if b.cfg.comm.stats]
-    if not mine:
-        return None
-    t = torch.tensor([float(sum(op["bytes_sent"][d] for s in mine for op in s["ops"].values()))
-                      for d in ("local", "remote")], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+class _Say(logging.Handler):
+    """Prints the records of the "ep_plugin.deepspeed" logger -- the AutoEP layers' stats lines among
+    them -- with this script's lines (through the tqdm bar's write when there is one)."""
+
+    def __init__(self, say):
+        super().__init__(logging.INFO)
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(record.getMessage())
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
-    return f"{n:.0f} B"
+def print_reports(say) -> None:
+    """Print the AutoEP layers' comm.stats reports (made by rank 0 every comm.stats_interval steps)
+    here rather than on stderr, where ep_plugin's logging would print them otherwise."""
+    log = logging.getLogger("ep_plugin.deepspeed")
+    log.addHandler(_Say(say))
+    log.propagate = False
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
 
 
 def batch(gen, n, seq_len, vocab, device):
@@ -166,7 +174,8 @@ def parse_args():
     p.add_argument("--log-every", type=int, default=10, help="steps between summary lines")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (the summary lines stay)")
     p.add_argument("--stats", action="store_true",
-                   help="comm.stats on: the summary lines say what the exchanges cost (ep_plugin only)")
+                   help="comm.stats on: the AutoEP layers print what the exchanges cost every --log-every "
+                        "steps (ep_plugin only)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     a = p.parse_args()
     a.topk = a.topk or (4 if a.preset == "deepseek_v3" else 2)
@@ -203,8 +212,9 @@ def main():
             from tqdm import tqdm
             bar = tqdm(total=a.steps, desc="pretrain", dynamic_ncols=True, file=sys.stdout)
     say = bar.write if bar is not None else print
+    if a.stats and ours and rank == 0:
+        print_reports(say)
     losses, t0, t_start, tok_s = [], None, time.perf_counter(), float("nan")
-    t_log = t_start
     for step in range(a.steps):
         if step == 2:  # warm-up steps (buffer builds, allocator) stay out of the throughput
             if cuda:
@@ -222,24 +232,11 @@ def main():
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
             bar.update(1)
-        if (step + 1) % a.log_every == 0 or step == a.steps - 1:
-            done = step % a.log_every + 1
+        if rank == 0 and ((step + 1) % a.log_every == 0 or step == a.steps - 1):
             line = f"step {step + 1:4d}  loss {losses[-1]:.4f}"
-            if a.stats and ours:  # collective: every rank, the same steps
-                if cuda:
-                    torch.cuda.synchronize()
-                buffers = cached_buffers()
-                sent = sent_bytes(buffers, device)  # before collect(), which resets the stats
-                report = collect(buffers, tokens=done * a.micro_batch * a.seq_len, wall_s=time.perf_counter() - t_log)
-                line += f"  {report.text()}"
-                if sent is not None:
-                    local, remote = (v / done for v in sent)
-                    line += f", sent per step {_size(remote)} remote + {_size(local)} local"
-            elif tok_s == tok_s:  # not NaN: past the warm-up steps
+            if tok_s == tok_s:  # not NaN: past the warm-up steps
                 line += f"  {tok_s:,.0f} tokens/s"
-            if rank == 0:
-                say(line)
-            t_log = time.perf_counter()
+            say(line)
     backend = ours[0]._deepep_exchange.buffer.backend_name if ours and ours[0]._deepep_exchange else None
     if bar is not None:
         bar.close()

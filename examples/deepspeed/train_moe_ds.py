@@ -14,9 +14,10 @@ Data: synthetic arithmetic sequences x_t = (a + d*t) mod vocab with a random sta
 per sequence; predicting the next token needs the previous two, so the loss falls from
 log(vocab) towards 0 as the model learns.
 
-Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the expert exchanges
-cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance, and the
-bytes sent per step to other ranks and to itself, summed over the ranks, forward and backward).
+Every --log-every steps rank 0 prints one line: the loss, then the interval's stats line of
+ep_plugin.telemetry (comm.stats is turned on): tokens/s, what the expert exchanges cost (time share
+with the slowest rank, time per call, imbalance) and the bytes they sent per step to other ranks and
+to itself, summed over the ranks, forward and backward.
 --no-progress drops the tqdm bar (for logs).
 """
 from __future__ import annotations
@@ -129,34 +130,6 @@ class MoETransformer(torch.nn.Module):
         return lm + self.aux_coef * aux, lm
 
 
-def sent_bytes(buffers, device):
-    """(local, remote) bytes the exchanges sent since the last report, summed over the ranks; None
-    when stats are off. Collective (every rank at the same point); read before collect(), which
-    resets the buffers' stats."""
-    mine = [b.stats() for b in buffers if b.cfg.comm.stats]
-    if not mine:
-        return None
-    t = torch.tensor([float(sum(op["bytes_sent"][d] for s in mine for op in s["ops"].values()))
-                      for d in ("local", "remote")], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
-    return f"{n:.0f} B"
-
-
-def sent_text(sent, steps: int) -> str:
-    if sent is None:
-        return ""
-    local, remote = (v / max(1, steps) for v in sent)
-    return f", sent per step {_size(remote)} remote + {_size(local)} local"
-
-
 def batch(gen, n, seq_len, vocab, device):
     start = torch.randint(0, vocab, (n, 1), generator=gen)
     step = torch.randint(1, 5, (n, 1), generator=gen)
@@ -258,11 +231,11 @@ def main():
         if (step + 1) % a.log_every == 0 or step == a.steps - 1:
             done = step % a.log_every + 1
             mine = done * micro * a.seq_len * engine.gradient_accumulation_steps()
-            buffers = cached_buffers()
-            sent = sent_bytes(buffers, device)  # before collect(), which resets the stats
-            report = collect(buffers, tokens=mine, wall_s=time.perf_counter() - t_log)
+            # collective: every rank, the same steps; bytes per step over the interval's `done` steps
+            report = collect(cached_buffers(), tokens=mine, wall_s=time.perf_counter() - t_log,
+                             steps=(step + 2 - done, step + 1))
             if rank == 0:
-                say(f"step {step + 1:4d}  loss {lm:.3f}  {report.text()}{sent_text(sent, done)}")
+                say(f"step {step + 1:4d}  loss {lm:.3f}  {report.text()}")
             t_log = time.perf_counter()
     if bar is not None:
         bar.close()

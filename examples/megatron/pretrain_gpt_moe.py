@@ -15,9 +15,10 @@ Data: with --data PREFIX, a Megatron indexed dataset (PREFIX.bin/.idx, e.g. from
 preprocess_data.py); otherwise a byte-level corpus built locally, without any download, from the
 license texts and Python standard-library sources on this machine (vocabulary: 256 bytes).
 
-Every --log-every steps rank 0 prints one line: the loss, tokens/s and what the expert exchanges
-cost (comm.stats is turned on: time share with the slowest rank, time per call, imbalance, and the
-bytes sent per step to other ranks and to itself, summed over the ranks, forward and backward):
+Every --log-every steps rank 0 prints one line: the loss, then the interval's stats line of
+ep_plugin.telemetry (comm.stats is turned on): tokens/s, what the expert exchanges cost (time share
+with the slowest rank, time per call, imbalance) and the bytes they sent per step to other ranks and
+to itself, summed over the ranks, forward and backward:
 
     step   10  loss 4.0182  9,537 tokens/s, comm 45% (slowest rank 0: 45%), dispatch 6.38 ms, combine
     4.40 ms per call, max/mean rows per rank 1.09, per expert 2.22, timeouts 0, sent per step 1.12 MB
@@ -224,36 +225,6 @@ def sync_grads(model, world):
             p.grad /= world
 
 
-# ----------------------------------------------------------------------------------------- stats
-
-def sent_bytes(buffers, device):
-    """(local, remote) bytes the exchanges sent since the last report, summed over the ranks; None
-    when stats are off. Collective (every rank at the same point); read before collect(), which
-    resets the buffers' stats."""
-    mine = [b.stats() for b in buffers if b.cfg.comm.stats]
-    if not mine:
-        return None
-    t = torch.tensor([float(sum(op["bytes_sent"][d] for s in mine for op in s["ops"].values()))
-                      for d in ("local", "remote")], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
-    return f"{n:.0f} B"
-
-
-def sent_text(sent, steps: int) -> str:
-    if sent is None:
-        return ""
-    local, remote = (v / max(1, steps) for v in sent)
-    return f", sent per step {_size(remote)} remote + {_size(local)} local"
-
-
 # ------------------------------------------------------------------------------------------ main
 
 def main(argv=None) -> dict:
@@ -370,11 +341,11 @@ def main(argv=None) -> dict:
             bar.update(1)
         if (step + 1) % args.log_every == 0 or step == args.steps - 1:
             done = step % args.log_every + 1
-            buffers = epm.cached_buffers()
-            sent = sent_bytes(buffers, device)  # before collect(), which resets the stats
-            report = collect(buffers, tokens=done * x.numel(), wall_s=time.perf_counter() - t_log)
+            # collective: every rank, the same steps; bytes per step over the interval's `done` steps
+            report = collect(epm.cached_buffers(), tokens=done * x.numel(), wall_s=time.perf_counter() - t_log,
+                             steps=(step + 2 - done, step + 1))
             if rank == 0:
-                say(f"step {step + 1:4d}  loss {gloss:.4f}  {report.text()}{sent_text(sent, done)}")
+                say(f"step {step + 1:4d}  loss {gloss:.4f}  {report.text()}")
             t_log = time.perf_counter()
     if bar is not None:
         bar.close()

@@ -14,7 +14,7 @@ creates the expert groups and replaces the MoE blocks):
     (``comm_max_tokens_per_rank`` > 0, no ``fused_weighted_sum``) are the ones that route needs --
     and the name restored afterwards; last, the layers AutoEP built become ``EPPluginAutoEPLayer``
     (``autoep_layer.py``), whose exchange is an ``EPPluginExchange`` over EPBuffer
-    (``autoep_exchange.py``).
+    (``autoep_exchange.py``), and which report comm.stats to this engine's monitor (else logging).
 
 :func:`uninstall` puts the original method back. Nothing else in DeepSpeed is modified: DeepSpeed's
 own autograd functions, checkpoint replay and ``engine.destroy()`` (which releases each layer's
@@ -74,7 +74,7 @@ def _configure_expert_parallel(self, model, *args, **kwargs):
     finally:
         autoep.comm_backend = EP_PLUGIN_BACKEND
         autoep.comm_max_tokens_per_rank = user_capacity
-    count = adopt_layers(model, ep_cfg)
+    count = adopt_layers(model, ep_cfg, engine=self)  # comm.stats reports: the engine's monitor, else logging
     logger.info("ep_plugin: %d AutoEP MoE layer(s) exchange tokens through ep_plugin (backend %s, "
                 "max_tokens_per_rank %d)", count, ep_cfg.comm.backend, ep_cfg.comm.max_tokens_per_rank)
     return sources
