@@ -51,7 +51,7 @@ class _IndexCheck:
             return
         if self._flag is None or self._flag.device != topk_idx.device:
             self._flag = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
-            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True, device="cpu")
         self._flag.logical_or_(bad)
         if not torch.cuda.is_current_stream_capturing():
             self._host.copy_(self._flag, non_blocking=True)

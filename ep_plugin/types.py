@@ -87,7 +87,7 @@ class HostCounts:
                 else:
                     with torch.cuda.stream(stream):
                         for name, t in device.items():
-                            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True, device="cpu")
                             host.copy_(t, non_blocking=True)
                             self._pinned[name] = host
                         self._event = torch.cuda.Event()
@@ -120,7 +120,7 @@ class PinnedRing:
     finished long ago), so a handle's counts stay readable however late they are read."""
 
     def __init__(self, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], size: int = 32):
-        self._slots = [({n: torch.empty(shape, dtype=dt, pin_memory=True) for n, (shape, dt) in shapes.items()},
+        self._slots = [({n: torch.empty(shape, dtype=dt, pin_memory=True, device="cpu") for n, (shape, dt) in shapes.items()},
                         torch.cuda.Event()) for _ in range(size)]
         self._owners: List[Optional["weakref.ref"]] = [None] * size
         self._next = 0

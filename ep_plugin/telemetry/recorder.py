@@ -150,7 +150,7 @@ class CommStats:
         parts = (handle.is_token_in_rank, handle.num_tokens_per_expert, handle.num_recv_device)
         with torch.cuda.stream(side):
             packed = torch.cat([parts[0].sum(0), parts[1].long().view(-1), parts[2].long().view(1)])
-            rec.packed = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            rec.packed = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True, device="cpu")
             rec.packed.copy_(packed, non_blocking=True)
             rec.ready = torch.cuda.Event()
             rec.ready.record(side)
