@@ -15,6 +15,13 @@ Routing, overlap and communication settings can come from one ep_plugin YAML fil
     config = TransformerConfig(num_layers=..., hidden_size=..., **fields)
     ep_plugin.megatron.attach_config(config, "configs/deepseek_v3.yaml")   # comm/overlap for this model
 
+Megatron-LM's launcher (megatron.training, e.g. pretrain_gpt.py): after this import its arguments
+accept `--moe-token-dispatcher-type ep_plugin` (and `--moe-flex-dispatcher-backend ep_plugin`); pass
+add_ep_plugin_args as extra_args_provider for `--ep-plugin-config YAML`, which is attached to the
+TransformerConfigs megatron.training builds:
+
+    args = parse_and_validate_args(extra_args_provider=ep_plugin.megatron.add_ep_plugin_args)
+
 The dispatcher sends each token once to every rank that owns one of its experts (EPBuffer.dispatch),
 then sorts the received (row, expert) pairs into the expert-grouped layout megatron's experts take,
 with the matching routing probabilities; megatron's experts apply those probabilities exactly as with
@@ -25,8 +32,9 @@ All layers share one EPBuffer per (EP group, config, hidden), sized by comm.max_
 This module is the entry point and only re-exports; the code lives in ep_plugin/integrations/:
 megatron/config.py (YAML bridge), megatron/dispatcher.py (EPPluginTokenDispatcher; imports
 megatron-core, so it is loaded by install() and on first use), megatron/hooks.py (install /
-uninstall), megatron/experts.py (grouped-GEMM experts) and buffer_cache.py (the EPBuffer cache shared
-with the DeepSpeed integration). CPU stand-ins for tests and examples: ep_plugin.testing.
+uninstall), megatron/training.py (megatron.training's arguments; never imports megatron.training),
+megatron/experts.py (grouped-GEMM experts) and buffer_cache.py (the EPBuffer cache shared with the
+DeepSpeed integration). CPU stand-ins for tests and examples: ep_plugin.testing.
 """
 from .integrations.buffer_cache import cached_buffers, clear_buffers
 from .integrations.megatron.config import (
@@ -34,6 +42,7 @@ from .integrations.megatron.config import (
 )
 from .integrations.megatron.experts import GroupedMMLinear, grouped_mm_experts, torch_grouped_mm
 from .integrations.megatron.hooks import install, install_if_available, is_installed, uninstall
+from .integrations.megatron.training import add_ep_plugin_args, load_training_config
 
 __all__ = [
     "NAME",
@@ -43,6 +52,8 @@ __all__ = [
     "is_installed",
     "config_from_yaml",
     "attach_config",
+    "add_ep_plugin_args",
+    "load_training_config",
     "cached_buffers",
     "clear_buffers",
     "GroupedMMLinear",

@@ -5,6 +5,8 @@ which re-exports these and installs the hooks).
     dispatcher.py  EPPluginTokenDispatcher (imports megatron-core; loaded by hooks.install())
     hooks.py       install / uninstall: how megatron-core builds the dispatcher by name or as flex backend
     experts.py     GroupedMMLinear and grouped_mm_experts: grouped-GEMM experts without TransformerEngine
+    training.py    Megatron-LM's launch path: --moe-token-dispatcher-type ep_plugin, --ep-plugin-config
+                   (megatron.training's arguments; add_ep_plugin_args is its extra_args_provider)
 
 EPBuffers come from the cache both integrations share (``integrations/buffer_cache.py``).
 Importing this package does not import megatron-core.

@@ -1,21 +1,28 @@
-"""The three places where ep_plugin hooks megatron-core (0.19.2), and how to undo them.
+"""The places where ep_plugin hooks megatron-core (0.19.2), and how to undo them.
 
 megatron-core has no dispatcher registry: MoELayer.__init__ picks a class by name. install()
   - wraps MoELayer.__init__, for moe_token_dispatcher_type="ep_plugin";
   - swaps the flex dispatcher class that moe_layer uses for a factory, for
     moe_token_dispatcher_type="flex" + moe_flex_dispatcher_backend="ep_plugin";
-  - lets TransformerConfig validate "ep_plugin" with the rules of "alltoall" (so shared-expert
-    overlap and overlap_moe_expert_parallel_comm are accepted, as they are for alltoall).
-uninstall() restores all three. Nothing else in megatron is touched.
+  - wraps TransformerConfig.__post_init__: it validates "ep_plugin" with the rules of "alltoall" (so
+    shared-expert overlap and overlap_moe_expert_parallel_comm are accepted, as they are for
+    alltoall), refuses moe_flex_dispatcher_backend="ep_plugin" without the flex dispatcher, and,
+    under Megatron-LM's launcher, attaches the --ep-plugin-config of megatron.training's global
+    args to configs that select ep_plugin (training.py);
+  - adds "ep_plugin" to the Literal types of TransformerConfig's moe_token_dispatcher_type and
+    moe_flex_dispatcher_backend fields, from which megatron.training generates the choices of
+    --moe-token-dispatcher-type and --moe-flex-dispatcher-backend (training.py says why there).
+uninstall() restores all of them. Nothing else in megatron is touched.
 """
 from __future__ import annotations
 
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .config import NAME, uses_ep_plugin
+from .training import attach_from_training_args, restore_choices, widen_choices
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class _Originals:
     moe_layer_init: Callable
     flex_dispatcher: Any
     config_post_init: Callable
+    field_types: Dict[str, Any]  # TransformerConfig dataclass field -> its original Literal type
 
 
 _installed: Optional[_Originals] = None
@@ -59,19 +67,30 @@ def _moe_layer_init(self, config, *args, **kwargs):
 def _config_post_init(self, *args, **kwargs):
     original = _installed.config_post_init
     if getattr(self, "moe_token_dispatcher_type", None) != NAME:
-        return original(self, *args, **kwargs)
-    # validate "ep_plugin" with alltoall's rules (same capabilities: dropless, overlaps)
-    object.__setattr__(self, "moe_token_dispatcher_type", "alltoall")
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        object.__setattr__(self, "moe_token_dispatcher_type", NAME)
+        result = original(self, *args, **kwargs)
+    else:
+        # validate "ep_plugin" with alltoall's rules (same capabilities: dropless, overlaps)
+        object.__setattr__(self, "moe_token_dispatcher_type", "alltoall")
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "moe_token_dispatcher_type", NAME)
+    if (getattr(self, "moe_flex_dispatcher_backend", None) == NAME
+            and getattr(self, "moe_token_dispatcher_type", None) not in ("flex", NAME)):
+        # megatron would silently run its own dispatcher (as it refuses for its "ncclep" backend)
+        raise ValueError(
+            f"moe_flex_dispatcher_backend='{NAME}' requires moe_token_dispatcher_type='flex' "
+            f"(got {self.moe_token_dispatcher_type!r}); or set moe_token_dispatcher_type='{NAME}'")
+    if uses_ep_plugin(self):
+        attach_from_training_args(self)  # Megatron-LM's --ep-plugin-config (training.py); else nothing
+    return result
 
 
 def install() -> None:
     """Hook megatron-core so that moe_token_dispatcher_type="ep_plugin" and
-    flex + moe_flex_dispatcher_backend="ep_plugin" build EPPluginTokenDispatcher. Idempotent;
-    done on import of ep_plugin.megatron when megatron-core is importable."""
+    flex + moe_flex_dispatcher_backend="ep_plugin" build EPPluginTokenDispatcher, and so that
+    megatron.training's arguments accept both (see the module docstring). Idempotent; done on
+    import of ep_plugin.megatron when megatron-core is importable."""
     global _installed
     with _LOCK:
         if _installed is not None:
@@ -83,7 +102,8 @@ def install() -> None:
 
         _installed = _Originals(moe_layer_init=ml_mod.MoELayer.__init__,
                                 flex_dispatcher=ml_mod.MoEFlexTokenDispatcher,
-                                config_post_init=tc_mod.TransformerConfig.__post_init__)
+                                config_post_init=tc_mod.TransformerConfig.__post_init__,
+                                field_types=widen_choices(tc_mod.TransformerConfig))
         _moe_layer_init.__wrapped__ = _installed.moe_layer_init
         _config_post_init.__wrapped__ = _installed.config_post_init
         ml_mod.MoELayer.__init__ = _moe_layer_init
@@ -92,7 +112,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore megatron-core's MoELayer.__init__, flex dispatcher class and config validation."""
+    """Restore megatron-core's MoELayer.__init__, flex dispatcher class, config validation and the
+    dispatcher fields' Literal types (megatron.training then refuses "ep_plugin" again)."""
     global _installed
     with _LOCK:
         if _installed is None:
@@ -103,6 +124,7 @@ def uninstall() -> None:
         ml_mod.MoELayer.__init__ = _installed.moe_layer_init
         ml_mod.MoEFlexTokenDispatcher = _installed.flex_dispatcher
         tc_mod.TransformerConfig.__post_init__ = _installed.config_post_init
+        restore_choices(tc_mod.TransformerConfig, _installed.field_types)
         _installed = None
 
 
