@@ -13,12 +13,16 @@ source reduces each 8-token chunk as soon as its rows have arrived. On 4x H200 (
 was 2.5-3.5x faster in the 128-token case and equal within 4% at 4096 tokens.
 
 Modes
+- `comm.host_sync: false` (the default), and always while a CUDA graph is being captured: no host
+  synchronisation. Outputs are sized for the worst case R_max = world * comm.max_tokens_per_rank
+  rows; only the first R rows are valid (R = `res.num_recv`, a device scalar), the padding rows have
+  topk_idx -1 and weight 0. The host counts come from a non-blocking copy into a reused pinned ring
+  (types.HostCounts, types.PinnedRing), read on demand.
 - `comm.host_sync: true`: dispatch waits on the host for the notify step (to size the outputs
   [R, H] exactly), like DeepEP's normal kernels. combine never waits on the host.
-- `comm.host_sync: false`, and always while a CUDA graph is being captured: no host synchronisation.
-  Outputs are sized for the worst case R_max = world * comm.max_tokens_per_rank rows; only the first
-  R rows are valid (R = `res.num_recv`, a device scalar), the padding rows have topk_idx -1 and
-  weight 0. The host counts come from a non-blocking copy (types.HostCounts).
+- Expert-major (`dispatch_expert`, EPBuffer's layout="expert"): pull is replaced by expert_meta +
+  expert_pull, which write each row into its local experts' segments; its combine sums a row's
+  experts on the way out, then reduces with the split kernels (comm.combine_kernel does not apply).
 - async_op: the kernels run on a communication stream; an EPEvent is returned.
 - cached (handle given): no notify; the handle's layout is reused (what backward passes need).
 
