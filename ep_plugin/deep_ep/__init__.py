@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from . import utils
 from .buffer import Buffer
 from .events import Config, EventOverlap
 
@@ -23,18 +24,20 @@ def install() -> None:
     """Make `import deep_ep` resolve to this module (undone by uninstall())."""
     if sys.modules.get("deep_ep") is sys.modules[__name__]:
         return
-    _PREVIOUS.append(sys.modules.get("deep_ep"))
+    _PREVIOUS.append((sys.modules.get("deep_ep"), sys.modules.get("deep_ep.utils")))
     sys.modules["deep_ep"] = sys.modules[__name__]
+    sys.modules["deep_ep.utils"] = utils
 
 
 def uninstall() -> None:
     if sys.modules.get("deep_ep") is not sys.modules[__name__]:
         return
-    prev = _PREVIOUS.pop() if _PREVIOUS else None
-    if prev is None:
-        del sys.modules["deep_ep"]
-    else:
-        sys.modules["deep_ep"] = prev
+    prev, prev_utils = _PREVIOUS.pop() if _PREVIOUS else (None, None)
+    for name, mod in (("deep_ep", prev), ("deep_ep.utils", prev_utils)):
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
 
 
 __all__ = ["Buffer", "Config", "EventOverlap", "install", "uninstall"]

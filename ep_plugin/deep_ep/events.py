@@ -23,7 +23,7 @@ class EventOverlap:
             return
         if isinstance(ev, torch.cuda.Event):
             torch.cuda.current_stream().wait_event(ev)
-        else:
+        else:  # an ep_plugin EPEvent or a deep_ep.utils.EventHandle
             ev.current_stream_wait()
 
     def __enter__(self):
