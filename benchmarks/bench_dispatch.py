@@ -208,8 +208,7 @@ class RankBench:
         self.timed(rec, "nvlink.dispatch_expert_fp8", lambda: nv.dispatch(xf8, idx, w, layout="expert"))
         ea = nv.dispatch(x, idx, w, layout="expert")
         self.timed(rec, "nvlink.combine_expert_bf16", lambda: nv.combine(ea.x, ea.handle))
-        be = nv._backend
-        EL = be.experts_per_rank
+        EL = nv.num_local_experts
 
         def then_permute():
             r = nv.dispatch(x, idx, w)

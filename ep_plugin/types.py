@@ -58,6 +58,7 @@ class EPEvent:
 
 class HostCounts:
     """Integer device tensors copied to pinned host memory without blocking, read as lists on demand.
+    The pinned buffers come from a PinnedRing (`ring`, required with `device`).
 
     `get(name)` waits for the copy (an event recorded right after it on `stream`), never for later
     work. `derived` entries are computed from the others (or, at the cost of a sync, from the device)
@@ -78,20 +79,11 @@ class HostCounts:
             self._capturing = torch.cuda.is_current_stream_capturing()
             if not self._capturing:
                 stream = stream or torch.cuda.current_stream()
-                if ring is not None:  # reused pinned buffers and event: no allocation per call
-                    self._pinned, self._event = ring.take(self)
-                    with torch.cuda.stream(stream):
-                        for name, t in device.items():
-                            self._pinned[name].copy_(t, non_blocking=True)
-                    self._event.record(stream)
-                else:
-                    with torch.cuda.stream(stream):
-                        for name, t in device.items():
-                            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True, device="cpu")
-                            host.copy_(t, non_blocking=True)
-                            self._pinned[name] = host
-                        self._event = torch.cuda.Event()
-                        self._event.record(stream)
+                self._pinned, self._event = ring.take(self)  # reused pinned buffers: no allocation per call
+                with torch.cuda.stream(stream):
+                    for name, t in device.items():
+                        self._pinned[name].copy_(t, non_blocking=True)
+                self._event.record(stream)
 
     def materialize(self) -> None:
         """Turn the pinned copies into lists (waits for their copy only)."""
@@ -259,8 +251,9 @@ class ExpertDispatchResult:
     @property
     def padded_tokens_per_expert(self) -> List[int]:
         """Rows per local expert after padding to the alignment (host values, what m_splits want)."""
-        a = self.handle.expert.alignment
-        return [(n + a - 1) // a * a for n in self.handle.tokens_per_expert]
+        from .expert_major import padded  # expert_major builds on these types
+
+        return padded(self.handle.tokens_per_expert, self.handle.expert.alignment)
 
 
 def counts_from_lists(send_counts: Sequence[int], recv_counts: Sequence[int],

@@ -87,3 +87,22 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"processes exited with errors: {bad}")
+
+
+def write_rank_result(out_dir, rank: int, result) -> None:
+    """What a spawned rank hands back to the test: JSON in out_dir/rank{rank}.json."""
+    import json
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, default=str)
+
+
+def read_rank_results(out_dir, world_size: int) -> list:
+    """Every rank's write_rank_result, in rank order."""
+    import json
+
+    out = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out

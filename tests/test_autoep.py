@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
 
 from tests._dist import spawn  # noqa: E402
+from tests.fakes import RecordingMonitor  # noqa: E402
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 
@@ -214,15 +215,6 @@ def _behaviour_cases(rank, world):
     assert all(type(m) is epds.EPPluginAutoEPLayer for m in _ep_layers(engine))
 
 
-class _Monitor:
-    enabled = True
-
-    def __init__(self):
-        self.events = []
-
-    def write_events(self, events):
-        self.events += events
-
 
 def _stats_cases(rank, world):
     """comm.stats with comm.stats_interval 2: the AutoEP layers report every 2 steps, once for the
@@ -252,7 +244,7 @@ def _stats_cases(rank, world):
         engine(input_ids=ids, labels=ids)
     logged = [m for m in seen if m.startswith("ep_plugin stats")]
     # DeepSpeed's monitor, when enabled, takes the reports instead of logging
-    monitor = engine.monitor = _Monitor()
+    monitor = engine.monitor = RecordingMonitor()
     _train(engine, rank, steps=2)
     exchanges = {id(m._deepep_exchange) for m in layers}
     log.removeHandler(handler)

@@ -7,7 +7,6 @@ parametrized tests then check its per-case results.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -18,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 
-from tests._dist import spawn  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
 from tests.megatron_cases import (  # noqa: E402
     CASES, H, SCHEDULE_CASES, compare_case, compare_schedule, make_config, make_moe_layer,
 )
@@ -109,19 +108,14 @@ def _dist_body(rank, world, out_dir):
         results["example"] = {"losses": r["losses"], "backend": r["backend"], "dispatcher": r["dispatcher"]}
     except Exception:
         results["example"] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_result(out_dir, rank, results)
 
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("megatron")
     spawn(_dist_body, 2, str(d), timeout=240)
-    out = []
-    for r in range(2):
-        with open(d / f"rank{r}.json") as f:
-            out.append(json.load(f))
-    return out
+    return read_rank_results(d, 2)
 
 
 @pytest.mark.parametrize("case", list(CASES))

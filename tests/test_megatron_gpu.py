@@ -3,8 +3,6 @@ GPUs, for the torch backend and for `auto` (nvlink where built), plus megatron's
 (combined 1F1B) schedule on CUDA streams. Skips without 2 GPUs."""
 from __future__ import annotations
 
-import json
-import os
 import traceback
 
 import pytest
@@ -13,7 +11,7 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 
-from tests._dist import spawn  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
 from tests.megatron_cases import CASES, SCHEDULE_CASES, compare_case, compare_schedule  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -50,8 +48,7 @@ def _gpu_body(rank, world, out_dir):
             results[name] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     epm.clear_buffers()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_rank_result(out_dir, rank, results)
 
 
 @pytest.fixture(scope="module", params=WORLDS or [0], ids=lambda w: f"ep{w}")
@@ -61,11 +58,7 @@ def gpu_results(request, tmp_path_factory):
         pytest.skip("needs 2 CUDA GPUs")
     d = tmp_path_factory.mktemp(f"megatron_gpu{world}")
     spawn(_gpu_body, world, str(d), backend="nccl", timeout=300)
-    out = []
-    for r in range(world):
-        with open(d / f"rank{r}.json") as f:
-            out.append(json.load(f))
-    return out
+    return read_rank_results(d, world)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

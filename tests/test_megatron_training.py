@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import json
 import os
 import sys
 import traceback
@@ -29,7 +28,7 @@ pytest.importorskip("megatron.core")
 if importlib.util.find_spec("megatron.training") is None:
     pytest.skip("megatron.training is not installed", allow_module_level=True)
 
-from tests._dist import spawn  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_DIR = os.path.join(ROOT, "examples", "megatron")
@@ -322,19 +321,14 @@ def _dist_body(rank, world, out_dir):
         res["pieces"] = _pieces(rank, world)
     except Exception:
         res["pieces"] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f, default=str)
+    write_rank_result(out_dir, rank, res)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     d = tmp_path_factory.mktemp("megatron_training")
     spawn(_dist_body, 2, str(d), timeout=240)
-    out = []
-    for r in range(2):
-        with open(d / f"rank{r}.json") as f:
-            out.append(json.load(f))
-    return out
+    return read_rank_results(d, 2)
 
 
 def _case(results, name):

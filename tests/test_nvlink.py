@@ -163,6 +163,25 @@ def test_nvlink_matches_torch(world):
     spawn(body_contract, world, backend="nccl", timeout=280)
 
 
+def _captured(nv, T, H, K, **layout):
+    """dispatch + combine (rows doubled) of static inputs captured in one CUDA graph after a warm-up
+    outside capture: (graph, (sx, sidx, sw) to fill before a replay, dispatch result, combined y)."""
+    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(T, K, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture
+        r0 = nv.dispatch(sx, sidx, sw, **layout)
+        nv.combine(r0.x, r0.handle)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = nv.dispatch(sx, sidx, sw, **layout)
+        y = nv.combine((res.x.float() * 2).to(torch.bfloat16), res.handle)
+    return g, (sx, sidx, sw), res, y
+
+
 def body_graph_autograd_errors(rank, world):
     torch.cuda.set_device(rank)
     E, K, H = 8 * world, 4, 2048
@@ -170,19 +189,7 @@ def body_graph_autograd_errors(rank, world):
     # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings
     nv = _buf("nvlink", E, K, H, max_tokens=256)
     T = 256
-    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(T, K, dtype=torch.float32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture
-        r0 = nv.dispatch(sx, sidx, sw)
-        nv.combine(r0.x, r0.handle)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        res = nv.dispatch(sx, sidx, sw)
-        y = nv.combine((res.x.float() * 2).to(torch.bfloat16), res.handle)
+    g, (sx, sidx, sw), res, y = _captured(nv, T, H, K)
     Rmax = world * 256
     assert res.x.shape == (Rmax, H) and res.handle.num_recv == Rmax
     for seed in range(3):
@@ -362,19 +369,7 @@ def body_expert(rank, world):
     H = 2048
     nv, ref = _buf("nvlink", E, K, H, max_tokens=256, host_sync=False), _buf("torch", E, K, H)
     T = 256
-    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(T, K, dtype=torch.float32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        r0 = nv.dispatch(sx, sidx, sw, layout="expert", expert_alignment=8)
-        nv.combine(r0.x, r0.handle)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        res = nv.dispatch(sx, sidx, sw, layout="expert", expert_alignment=8)
-        y = nv.combine((res.x.float() * 2).to(torch.bfloat16), res.handle)
+    g, (sx, sidx, sw), res, y = _captured(nv, T, H, K, layout="expert", expert_alignment=8)
     for s in range(3):
         _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=70 + s, mode="random" if s < 2 else "skew")
         sx.copy_(x), sidx.copy_(idx), sw.copy_(w)

@@ -23,7 +23,8 @@ import ep_plugin
 from ep_plugin.errors import EPTimeoutError
 from ep_plugin.telemetry import CommStats, RecordingBackend, Report, collect, imbalance, log_to, training_step
 from ep_plugin.telemetry import recorder as recorder_mod
-from tests._dist import spawn
+from tests._dist import read_rank_results, spawn, write_rank_result
+from tests.fakes import RecordingMonitor
 
 E, H, T, K = 4, 8, 6, 2
 
@@ -102,15 +103,14 @@ def _body(rank, world, out_dir):
     log_to(logger)(rep)
     out["logged"] = seen
     on.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_rank_result(out_dir, rank, out)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     d = tmp_path_factory.mktemp("telemetry")
     spawn(_body, 2, str(d), timeout=180)
-    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    return read_rank_results(d, 2)
 
 
 def test_off_is_the_backend_itself(ranks):
@@ -416,27 +416,17 @@ def _megatron_body(rank, world, out_dir):
         x.sum().backward()
     ps.destroy_model_parallel()
     epm.clear_buffers()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
+    write_rank_result(out_dir, rank, seen)
 
 
 def test_megatron_dispatcher_logs_every_interval(tmp_path):
     pytest.importorskip("megatron.core")
     spawn(_megatron_body, 2, str(tmp_path), timeout=180)
-    lines = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    lines = read_rank_results(tmp_path, 2)
     assert lines[1] == [] and len(lines[0]) == 2, lines  # steps 1-2 and 3-4, logged by rank 0
     assert lines[0][0].startswith("ep_plugin stats [torch, EP2] steps 1-2: ")
     assert "tokens/s" in lines[0][1] and "slowest rank" in lines[0][1]
 
-
-class _Monitor:
-    enabled = True
-
-    def __init__(self):
-        self.events = []
-
-    def write_events(self, events):
-        self.events += events
 
 
 def test_deepspeed_layer_reports_to_monitor_else_logging(caplog):
@@ -445,7 +435,7 @@ def test_deepspeed_layer_reports_to_monitor_else_logging(caplog):
 
     rep = Report(rank=0, backend="torch", comm_s=[0.1, 0.2], rows_received=[5, 5], tokens=100, timeouts=0,
                  expert_imbalance=None, dispatch_us=10.0, combine_us=10.0, wall_s=1.0, steps=(1, 10), local={})
-    layer = SimpleNamespace(_ep_monitor=_Monitor())
+    layer = SimpleNamespace(_ep_monitor=RecordingMonitor())
     EPPluginMOELayer._ep_report(layer, rep)
     assert ("ep_plugin/comm_share", pytest.approx(0.15), 10) in layer._ep_monitor.events
     layer._ep_monitor.enabled = False

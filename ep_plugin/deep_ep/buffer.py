@@ -15,13 +15,14 @@ Outputs have exactly the received rows (the host waits for the counts, as DeepEP
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from ..buffer import EPBuffer
 from ..config import EPConfig, load_config
+from ..expert_major import padded
 from .events import Config, EventOverlap, capture
 from .handle import DeepEPHandle
 
@@ -193,8 +194,7 @@ class Buffer:
                 total = num_tokens_per_expert.to(torch.int64).clone()
                 dist.all_reduce(total, group=self.group)
                 per_expert = total.view(W, -1)[self.rank].tolist()
-            a = max(int(expert_alignment), 1)
-            counts = [(c + a - 1) // a * a for c in per_expert]
+            counts = padded(per_expert, max(int(expert_alignment), 1))
         recv_x = self._rows(res, n)
         recv_idx = _cut(res.topk_idx, n, -1) if topk_idx is not None else None
         recv_w = _cut(res.topk_weights, n, 0) if topk_weights is not None else None

@@ -33,22 +33,17 @@ class RecordingBackend:
         return self._inner
 
     def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
-        st = self.stats
-        start = st.begin(x)
-        try:
-            out = self._inner.dispatch(x, scales, topk_idx, topk_weights, handle, async_op)
-        except EPTimeoutError as exc:
-            st.timeout(exc)
-            raise
-        st.end("dispatch", start, x, _dispatch_row_bytes(x, scales), out.handle, out.event,
-               fresh=handle is None)
-        return out
+        return self._dispatch(self._inner.dispatch, x, scales, topk_idx, topk_weights, handle, async_op)
 
     def dispatch_expert(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False, alignment=1):
+        return self._dispatch(self._inner.dispatch_expert, x, scales, topk_idx, topk_weights, handle, async_op,
+                              alignment)
+
+    def _dispatch(self, fn, x, scales, topk_idx, topk_weights, handle, async_op, *layout):
         st = self.stats
         start = st.begin(x)
         try:
-            out = self._inner.dispatch_expert(x, scales, topk_idx, topk_weights, handle, async_op, alignment)
+            out = fn(x, scales, topk_idx, topk_weights, handle, async_op, *layout)
         except EPTimeoutError as exc:
             st.timeout(exc)
             raise

@@ -122,7 +122,9 @@ class NvlinkBackend(Backend):
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
         self._failed: Optional[EPTimeoutError] = None
-        self._ring: Optional[PinnedRing] = None  # pinned copies of the counts of no-sync dispatches
+        # pinned copies of the counts of no-sync dispatches
+        self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
+                                 "recv_off": ((self.world + 1,), torch.int32)})
         self._closed = False
         _live.add(self)
 
@@ -208,9 +210,7 @@ class NvlinkBackend(Backend):
         K = topk_idx.shape[1] if topk_idx is not None else handle.topk_idx.shape[1]
         self._check_call(x, K)
         if handle is not None:
-            if alignment is not None:
-                return self._dispatch_expert_cached(x, scales, topk_weights, handle, async_op)
-            return self._dispatch_cached(x, scales, topk_weights, handle, async_op)
+            return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None)
         rt, W, dev = self._rt, self.world, x.device
         T = x.shape[0]
         row_bytes = x.shape[1] * x.element_size()
@@ -227,9 +227,6 @@ class NvlinkBackend(Backend):
         if not worst:
             self._notify_ev.record(s)
         else:  # the counts' copy goes right behind notify, so the host may read them before the rows land
-            if self._ring is None:
-                self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
-                                         "recv_off": ((W + 1,), torch.int32)})
             # send_counts is read only by the generic weight reduction: computed (with a sync) if asked
             counts = HostCounts(device={"tokens_per_expert": tpe, "recv_off": recv_off}, stream=s, ring=self._ring,
                                 derived={"send_counts": lambda c: is_in.sum(0).tolist(),
@@ -281,8 +278,9 @@ class NvlinkBackend(Backend):
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle,
                               event=event)
 
-    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op):
-        """Reuse the handle's layout: no notify, move rows (and weights if given)."""
+    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool = False):
+        """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
+        the handle's rank-major rows, or straight to its expert-major positions."""
         st = self._state(handle)
         T, K = x.shape[0], handle.topk_idx.shape[1]
         if T != handle.num_tokens:
@@ -294,39 +292,21 @@ class NvlinkBackend(Backend):
         self._rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
                        idx_ptr, topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms,
                        s.cuda_stream)
-        R, dev = handle.num_recv, x.device
-        out_x = torch.empty((R, self.hidden), dtype=x.dtype, device=dev)
-        out_s = torch.empty((R, nscales), dtype=torch.float32, device=dev) if scales is not None else None
-        out_w = torch.empty((R, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._rt.pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales, 0,
-                      out_w.data_ptr() if out_w is not None else 0, K, st.recv_off.data_ptr(),
-                      st.recv_src.data_ptr(), 1, R, self.num_sms, s.cuda_stream)
-        event = self._finish(s, async_op, (x, scales, topk_weights, out_x, out_s, out_w))
-        return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
-                              handle=handle, event=event)
-
-    def _dispatch_expert_cached(self, x, scales, topk_weights, handle, async_op):
-        """Reuse an expert-major handle: stage, then rows straight to the handle's positions."""
-        st, lay = self._state(handle), handle.expert
-        T, K = x.shape[0], handle.topk_idx.shape[1]
-        if T != handle.num_tokens:
-            raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {T}")
-        s = self._stream(async_op)
-        nscales = scales.shape[1] if scales is not None else 0
-        row_bytes = x.shape[1] * x.element_size()
-        idx_ptr = handle.topk_idx.data_ptr() if topk_weights is not None else 0
-        self._rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
-                       idx_ptr, topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms,
-                       s.cuda_stream)
-        N, dev = lay.num_rows, x.device
+        lay, dev = handle.expert, x.device
+        N = lay.num_rows if expert else handle.num_recv
         out_x = torch.empty((N, self.hidden), dtype=x.dtype, device=dev)
         out_s = torch.empty((N, nscales), dtype=torch.float32, device=dev) if scales is not None else None
-        out_w = torch.empty(N, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._rt.expert_pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
-                             0, out_w.data_ptr() if out_w is not None else 0, K, st.recv_off.data_ptr(),
-                             st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
-                             lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms,
-                             s.cuda_stream)
+        wshape = (N,) if expert else (N, K)
+        out_w = torch.empty(wshape, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        s_ptr, w_ptr = (t.data_ptr() if t is not None else 0 for t in (out_s, out_w))
+        if expert:
+            self._rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                                 st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv,
+                                 lay.alignment, 0, lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(),
+                                 self.num_sms, s.cuda_stream)
+        else:
+            self._rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                          st.recv_src.data_ptr(), 1, N, self.num_sms, s.cuda_stream)
         event = self._finish(s, async_op, (x, scales, topk_weights, out_x, out_s, out_w))
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle, event=event)
