@@ -8,12 +8,19 @@ queued; protocols.py).
 
 Cases: throughput (4096 tokens/rank, hidden 7168, 256 experts, top-8, uniform routing),
 group_limited (the same, experts in 4 contiguous groups, each token's top-8 inside its best 2 groups),
-latency (128 tokens/rank; adds DeepEP's low-latency kernels), sm_sweep (optional: nvlink at --sms).
+latency (128 tokens/rank; adds the low-latency calls: ep_plugin's EPBuffer.low_latency_dispatch/combine
+with comm.low_latency.max_tokens_per_rank 128, and DeepEP's), sm_sweep (optional: nvlink at --sms).
+Low-latency rows: dispatch BF16, dispatch FP8, combine BF16 (weighted), and the two halves of each call
+with return_recv_hook=True (send half = the call, recv half = hook()); the calls alternate dispatch,
+combine, ... (DeepEP's rule: each timed call has its untimed partner). Their floor: one copy per (token,
+expert) on another rank at 478 GB/s + one launch (bench_report.LAUNCH_US). When ep_plugin's engine is
+the torch reference (no NVSHMEM build), its rows say "(torch reference engine)".
 Times are the slowest rank's median. Logical GB/s (DeepEP's): BF16 bytes of the rows a rank receives,
 one copy per rank, over the time, bottleneck rank. Floor: remote bytes of the busiest GPU at 478 GB/s.
 Prints one table and writes bench_dispatch_<label>.json (+ .png with matplotlib) to --out.
-The run goes in three phases — ours, DeepEP normal, DeepEP low-latency — and the JSON is rewritten
-after each, so a failure or a hang in DeepEP (killed at --timeout) keeps the rows measured before it.
+The run goes in phases — ours (ep_plugin's low-latency rows at its end, or last: --ep-ll), DeepEP
+normal, DeepEP low-latency — and the JSON is rewritten after each, so a failure or a hang in one (killed
+at --timeout) keeps the rows measured before it.
 """
 from __future__ import annotations
 
@@ -41,15 +48,18 @@ try:  # an older ep_plugin (the before/after baseline) has no expert-major layou
     from ep_plugin import expert_major  # noqa: E402
 except ImportError:
     expert_major = None
-from bench_inputs import CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, make_inputs  # noqa: E402
+from bench_inputs import (CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, ep_config, ll_engine,  # noqa: E402
+                          make_inputs)
 from bench_launch import run_world  # noqa: E402
 from deepep_rows import LL_OPS, NORMAL_OPS, DeepEP  # noqa: E402
-from protocols import _short, failed, kernel_breakdown, measure, Protocols  # noqa: E402
+from protocols import (_short, failed, kernel_breakdown, ll_op_names, measure, measure_low_latency,  # noqa: E402
+                       Protocols)
 
 NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16",
               "nvlink_sync.dispatch_bf16", "nvlink_sync.combine_bf16", "nvlink.dispatch_expert_bf16",
               "nvlink.combine_expert_bf16", "nvlink.dispatch_expert_fp8", "nvlink.dispatch_then_permute",
               "nvlink.unpermute_then_combine")
+EP_LL_OPS = ll_op_names("ep_ll")
 
 
 # ---------------------------------------------------------------------------------- ranks
@@ -103,21 +113,23 @@ class RankBench:
     def new_record(self, inp: Inputs) -> Dict:
         rem_in = sum(inp.recv) - inp.recv[self.rank]
         rem_out = sum(inp.send) - inp.send[self.rank]
-        every = gather((sum(inp.recv), rem_in, rem_out))
+        copies_out = sum(inp.copies_send) - inp.copies_send[self.rank]  # (token, expert) copies to other ranks
+        copies_in = sum(inp.copies_recv) - inp.copies_recv[self.rank]
+        every = gather((sum(inp.recv), rem_in, rem_out, copies_out, copies_in))
         return {"case": inp.case, "world": self.world, "tokens_per_rank": inp.T, "routing": inp.routing, "hidden": H,
                 "num_sms": self.args.num_sms, "ops": {}, "checks": {}, "breakdown": {},
                 "traffic": {"recv_rows": [e[0] for e in every], "remote_in": [e[1] for e in every],
-                            "remote_out": [e[2] for e in every]}}
+                            "remote_out": [e[2] for e in every], "copies_out": [e[3] for e in every],
+                            "copies_in": [e[4] for e in every]}}
 
     # -------------------------------------------------------------- phase 1: ep_plugin and NCCL
     def make_buffers(self) -> Dict[str, object]:
         """{"nvlink": EPBuffer or the agreed error text, "nvlink_sync": the same with comm.host_sync: true,
         "torch": the same}. nvlink runs the default mode (no host sync)."""
-        comm = {"max_tokens_per_rank": 4096, "timeout_s": 15.0, "num_sms": self.args.num_sms}
         out: Dict[str, object] = {}
         for name in ("nvlink", "nvlink_sync", "torch"):
-            extra = {"backend": "nvlink", "host_sync": True} if name == "nvlink_sync" else {"backend": name}
-            cfg = {"moe": {"num_experts": E, "topk": K}, "comm": {**comm, **extra}}
+            cfg = ep_config("nvlink" if name == "nvlink_sync" else name, self.args.num_sms,
+                            host_sync=name == "nvlink_sync")
             buf, err = attempt(f"EPBuffer(backend={name})", lambda cfg=cfg: ep_plugin.EPBuffer(None, cfg, hidden=H))
             if err:
                 self.say(err)
@@ -227,6 +239,119 @@ class RankBench:
                                 "dispatch_fp8": kernel_breakdown(lambda: nv.dispatch(xf8, idx, w)),
                                 "combine_bf16": kernel_breakdown(lambda: nv.combine(a.x, a.handle))}
 
+    # -------------------------------------------------------------- ep_plugin's low-latency calls
+    def check_ll(self, buf, inp: Inputs) -> Dict:
+        """ep_plugin's low-latency calls against docs/LOW_LATENCY.md, computed here from every rank's
+        tokens: rows per local expert (source rank, then token ascending), counts, src_info, the FP8
+        cast, the weighted combine, and the same results through receive hooks. Returns {"checks":
+        {name: bool}, "info": {...}, "expert_out": the combine input the timed rows use, "engine"}: expert
+        e's output is its rows times (1 + global expert / E), so a row combined under the wrong expert shows."""
+        x, idx, w = inp.x, inp.idx, inp.w
+        W, r, EL = self.world, self.rank, E // self.world
+        xs, ids = [torch.empty_like(x) for _ in range(W)], [torch.empty_like(idx) for _ in range(W)]
+        dist.all_gather(xs, x)
+        dist.all_gather(ids, idx)
+        mine = torch.arange(r * EL, (r + 1) * EL, device=x.device)
+        hits = [(i.unsqueeze(-1) == mine).any(1) for i in ids]  # per source: [T_s, E_l]
+        want_src = [torch.cat([h[:, e].nonzero().squeeze(1) for h in hits]) for e in range(EL)]
+        want_rows = [torch.cat([xs[s][hits[s][:, e]] for s in range(W)]) for e in range(EL)]
+        n = [int(t.numel()) for t in want_src]
+        checks: Dict[str, bool] = {}
+
+        def dispatch(fp8=False, hook=False):
+            return buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+
+        def combine(rows, handle, hook=False):
+            return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
+
+        def rows_ok(recv, count, handle):
+            ok = count.tolist() == n and all(torch.equal(recv[e, :n[e]], want_rows[e]) for e in range(EL))
+            src = getattr(handle, "src_info", None)
+            if src is not None:
+                ok = ok and all(torch.equal(src[e, :n[e]].long(), want_src[e]) for e in range(EL))
+            return bool(ok)
+
+        recv, count, handle, _, _ = dispatch()
+        engine = ll_engine(buf, handle)
+        checks["dispatch_bf16"] = rows_ok(recv, count, handle)
+        scale = 1.0 + mine.float() / E
+        expert_out = torch.empty_like(recv)
+        for e in range(EL):  # one expert at a time: the whole [E_l, W*M, H] in float32 would be ~1 GB
+            expert_out[e] = (recv[e].float() * scale[e]).to(torch.bfloat16)
+        y = combine(expert_out, handle)[0].clone()
+        valid = idx >= 0
+        v = (x.float().unsqueeze(1) * (1.0 + idx.clamp(min=0).float() / E).unsqueeze(-1)).to(torch.bfloat16).float()
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for k in range(idx.shape[1]):  # the contract's order and arithmetic: acc = acc + w * v, k ascending
+            acc = acc + torch.where(valid[:, k, None], w[:, k, None].float() * v[:, k], torch.zeros_like(acc))
+        want_y = acc.to(torch.bfloat16)
+        checks["combine_bf16"] = bool(torch.allclose(y.float(), want_y.float(), atol=2e-2, rtol=1e-2))
+        info = {"combine_bitwise": bool(torch.equal(y, want_y)), "recv_copies": sum(n)}
+
+        (data, scales), count, handle, _, _ = dispatch(fp8=True)
+        ok = count.tolist() == n
+        for e in range(EL):
+            if not ok:
+                break
+            rows = want_rows[e].float().view(n[e], H // 128, 128)
+            amax = rows.abs().amax(-1).clamp(min=1e-4)
+            want_d = (rows * (448.0 / amax).unsqueeze(-1)).view(n[e], H).to(torch.float8_e4m3fn)
+            ok = torch.equal(data[e, :n[e]].view(torch.uint8), want_d.view(torch.uint8)) and \
+                torch.equal(scales[e, :n[e]], amax / 448.0)
+        checks["dispatch_fp8"] = bool(ok)
+        checks["combine_after_fp8"] = bool(torch.equal(combine(expert_out, handle)[0], y))
+
+        recv, count, handle, _, hook = dispatch(hook=True)
+        hook()
+        checks["dispatch_hook"] = rows_ok(recv, count, handle)
+        yh, _, hook = combine(expert_out, handle, hook=True)
+        hook()
+        checks["combine_hook"] = bool(torch.equal(yh, y))
+        return {"checks": checks, "info": info, "expert_out": expert_out, "engine": engine}
+
+    def ours_ll(self, inp: Inputs, rec: Dict) -> None:
+        """ep_plugin's low-latency rows on their own EPBuffer (the nvlink rows' config plus
+        comm.low_latency.max_tokens_per_rank = the case's tokens), closed afterwards."""
+        if not hasattr(ep_plugin.EPBuffer, "low_latency_dispatch"):
+            rec["ops"].update({op: failed(f"n/a: this ep_plugin ({ep_plugin.__file__}) has no "
+                                          "EPBuffer.low_latency_dispatch") for op in EP_LL_OPS})
+            return
+        cfg = ep_config("nvlink", self.args.num_sms, ll_max_tokens=inp.T)
+        buf, err = attempt("EPBuffer(comm.low_latency.max_tokens_per_rank)",
+                           lambda: ep_plugin.EPBuffer(None, cfg, hidden=H))
+        if err:
+            self.say(f"{inp.case}: {err}")
+            rec["ops"].update({op: failed(err) for op in EP_LL_OPS})
+            return
+        try:
+            mine, err = attempt("ep_plugin low-latency check", lambda: self.check_ll(buf, inp))
+            engines = sorted(set(gather(mine["engine"] if mine else ll_engine(buf))))
+            rec["ll_engine"] = engines[0] if len(engines) == 1 else " / ".join(engines)
+            if err:
+                self.say(f"{inp.case}: {err}")
+                rec["checks"]["ep_ll_error"] = err
+                rec["ops"].update({op: failed(err) for op in EP_LL_OPS})
+                return
+            every = gather((mine["checks"], mine["info"]))
+            rec["checks"]["ep_ll"] = [e[0] for e in every]
+            rec["checks"]["ep_ll_info"] = [e[1] for e in every]
+            self.say(f"{inp.case}: ep_plugin low-latency engine {rec['ll_engine']}; checks "
+                     f"{[sorted(k for k, v in c.items() if not v) or 'all OK' for c in rec['checks']['ep_ll']]}")
+            x, idx, w = inp.x, inp.idx, inp.w
+
+            def dispatch(fp8, hook):
+                return buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+
+            def combine(rows, handle, hook):
+                return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
+
+            ops = measure_low_latency(self.proto, "ep_ll", dispatch, combine, mine["expert_out"])
+            rec["ops"].update(ops)
+            self.report_ops(inp.case, ops)
+        finally:
+            if hasattr(buf, "close"):
+                buf.close()
+
     def sm_sweep(self, nv, inp: Inputs, rec: Dict) -> None:
         be = getattr(nv, "_backend", None)
         if be is None or not hasattr(be, "num_sms"):
@@ -270,6 +395,17 @@ class RankBench:
             rec["case"] = "sm_sweep"
             self.sm_sweep(bufs["nvlink"], inp, rec)
         self.put("partial")
+        ll_rec = self.records.get("latency")
+        if ll_rec is not None and args.ep_ll == "off":
+            ll_rec["ops"].update({op: failed("n/a: skipped (--ep-ll off)") for op in EP_LL_OPS})
+        elif ll_rec is not None and args.ep_ll == "first":
+            ll_rec["ops"].update(pending(EP_LL_OPS, "ep_plugin's low-latency calls"))
+            self.put("partial")
+            self.say("phase 1b: ep_plugin low-latency calls")
+            self.ours_ll(inputs["latency"], ll_rec)
+            self.put("partial")
+        elif ll_rec is not None:  # last: after DeepEP's phases, their buffers closed
+            ll_rec["ops"].update(pending(EP_LL_OPS, "DeepEP's kernels (ep_plugin's low-latency rows run last)"))
 
         # until a phase ends its ops read "did not finish", so a rank that dies in DeepEP leaves a reason
         run_ll = "latency" in cases and not args.no_deepep_ll
@@ -315,6 +451,12 @@ class RankBench:
                 self.records["latency"]["checks"]["deepep_ll_combine_ok"] = [e[1] for e in every]
                 self.deepep_info["low_latency_ran"] = True
             self.deepep_info.update(ll_error=dep.ll_error, **dep.info)
+        if ll_rec is not None and args.ep_ll == "last":
+            dep.close()
+            ll_rec["ops"].update(pending(EP_LL_OPS, "ep_plugin's low-latency calls"))
+            self.put("partial")
+            self.say("phase 4: ep_plugin low-latency calls")
+            self.ours_ll(inputs["latency"], ll_rec)
         self.put("done")
         dep.close()
         for b in bufs.values():
@@ -371,6 +513,10 @@ def parse_args(argv=None):
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times of our calls (torch profiler)")
     ap.add_argument("--no-deepep", action="store_true", help="leave DeepEP out (its rows say n/a)")
     ap.add_argument("--no-deepep-ll", action="store_true", help="leave DeepEP's low-latency kernels out")
+    ap.add_argument("--ep-ll", choices=("first", "last", "off"), default="first",
+                    help="ep_plugin's low-latency rows (latency case): at the end of phase 1 (default), after "
+                         "DeepEP's phases with DeepEP's buffers closed (if the two NVSHMEM users clash in one "
+                         "process), or not at all")
     ap.add_argument("--timeout", type=float, default=200.0, help="seconds per EP size before the ranks are killed")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and the plot")
     ap.add_argument("--label", default="run", help="names the files: bench_dispatch_<label>.json")
@@ -434,6 +580,10 @@ def main(argv=None) -> int:
     bad = [s["case"] for s in summaries if s["checks"].get("ours_vs_torch_ok") is False]
     if bad:
         print(f"FAILED: ep_plugin nvlink differs from the torch backend in {bad}", flush=True)
+    bad_ll = [s["case"] for s in summaries if s["checks"].get("ep_ll_ok") is False]
+    if bad_ll:
+        print(f"FAILED: ep_plugin's low-latency calls differ from docs/LOW_LATENCY.md in {bad_ll}", flush=True)
+    bad += bad_ll
     if unfinished:
         print(f"INCOMPLETE: EP sizes {unfinished} did not finish; the JSON holds what they measured", flush=True)
     return 1 if bad or unfinished else 0

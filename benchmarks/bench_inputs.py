@@ -1,10 +1,11 @@
 """Inputs of bench_dispatch's cases: routings (uniform, group-limited), BF16 rows and their FP8 form, and
-the traffic each rank sends and receives, computed from the routing alone (no library under test).
+the traffic each rank sends and receives, computed from the routing alone (no library under test);
+the EPBuffer config the benchmarks share, and which low-latency engine a buffer ended up with.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,41 @@ import torch.distributed as dist
 E, K, H = 256, 8, 7168
 NUM_GROUPS, GROUP_TOPK = 4, 2
 CASES = {"throughput": (4096, "uniform"), "group_limited": (4096, "group_limited"), "latency": (128, "uniform")}
+MAX_TOKENS = 4096  # comm.max_tokens_per_rank of every benchmark buffer
+
+
+def ep_config(backend: str, num_sms: int, *, host_sync: bool = False, ll_max_tokens: Optional[int] = None) -> Dict:
+    """The EPBuffer config of the benchmark rows; ll_max_tokens sets comm.low_latency.max_tokens_per_rank
+    (the low-latency rows' buffers: the same config plus that key)."""
+    comm: Dict = {"backend": backend, "max_tokens_per_rank": MAX_TOKENS, "timeout_s": 15.0, "num_sms": num_sms}
+    if host_sync:
+        comm["host_sync"] = True
+    if ll_max_tokens is not None:
+        comm["low_latency"] = {"max_tokens_per_rank": ll_max_tokens}
+    return {"moe": {"num_experts": E, "topk": K}, "comm": comm}
+
+
+def ll_engine(buf, handle=None) -> str:
+    """Which low-latency engine served an EPBuffer (known after its first low-latency call): "nvshmem"
+    (the kernels), "torch reference" (backends/torch_ref/low_latency.py: collectives and host syncs,
+    hook() does the whole exchange), else what the handle or the buffer says, "unknown (...)" at worst.
+    handle: a low_latency_dispatch handle, whose `backend` names the engine that made it (else the
+    buffer's `low_latency_backend_name`)."""
+    names = {"torch": "torch reference", "nvshmem": "nvshmem"}
+    said = getattr(handle, "backend", None) or getattr(buf, "low_latency_backend_name", None)
+    if isinstance(said, str) and said:
+        return names.get(said, said)
+    for v in vars(buf).values():  # no handle: an attribute of the buffer that looks like an engine
+        cls = type(v)
+        mod, name = cls.__module__ or "", cls.__name__
+        if "low_latency" not in mod and "LowLatency" not in name:
+            continue
+        if "torch_ref" in mod or name.lower().startswith("torch"):
+            return "torch reference"
+        if "nvshmem" in mod or name.lower().startswith("nvshmem"):
+            return "nvshmem"
+        return f"unknown ({mod}.{name})"
+    return "unknown (no engine attribute found on the EPBuffer)"
 
 
 def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int) -> torch.Tensor:
@@ -52,6 +88,8 @@ class Inputs:
     in_rank: torch.Tensor           # [T, W] bool: the token reaches that rank
     send: List[int]                 # rows this rank sends to each rank (one per token and rank)
     recv: List[int]                 # rows this rank receives from each rank
+    copies_send: List[int]          # low-latency copies (one per token and expert) this rank sends to each rank
+    copies_recv: List[int]          # low-latency copies this rank receives from each rank
     ours_x: Optional[torch.Tensor] = None  # our valid received rows, for DeepEP's comparison
 
 
@@ -65,6 +103,11 @@ def make_inputs(case: str, rank: int, world: int, device="cuda") -> Inputs:
     x = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16)
     in_rank = torch.zeros(T, world, dtype=torch.bool, device=device).scatter_(1, idx // (E // world), True)
     send = in_rank.sum(0)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)  # the counts alone, independent of any library under test
-    return Inputs(case, T, routing, x, quantize_fp8(x), idx, w, in_rank, send.tolist(), recv.tolist())
+    owner = idx[idx >= 0] // (E // world)
+    copies = torch.bincount(owner, minlength=world).to(send.dtype)
+    counts = torch.stack([send, copies])  # [2, W]: rows and copies to each rank
+    got = torch.empty_like(counts.t().contiguous())
+    dist.all_to_all_single(got, counts.t().contiguous())  # the counts alone, independent of any library under test
+    recv, copies_recv = got[:, 0], got[:, 1]
+    return Inputs(case, T, routing, x, quantize_fp8(x), idx, w, in_rank, send.tolist(), recv.tolist(),
+                  copies.tolist(), copies_recv.tolist())

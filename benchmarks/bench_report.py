@@ -6,7 +6,9 @@ numbers. A record (one case, one EP size) as the ranks hand it over:
      "traffic": {"recv_rows": [per rank], "remote_in": [...], "remote_out": [...]},
      "ops": {op: protocols.measure(...) dict}, "checks": {...}, "breakdown": {...}}
 A row pairs a dispatch op with a combine op (either may be absent); its time under a protocol is the
-slowest rank's median.
+slowest rank's median. The latency case's record may also hold "ll_engine" (which engine served
+ep_plugin's low-latency rows) and traffic "copies_out" / "copies_in" (per rank: (token, expert)
+copies sent to / received from other ranks), which the low-latency floors need.
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 NVLINK_GBPS = 478.0  # 18 NVLink 4 links x 26.6 GB/s per direction (H100/H200)
-SCHEMA = "ep_plugin.bench_dispatch/2"
+# One kernel launch, added to the low-latency floors: an estimate (not measured by this benchmark) of
+# what a launch and the grid's start cost on an H100/H200 seen from CUDA events, ~2 us; a low-latency
+# call is one kernel (one per half with a receive hook), so it cannot beat bytes / NVLINK_GBPS + this.
+LAUNCH_US = 2.0
+SCHEMA = "ep_plugin.bench_dispatch/2"  # fields only added since (floor_kind, ll floors, ll_engine, ll checks)
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,10 @@ class Row:
     dispatch: Optional[str]  # op key, or None
     combine: Optional[str]
     row_dtype: str = "bf16"  # what the dispatch moves, for its floor: bf16 | fp8 | none
+    # rank: remote rows deduplicated per rank (the normal kernels); ll: one copy per (token, expert) on
+    # another rank + LAUNCH_US (the low-latency kernels); ll_recv: a receive half (no NVLink bytes: LAUNCH_US)
+    floor: str = "rank"
+    engine: bool = False     # ep_plugin's low-latency engine: the path names it unless it is the kernels
 
 
 ROWS = (
@@ -44,7 +54,18 @@ ROWS = (
     Row("DeepEP V1 get_dispatch_layout", "deepep.layout", None, "none"),
     Row("DeepEP V1 FP8 (layout + dispatch)", "deepep.dispatch_fp8", None, "fp8"),
     Row("DeepEP V1 cached BF16", "deepep.dispatch_cached", None),
-    Row("DeepEP V1 low-latency BF16", "deepep_ll.dispatch_bf16", "deepep_ll.combine_bf16"),
+    Row("DeepEP V1 low-latency BF16", "deepep_ll.dispatch_bf16", "deepep_ll.combine_bf16", floor="ll"),
+    Row("DeepEP V1 low-latency FP8", "deepep_ll.dispatch_fp8", None, "fp8", floor="ll"),
+    Row("DeepEP V1 low-latency BF16, send half (hook)", "deepep_ll.dispatch_send_bf16", "deepep_ll.combine_send_bf16",
+        floor="ll"),
+    Row("DeepEP V1 low-latency BF16, recv half: hook()", "deepep_ll.dispatch_recv_bf16",
+        "deepep_ll.combine_recv_bf16", floor="ll_recv"),
+    Row("ep_plugin low-latency BF16", "ep_ll.dispatch_bf16", "ep_ll.combine_bf16", floor="ll", engine=True),
+    Row("ep_plugin low-latency FP8", "ep_ll.dispatch_fp8", None, "fp8", floor="ll", engine=True),
+    Row("ep_plugin low-latency BF16, send half (hook)", "ep_ll.dispatch_send_bf16", "ep_ll.combine_send_bf16",
+        floor="ll", engine=True),
+    Row("ep_plugin low-latency BF16, recv half: hook()", "ep_ll.dispatch_recv_bf16", "ep_ll.combine_recv_bf16",
+        floor="ll_recv", engine=True),
 )
 
 
@@ -62,6 +83,28 @@ def row_bytes(hidden: int, dtype: str) -> int:
 
 def _num(v, nd=1):
     return None if v is None else round(float(v), nd)
+
+
+def ll_floors(hidden: int, traffic: Dict) -> Dict[str, Optional[float]]:
+    """The low-latency floors (us): the busiest rank's bytes to other ranks, one copy per (token, expert)
+    (dispatch: copies it sends; combine: the copies it received, sent back), at NVLINK_GBPS, + LAUNCH_US.
+    None where the record has no copy counts (an older record)."""
+    out, cin = traffic.get("copies_out"), traffic.get("copies_in")
+    f: Dict[str, Optional[float]] = {"dispatch_bf16": None, "dispatch_fp8": None, "combine_bf16": None,
+                                     "recv_half": LAUNCH_US}
+    if out:
+        for d in ("bf16", "fp8"):
+            f[f"dispatch_{d}"] = max(out) * row_bytes(hidden, d) / NVLINK_GBPS / 1e3 + LAUNCH_US
+    if cin:
+        f["combine_bf16"] = max(cin) * row_bytes(hidden, "bf16") / NVLINK_GBPS / 1e3 + LAUNCH_US
+    return f
+
+
+def engine_note(engine: Optional[str]) -> str:
+    """What the path of an ep_plugin low-latency row adds about the engine that served it."""
+    if engine is None or engine == "nvshmem":
+        return ""
+    return " (torch reference engine)" if engine == "torch reference" else f" (engine: {engine})"
 
 
 def _side(op: Dict, logical_bytes: Optional[int], floor_us: Optional[float]) -> Dict:
@@ -89,37 +132,50 @@ def summarize(rec: Dict) -> Dict:
     remote = max(rin, rout)
     floors = {d: remote * row_bytes(H, d) / NVLINK_GBPS / 1e3 for d in ("bf16", "fp8")}
     floors["none"] = None
+    ll = ll_floors(H, tr)
     ops = rec.get("ops", {})
     specs = sweep_rows(rec.get("sms", [])) if rec["case"] == "sm_sweep" else ROWS
     rows = []
     for spec in specs:
         if spec.dispatch not in ops and spec.combine not in ops:
             continue
-        row = {"path": spec.path, "dispatch_op": spec.dispatch, "combine_op": spec.combine,
-               "dispatch": None, "combine": None}
+        path = spec.path + (engine_note(rec.get("ll_engine")) if spec.engine else "")
+        row = {"path": path, "dispatch_op": spec.dispatch, "combine_op": spec.combine,
+               "dispatch": None, "combine": None, "floor_kind": spec.floor}
+        if spec.floor == "rank":
+            d_floor, c_floor = floors[spec.row_dtype], floors["bf16"]
+        elif spec.floor == "ll":
+            d_floor, c_floor = ll.get(f"dispatch_{spec.row_dtype}"), ll["combine_bf16"]
+        else:  # a receive half: its bytes crossed NVLink in the send half
+            d_floor = c_floor = ll["recv_half"]
+        moves = spec.row_dtype != "none" and spec.floor != "ll_recv"  # no bandwidth for a layout or a hook
         if spec.dispatch in ops:  # a layout-only op moves no rows: no bandwidth, no floor
-            row["dispatch"] = _side(ops[spec.dispatch], logical if spec.row_dtype != "none" else None,
-                                    floors[spec.row_dtype])
+            row["dispatch"] = _side(ops[spec.dispatch], logical if moves else None, d_floor)
         if spec.combine in ops:
-            row["combine"] = _side(ops[spec.combine], logical, floors["bf16"])
+            row["combine"] = _side(ops[spec.combine], logical if spec.floor != "ll_recv" else None, c_floor)
         errs = [s["error"] for s in (row["dispatch"], row["combine"]) if s and s["error"]]
         row["error"] = errs[0] if errs else None
         row["status"] = "n/a" if row["error"] and row["error"].startswith("n/a") else ("error" if errs else "ok")
         rows.append(row)
+    traffic = {"rows_received_per_rank": tr["recv_rows"], "rows_received_max": recv_max,
+               "remote_rows_in_max": rin, "remote_rows_out_max": rout,
+               "bytes_logical_bf16": logical,
+               "floor_us": {"dispatch_bf16": _num(floors["bf16"]), "dispatch_fp8": _num(floors["fp8"]),
+                            "combine_bf16": _num(floors["bf16"])}}
+    if tr.get("copies_out"):
+        traffic.update(remote_copies_out_per_rank=tr["copies_out"], remote_copies_in_per_rank=tr.get("copies_in"))
+        traffic["floor_us"].update({f"ll_{k}": _num(v) for k, v in ll.items()}, launch_us=LAUNCH_US)
     return {"case": rec["case"], "world": rec["world"], "tokens_per_rank": rec["tokens_per_rank"],
             "routing": rec.get("routing"), "num_sms": rec.get("num_sms"),
-            "traffic": {"rows_received_per_rank": tr["recv_rows"], "rows_received_max": recv_max,
-                        "remote_rows_in_max": rin, "remote_rows_out_max": rout,
-                        "bytes_logical_bf16": logical,
-                        "floor_us": {"dispatch_bf16": _num(floors["bf16"]), "dispatch_fp8": _num(floors["fp8"]),
-                                     "combine_bf16": _num(floors["bf16"])}},
-            "checks": check_summary(rec.get("checks", {})),
+            "traffic": traffic, "checks": check_summary(rec.get("checks", {})),
             "rows": rows, "ops": ops, "breakdown_rank0_us": rec.get("breakdown", {}),
+            **({"ll_engine": rec["ll_engine"]} if "ll_engine" in rec else {}),
             **({"sms": rec["sms"]} if "sms" in rec else {})}
 
 
 def check_summary(c: Dict) -> Dict:
-    """ok: ours == torch backend on every rank, and (when DeepEP ran) DeepEP's received rows == ours."""
+    """ok: ours == torch backend on every rank, (when DeepEP ran) DeepEP's received rows == ours, and (when
+    ep_plugin's low-latency calls ran) they match the contract of docs/LOW_LATENCY.md on every rank."""
     if not c:
         return {}
     out = dict(c)
@@ -127,7 +183,10 @@ def check_summary(c: Dict) -> Dict:
     dep, mine = c.get("deepep_recv_rows"), c.get("ours_recv_rows")
     out["ours_vs_torch_ok"] = False if c.get("ours_error") else (None if ours is None else all(ours))
     out["deepep_rows_match"] = None if dep is None or mine is None else list(dep) == list(mine)
-    verdicts = [v for v in (out["ours_vs_torch_ok"], out["deepep_rows_match"]) if v is not None]
+    ll = c.get("ep_ll")  # per rank: {check: bool}
+    out["ep_ll_ok"] = False if c.get("ep_ll_error") else (
+        None if not ll else all(all(v for v in r.values()) for r in ll))
+    verdicts = [v for v in (out["ours_vs_torch_ok"], out["deepep_rows_match"], out["ep_ll_ok"]) if v is not None]
     out["ok"] = all(verdicts) if verdicts else None
     return out
 
@@ -143,8 +202,8 @@ def _us(side: Optional[Dict], key: str) -> str:
 
 
 def _pair(a: Optional[float], b: Optional[float], nd=0) -> str:
-    def f(v):
-        return "-" if v is None else f"{v:.{nd}f}"
+    def f(v):  # a decimal below 100 us: the low-latency floors and gaps are tens of us
+        return "-" if v is None else f"{v:.{nd if abs(v) >= 100 else max(nd, 1)}f}"
     return f"{f(a)}/{f(b)}" if b is not None else f(a)
 
 
@@ -165,20 +224,25 @@ def check_line(s: Dict) -> str:
         if c.get(key) is not None:
             v = c[key]
             parts.append(f"{label}: {verdict(all(v) if isinstance(v, list) else v)}")
+    if c.get("ep_ll_ok") is not None:
+        bad = sorted({k for r in (c.get("ep_ll") or []) for k, v in r.items() if not v})
+        parts.append(f"ep_plugin low-latency == contract: {verdict(c['ep_ll_ok'])}"
+                     + (f" (failed: {', '.join(bad)})" if bad else "")
+                     + (f" ({c['ep_ll_error']})" if c.get("ep_ll_error") else ""))
     return "   check: " + "; ".join(parts)
 
 
 def format_table(summaries: List[Dict]) -> str:
     lines = []
-    w = 44
     for s in summaries:
+        w = max([44] + [len(r["path"]) + 2 for r in s["rows"]])
         tr = s["traffic"]
         lines.append(f"== {s['case']} EP{s['world']}: {s['tokens_per_rank']} tok/rank, {s.get('routing')} routing, "
                      f"{s.get('num_sms')} SMs; rows received max {tr['rows_received_max']} "
                      f"({tr['bytes_logical_bf16'] / 1e6:.1f} MB BF16), remote in/out max "
                      f"{tr['remote_rows_in_max']}/{tr['remote_rows_out_max']} rows")
         lines.append(f"   {'path':<{w}}{'cold disp':>10}{'cold comb':>10}{'queued disp':>12}{'queued comb':>12}"
-                     f"{'GB/s d/c':>11}{'floor d/c':>11}{'gap d/c':>11}")
+                     f"{'GB/s d/c':>11}{'floor d/c':>13}{'gap d/c':>13}")
         notes = []
         for r in s["rows"]:
             d, c = r["dispatch"], r["combine"]
@@ -186,17 +250,26 @@ def format_table(summaries: List[Dict]) -> str:
             fl = _pair(d and d["floor_us"], c and c["floor_us"])
             gap = _pair(d and d.get("gap_us"), c and c.get("gap_us")) if not r["error"] else "-"
             lines.append(f"   {r['path']:<{w}}{_us(d, 'cold_us'):>10}{_us(c, 'cold_us'):>10}{_us(d, 'queued_us'):>12}"
-                         f"{_us(c, 'queued_us'):>12}{gb:>11}{fl:>11}{gap:>11}")
+                         f"{_us(c, 'queued_us'):>12}{gb:>11}{fl:>13}{gap:>13}")
             if r["error"] and r["error"] not in notes:
                 notes.append(r["error"])
         if s["case"] != "sm_sweep":
             lines.append(check_line(s))
+        if tr.get("remote_copies_out_per_rank") and any(r["floor_kind"] != "rank" for r in s["rows"]):
+            ll = tr["floor_us"]
+            cout, cin = max(tr["remote_copies_out_per_rank"]), max(tr.get("remote_copies_in_per_rank") or [0])
+            lines.append(f"   low-latency floors: remote copies out/in max {cout}/{cin} (one per token and expert) "
+                         f"at {NVLINK_GBPS:.0f} GB/s + {LAUNCH_US:.0f} us launch: dispatch BF16 "
+                         f"{_pair(ll.get('ll_dispatch_bf16'), None)}, FP8 {_pair(ll.get('ll_dispatch_fp8'), None)}, "
+                         f"combine {_pair(ll.get('ll_combine_bf16'), None)} us; a recv half: {LAUNCH_US:.0f} us"
+                         + (f"; ep_plugin engine: {s['ll_engine']}" if s.get("ll_engine") else ""))
         for n in notes:
             lines.append(f"   note: {n[:220]}")
         if s.get("breakdown_rank0_us"):
             lines.append(f"   kernels (rank 0, us/call): {json.dumps(s['breakdown_rank0_us'])}")
     lines.append("us: slowest rank's median (cold call / queued protocols, DESIGN.md); GB/s: DeepEP's logical "
-                 "bandwidth, cold; floor: remote bytes of the busiest GPU at 478 GB/s; gap: cold - floor")
+                 "bandwidth, cold; floor: remote bytes of the busiest GPU at 478 GB/s (low-latency rows: one copy per "
+                 "token and expert, + one launch); gap: cold - floor")
     return "\n".join(lines)
 
 

@@ -2,7 +2,10 @@
 
 Normal (intranode) kernels: `get_dispatch_layout`, `dispatch` (BF16, FP8 pair, cached with `handle=`)
 and `combine`, on a `deep_ep.Buffer` sized by DeepEP's own config hints. Low-latency kernels (128
-tokens per rank) on a second buffer in low-latency mode, over NVSHMEM's P2P transport on one host.
+tokens per rank) on a second buffer in low-latency mode, over NVSHMEM's P2P transport on one host:
+dispatch BF16 and FP8, combine BF16, and both halves of each with return_recv_hook=True, the calls
+alternating dispatch, combine, ... as DeepEP requires (protocols.measure_low_latency, the same
+function that times ep_plugin's low-latency calls).
 `deep_ep` is optional: when it does not import or a part fails to set up, that part's ops are
 recorded as failed with the reason ("n/a" in the table) and ep_plugin's rows are unaffected.
 DeepEP's `dispatch` without a handle computes no layout itself, so the comparable figure for our
@@ -15,11 +18,11 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from protocols import Protocols, _short, failed, measure
+from protocols import Protocols, _short, failed, ll_op_names, measure, measure_low_latency
 
 NORMAL_OPS = ("deepep.layout", "deepep.dispatch_bf16", "deepep.dispatch_bf16_prelayout", "deepep.dispatch_fp8",
               "deepep.dispatch_cached", "deepep.combine_bf16")
-LL_OPS = ("deepep_ll.dispatch_bf16", "deepep_ll.combine_bf16")
+LL_OPS = ll_op_names("deepep_ll")
 
 
 def _agree(err: Optional[str]) -> Optional[str]:
@@ -136,8 +139,11 @@ class DeepEP:
             return {k: failed(f"n/a: {self.ll_error}") for k in LL_OPS}, {"error": self.ll_error}
         ll, E, T = self.ll, self.num_experts, self.ll_max_tokens
 
-        def dispatch():
-            return ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        def dispatch(use_fp8=False, hook=False):
+            return ll.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8, return_recv_hook=hook)
+
+        def combine(rows, handle, hook=False):
+            return ll.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
 
         facts: Dict = {}
         err = None
@@ -145,7 +151,7 @@ class DeepEP:
             recv, count, handle, _, _ = dispatch()
             # the expert output stands in as a copy: the call's own result tensor is reused by later calls
             expert_out = recv.clone()
-            y, _, _ = ll.low_latency_combine(expert_out, idx, w, handle)
+            y, _, _ = combine(expert_out, handle)
             want = x.float() * w.masked_fill(idx < 0, 0).sum(dim=1, keepdim=True)
             facts["recv_copies"] = int(count.sum())
             facts["combine_ok"] = bool(torch.allclose(y.float(), want, atol=5e-2, rtol=2e-2))
@@ -154,10 +160,7 @@ class DeepEP:
         err = _agree(err)
         if err:
             return {k: failed(err) for k in LL_OPS}, {"error": err}
-        ops = {"deepep_ll.dispatch_bf16": measure(proto, dispatch)}
-        _, _, handle, _, _ = dispatch()
-        ops["deepep_ll.combine_bf16"] = measure(proto, lambda: ll.low_latency_combine(expert_out, idx, w, handle))
-        return ops, facts
+        return measure_low_latency(proto, "deepep_ll", dispatch, combine, expert_out), facts
 
     def close(self) -> None:
         for b in (self.ll, self.buf):

@@ -10,7 +10,10 @@ queued: the host enqueues all iterations back to back after one tiny all-reduce 
 
 Each protocol runs `warmup` untimed calls, then `iters` timed ones; a rank keeps its median. Every
 rank then shares its numbers (`measure`), so all ranks hold the same per-rank lists and the slowest
-rank's median is `max(list)`.
+rank's median is `max(list)`. Optional `before` / `after` callables run untimed around every call
+(warm-up included; `before` ahead of the cold call's flush and barrier): the low-latency calls must
+alternate dispatch, combine, dispatch, ... (DeepEP's rule), so a timed dispatch is followed by an
+untimed combine and the other way round (`measure_low_latency`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,12 @@ import torch
 import torch.distributed as dist
 
 FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
+Hook = Optional[Callable[[], object]]  # an untimed call around the timed one
+
+
+def _call(fn: Hook) -> None:
+    if fn is not None:
+        fn()
 
 
 class Protocols:
@@ -33,36 +42,42 @@ class Protocols:
         return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 for _ in range(self.iters)]
 
-    def _warm(self, fn):
+    def _warm(self, fn, before=None, after=None):
         for _ in range(self.warmup):
+            _call(before)
             fn()
+            _call(after)
 
-    def cold(self, fn: Callable[[], object]) -> List[float]:
+    def cold(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) under the cold-call protocol."""
-        self._warm(fn)
+        self._warm(fn, before, after)
         evs = self._events()
         for a, b in evs:
+            _call(before)
             self._flush.zero_()
             torch.cuda.synchronize()
             dist.barrier()  # NCCL's barrier also waits on the host for its all-reduce
             a.record()
             fn()
             b.record()
+            _call(after)
         torch.cuda.synchronize()
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
-    def queued(self, fn: Callable[[], object]) -> List[float]:
+    def queued(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) with the iterations enqueued back to back."""
-        self._warm(fn)
+        self._warm(fn, before, after)
         evs = self._events()
         self._flush.zero_()  # the first call sees a cold L2, the rest whatever the previous call left
         torch.cuda.synchronize()
         dist.barrier()
         dist.all_reduce(self._tok)  # on the stream: both GPUs start the first call together
         for a, b in evs:
+            _call(before)
             a.record()
             fn()
             b.record()
+            _call(after)
         torch.cuda.synchronize()
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
@@ -72,15 +87,17 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def measure(proto: Protocols, fn: Callable[[], object], protocols=("cold", "queued")) -> Dict:
+def measure(proto: Protocols, fn: Callable[[], object], protocols=("cold", "queued"), *,
+            before: Hook = None, after: Hook = None) -> Dict:
     """Time fn under both protocols on every rank; returns the same dict on every rank:
     {"cold_us": [median per rank], "cold_min_us": [...], "queued_us": [...], "queued_min_us": [...],
-     "error": None or the first rank's error}. A failure on any rank marks the op failed everywhere."""
+     "error": None or the first rank's error}. A failure on any rank marks the op failed everywhere.
+    before / after: untimed calls around every call of fn (see the module's docstring)."""
     mine: Dict[str, Optional[float]] = {}
     err = None
     try:
         for p in protocols:
-            t = getattr(proto, p)(fn)
+            t = getattr(proto, p)(fn, before, after)
             mine[f"{p}_us"] = statistics.median(t)
             mine[f"{p}_min_us"] = min(t)
     except Exception as exc:  # a broken op must not take the other rows with it
@@ -97,6 +114,64 @@ def measure(proto: Protocols, fn: Callable[[], object], protocols=("cold", "queu
             vals = [m.get(key) for m, _ in every]
             out[key] = None if out["error"] or any(v is None for v in vals) else [round(v, 2) for v in vals]
     return out
+
+
+# the low-latency ops, under a prefix per library ("ep_ll.", "deepep_ll."): the full calls, then the two
+# halves of each call with return_recv_hook=True (the send half is the call, the receive half is hook())
+LL_KINDS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "dispatch_send_bf16", "dispatch_recv_bf16",
+            "combine_send_bf16", "combine_recv_bf16")
+
+
+def ll_op_names(prefix: str):
+    return tuple(f"{prefix}.{k}" for k in LL_KINDS)
+
+
+def measure_low_latency(proto: Protocols, prefix: str, dispatch: Callable, combine: Callable, expert_out) -> Dict:
+    """Every op of ll_op_names(prefix), each as `measure` records it, the calls alternating dispatch,
+    combine, dispatch, ... on every rank (untimed partners in before/after) and every receive hook run
+    before the next call of its kind.
+
+    dispatch(use_fp8, hook) -> (recv_x, recv_count, handle, event, recv_hook);
+    combine(x, handle, hook) -> (y, event, recv_hook); expert_out: the combine's input [E_l, W*M, H] BF16,
+    in the layout of a dispatch of the same routing."""
+    last: Dict = {}
+
+    def d(fp8=False, hook=False):
+        last["d"] = dispatch(fp8, hook)
+        return last["d"]
+
+    def c(hook=False):
+        last["c"] = combine(expert_out, last["d"][2], hook)
+        return last["c"]
+
+    def d_hook():
+        return d(False, True)
+
+    def c_hook():
+        return c(True)
+
+    def recv_d():  # the receive half of the last dispatch
+        return last["d"][4]()
+
+    def recv_c():
+        return last["c"][2]()
+
+    def recv_d_then_c():
+        recv_d()
+        c()
+
+    def d_then_c_hook():
+        d()
+        c(True)
+
+    n = prefix + "."
+    return {n + "dispatch_bf16": measure(proto, d, after=c),
+            n + "dispatch_fp8": measure(proto, lambda: d(True), after=c),
+            n + "combine_bf16": measure(proto, c, before=d),
+            n + "dispatch_send_bf16": measure(proto, d_hook, after=recv_d_then_c),
+            n + "dispatch_recv_bf16": measure(proto, recv_d, before=d_hook, after=c),
+            n + "combine_send_bf16": measure(proto, c_hook, before=d, after=recv_c),
+            n + "combine_recv_bf16": measure(proto, recv_c, before=d_then_c_hook)}
 
 
 def failed(error: str, protocols=("cold", "queued")) -> Dict:

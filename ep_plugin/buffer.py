@@ -11,10 +11,15 @@ bad ids as "routed nowhere" so no kernel indexes out of bounds, and the error is
 ValueError at the next synchronising point — a host-synced dispatch (`comm.host_sync: true`),
 the next call once the flag's copy has landed, `EPEvent.synchronize()` or `EPBuffer.check()`.
 `comm.validate: full` checks on the host before any kernel instead (one sync per dispatch).
+
+The low-latency calls (`low_latency_dispatch`/`low_latency_combine`, docs/LOW_LATENCY.md) go through
+an engine of their own, built at the first such call (a collective) by `make_low_latency`; EPBuffer
+validates their arguments the same way before the engine sees them.
 """
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,10 +27,14 @@ import torch.distributed as dist
 from .autograd import CombineFn, DispatchFn
 from .expert_major import padded
 from .backends import make_backend
+from .backends.registry import make_low_latency
 from .telemetry import CommStats, RecordingBackend
-from .types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, ExpertDispatchResult, Handle, XInput
+from .types import (FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, DispatchResult, EPEvent, ExpertDispatchResult, Handle,
+                    LowLatencyHandle, XInput)
 
 LAYOUTS = ("rank", "expert")
+LOW_LATENCY_MAX_TOPK = 32  # the largest top-k the low-latency calls take (an engine may declare fewer: max_topk)
+_buffer_ids = itertools.count(1)  # tells the low-latency handles of one buffer from another's
 
 
 def _need(cond: bool, exc, msg: str):
@@ -72,6 +81,20 @@ class _IndexCheck:
                          "treated as routed nowhere")
 
 
+class _RecvHook:
+    """The receive half of a low-latency call, handed to the caller: enqueues it on the current stream
+    the first time it is called; a second call is an error (the engine's receive runs once)."""
+
+    def __init__(self, recv, what: str):
+        self._recv, self._what = recv, what
+
+    def __call__(self) -> None:
+        if self._recv is None:
+            raise RuntimeError(f"this {self._what} receive hook has run already: each hook runs once")
+        recv, self._recv = self._recv, None
+        recv()
+
+
 class EPBuffer:
     """Dispatch tokens to the ranks owning their top-k experts, and combine the results back.
 
@@ -103,10 +126,20 @@ class EPBuffer:
         self._caps = self._backend.capabilities
         self._index_check = _IndexCheck(self.num_experts)
         self._full_validation = self.cfg.comm.validate == "full"
+        self._id = next(_buffer_ids)
+        self._low_latency = None          # the engine, built at the first low-latency call
+        self._low_latency_mask: tuple = ()
+        self._closed = False
 
     @property
     def backend_name(self) -> str:
         return self._backend.name
+
+    @property
+    def low_latency_backend_name(self) -> Optional[str]:
+        """The low-latency engine's name ("nvshmem" or "torch"), None until the first low-latency call
+        builds it."""
+        return self._low_latency.name if self._low_latency is not None else None
 
     @property
     def capabilities(self):
@@ -164,11 +197,16 @@ class EPBuffer:
                   f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
             _need(topk_weights.device == data.device, ValueError, "topk_weights must be on x's device")
             _need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+        self._check_expert_ids(topk_idx, self._caps.checks_expert_ids)
+
+    def _check_expert_ids(self, topk_idx: torch.Tensor, checked_by_engine: bool) -> None:
+        """Ids outside [-1, E): on the host with comm.validate: full (one sync), else queued on the device
+        (on CPU: raised now) unless the engine checks them itself."""
         if self._full_validation and topk_idx.numel():
             lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # opt-in: one host sync
             _need(lo >= -1 and hi < self.num_experts, ValueError,
                   f"topk_idx values must lie in [-1, {self.num_experts}), got min {lo}, max {hi}")
-        elif not self._caps.checks_expert_ids:
+        elif not checked_by_engine:
             self._index_check.record(topk_idx)
 
     def _check_handle(self, handle, num_tokens=None, num_rows=None):
@@ -312,6 +350,199 @@ class EPBuffer:
             out += (event,)
         return out if len(out) > 1 else y
 
+    # ---------------------------------------------------------------- low-latency calls
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, use_fp8: bool = True,
+                             round_scale: bool = False, async_op: bool = False,
+                             return_recv_hook: Optional[bool] = None,
+                             recv_stats: Optional[torch.Tensor] = None):
+        """Send a copy of each token to each of its experts, into a fixed expert-major layout
+        (docs/LOW_LATENCY.md): -> (recv_x, recv_count, handle, event, hook).
+
+        x [T, H] BF16 with T <= comm.low_latency.max_tokens_per_rank (M); topk_idx [T, K] int64, -1 =
+        routed nowhere. recv_x is BF16 [E_l, W*M, H], or with use_fp8 the pair (float8_e4m3fn data
+        [E_l, W*M, H], float32 scales [E_l, W*M, H/128], the transpose of a contiguous [E_l, H/128, W*M]),
+        cast per 128 channels (round_scale: power-of-two scales). Local expert e's rows are packed from
+        row 0, by source rank, then token index; recv_count [E_l] int32 counts them. recv_stats ([E_l]
+        int32) gets recv_count added on the device.
+
+        return_recv_hook (default overlap.recv_hook): return before the receive and hand back `hook`,
+        which enqueues it on the current stream (once); the outputs and the handle are valid after it.
+        async_op: `event` is an EPEvent recorded on the current stream after the call. The first
+        low-latency call of a buffer builds its engine: a collective over the group."""
+        self._raise_pending_low_latency()
+        self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
+        hook = self._recv_hook_wanted(return_recv_hook)
+        _need(isinstance(async_op, bool), TypeError, f"async_op must be a bool, got {async_op!r}")
+        engine = self._low_latency_engine()
+        limit = getattr(engine, "max_topk", None)  # an engine sized for a top-k when it was built
+        _need(limit is None or topk_idx.shape[1] <= limit, ValueError,
+              f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
+              f"got {topk_idx.shape[1]}")
+        self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
+        with torch.no_grad():
+            recv_x, recv_count, handle, recv = engine.dispatch(
+                x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        handle.buffer_id = self._id
+        return (recv_x, recv_count, handle, self._low_latency_event(async_op, x),
+                self._wrap_hook(recv, hook, "low_latency_dispatch"))
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, *, async_op: bool = False,
+                            return_recv_hook: Optional[bool] = None, out: Optional[torch.Tensor] = None):
+        """Send the expert outputs back and sum them per token, weighted: -> (y, event, hook).
+
+        x: BF16 [E_l, W*M, H] in the layout of `handle`'s dispatch (only rows below recv_count[e] are
+        read); topk_idx and topk_weights (float32): that dispatch's [T, K]. y [T, H] BF16 (or `out`):
+        y[t] = sum over k ascending of w[t, k] * row(t, k) in float32 (unfused multiply, then add), cast
+        to BF16 at the end; ids -1 and left-out ranks contribute nothing. return_recv_hook and
+        async_op as for low_latency_dispatch."""
+        self._raise_pending_low_latency()
+        self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
+        hook = self._recv_hook_wanted(return_recv_hook)
+        _need(isinstance(async_op, bool), TypeError, f"async_op must be a bool, got {async_op!r}")
+        engine = self._low_latency
+        self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
+        with torch.no_grad():
+            y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        return y, self._low_latency_event(async_op, x), self._wrap_hook(recv, hook, "low_latency_combine")
+
+    def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
+        """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the
+        mask. A left-out rank neither receives from nor is waited for by the others, and rows to it
+        count as routed nowhere (docs/LOW_LATENCY.md). Local to this rank: no collective."""
+        _need(not isinstance(ranks, (str, bytes)) and hasattr(ranks, "__iter__"), TypeError,
+              f"ranks must be a list of ints, got {type(ranks).__name__}")
+        ranks = list(ranks)
+        for r in ranks:
+            _need(isinstance(r, int) and not isinstance(r, bool), TypeError,
+                  f"ranks must be ints (ranks of the EP group), got {r!r}")
+            _need(0 <= r < self.world, ValueError, f"ranks must lie in [0, {self.world}), got {r}")
+        self._low_latency_mask = tuple(sorted(set(ranks)))
+        if self._low_latency is not None:
+            self._low_latency.set_mask(list(self._low_latency_mask))
+
+    def _low_latency_engine(self):
+        if self._low_latency is None:
+            self._low_latency = make_low_latency(self.group, self.cfg, self.hidden, self.num_experts)
+            if self._low_latency_mask:
+                self._low_latency.set_mask(list(self._low_latency_mask))
+        return self._low_latency
+
+    def _raise_pending_low_latency(self) -> None:
+        _need(not self._closed, RuntimeError, "this EPBuffer is closed")
+        if self._low_latency is not None:
+            self._low_latency.check()
+        self._index_check.raise_if_seen()
+
+    def _recv_hook_wanted(self, return_recv_hook) -> bool:
+        if return_recv_hook is None:
+            return bool(self.cfg.overlap.recv_hook)
+        _need(isinstance(return_recv_hook, bool), TypeError,
+              f"return_recv_hook must be a bool or None, got {return_recv_hook!r}")
+        return return_recv_hook
+
+    def _low_latency_event(self, async_op: bool, like: torch.Tensor) -> Optional[EPEvent]:
+        """The event of an async_op call: recorded on the current stream after the call's work."""
+        if not async_op:
+            return None
+        event = None
+        if like.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(like.device))
+        return EPEvent(cuda_event=event, check=self.check_finished)
+
+    @staticmethod
+    def _wrap_hook(recv, hook: bool, what: str):
+        if not hook:
+            assert recv is None, f"the low-latency engine returned a receive hook for a {what} without one"
+            return None
+        assert callable(recv), f"the low-latency engine returned no receive hook for {what}"
+        return _RecvHook(recv, what)
+
+    def _check_low_latency_device(self, x: torch.Tensor) -> None:
+        pg = dist.get_backend(self.group)
+        if x.is_cuda:
+            _need("nccl" in pg, ValueError, f"x is on {x.device}, but the group's backend {pg!r} moves CPU tensors")
+            _need(x.device.index == torch.cuda.current_device(), ValueError,
+                  f"x is on {x.device}, but the current CUDA device is cuda:{torch.cuda.current_device()}")
+        else:
+            _need(x.device.type == "cpu" and pg != "nccl", ValueError,
+                  f"x is on {x.device}, but the group's backend {pg!r} moves "
+                  f"{'CUDA tensors of the current device' if pg == 'nccl' else 'CPU tensors'}")
+
+    def _check_low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale, recv_stats) -> None:
+        M, H = self.cfg.comm.low_latency.max_tokens_per_rank, self.hidden
+        _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        _need(x.dtype == torch.bfloat16, TypeError,
+              f"low_latency_dispatch takes BF16 x, got {x.dtype} (FP8 is cast inside: use_fp8=True)")
+        _need(x.dim() == 2 and x.shape[1] == H, ValueError, f"x must have shape [num_tokens, {H}], got {tuple(x.shape)}")
+        _need(x.is_contiguous(), ValueError, "x must be contiguous")
+        _need(x.shape[0] <= M, ValueError,
+              f"x has {x.shape[0]} tokens, more than comm.low_latency.max_tokens_per_rank={M}")
+        _need(H % 8 == 0, ValueError,
+              f"the low-latency calls need rows of a multiple of 16 bytes (hidden % 8 == 0), got hidden={H}")
+        _need(isinstance(use_fp8, bool), TypeError, f"use_fp8 must be a bool, got {use_fp8!r}")
+        _need(isinstance(round_scale, bool), TypeError, f"round_scale must be a bool, got {round_scale!r}")
+        _need(not use_fp8 or H % FP8_BLOCK == 0, ValueError,
+              f"use_fp8 needs hidden divisible by {FP8_BLOCK} (one scale per {FP8_BLOCK} channels), got "
+              f"hidden={H}: pass use_fp8=False")
+        _need(use_fp8 or not round_scale, ValueError, "round_scale applies to the FP8 cast: it needs use_fp8=True")
+        self._check_low_latency_device(x)
+        self._check_low_latency_topk(topk_idx, x.shape[0], None, x.device)
+        if recv_stats is not None:
+            E_l = self.num_local_experts
+            _need(isinstance(recv_stats, torch.Tensor), TypeError,
+                  f"recv_stats must be a torch.Tensor, got {type(recv_stats).__name__}")
+            _need(recv_stats.dtype == torch.int32, TypeError, f"recv_stats must be int32, got {recv_stats.dtype}")
+            _need(tuple(recv_stats.shape) == (E_l,), ValueError,
+                  f"recv_stats must have shape [{E_l}] (the local experts), got {tuple(recv_stats.shape)}")
+            _need(recv_stats.device == x.device, ValueError, f"recv_stats is on {recv_stats.device}, x on {x.device}")
+
+    def _check_low_latency_topk(self, topk_idx, T: int, K: Optional[int], device) -> None:
+        _need(isinstance(topk_idx, torch.Tensor), TypeError,
+              f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+        _need(topk_idx.dtype == torch.int64, TypeError, f"topk_idx must be int64, got {topk_idx.dtype}")
+        _need(topk_idx.dim() == 2 and topk_idx.shape[0] == T and (K is None or topk_idx.shape[1] == K),
+              ValueError, f"topk_idx must have shape [{T}, {'K' if K is None else K}], got {tuple(topk_idx.shape)}")
+        _need(1 <= topk_idx.shape[1] <= LOW_LATENCY_MAX_TOPK, ValueError,
+              f"the low-latency calls take 1 <= topk <= {LOW_LATENCY_MAX_TOPK}, got {topk_idx.shape[1]}")
+        _need(topk_idx.device == device, ValueError, f"topk_idx is on {topk_idx.device}, x on {device}")
+        _need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
+
+    def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, out) -> None:
+        _need(isinstance(handle, LowLatencyHandle), TypeError,
+              f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle).__name__}")
+        _need(handle.buffer_id == self._id and self._low_latency is not None, ValueError,
+              "handle comes from another EPBuffer's low_latency_dispatch: combine on the buffer that dispatched")
+        _need(handle.backend == self._low_latency.name, TypeError,
+              f"handle was made by the {handle.backend} low-latency engine, this buffer uses {self._low_latency.name}")
+        _need((handle.hidden, handle.num_experts) == (self.hidden, self.num_experts), ValueError,
+              f"handle is for hidden={handle.hidden}, {handle.num_experts} experts; this buffer has "
+              f"hidden={self.hidden}, {self.num_experts} experts")
+        E_l, W, M, H, T = self.num_local_experts, self.world, handle.max_tokens, self.hidden, handle.num_tokens
+        device = handle.src_info.device
+        _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        _need(x.dtype == torch.bfloat16, TypeError, f"low_latency_combine takes BF16 x, got {x.dtype}")
+        _need(tuple(x.shape) == (E_l, W * M, H), ValueError,
+              f"x must have the dispatch's shape [{E_l}, {W * M}, {H}] (local experts, ranks * max tokens, "
+              f"hidden), got {tuple(x.shape)}")
+        _need(x.is_contiguous(), ValueError, "x must be contiguous")
+        _need(x.device == device, ValueError, f"x is on {x.device}, but the handle's dispatch ran on {device}")
+        self._check_low_latency_topk(topk_idx, T, handle.topk, device)
+        _need(isinstance(topk_weights, torch.Tensor), TypeError,
+              f"topk_weights must be a torch.Tensor, got {type(topk_weights).__name__}")
+        _need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
+        _need(tuple(topk_weights.shape) == (T, handle.topk), ValueError,
+              f"topk_weights must have shape [{T}, {handle.topk}], got {tuple(topk_weights.shape)}")
+        _need(topk_weights.device == device, ValueError, f"topk_weights is on {topk_weights.device}, x on {device}")
+        _need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+        if out is not None:
+            _need(isinstance(out, torch.Tensor), TypeError, f"out must be a torch.Tensor, got {type(out).__name__}")
+            _need(out.dtype == torch.bfloat16, TypeError, f"out must be BF16, got {out.dtype}")
+            _need(tuple(out.shape) == (T, H), ValueError, f"out must have shape [{T}, {H}], got {tuple(out.shape)}")
+            _need(out.device == device, ValueError, f"out is on {out.device}, x on {device}")
+            _need(out.is_contiguous(), ValueError, "out must be contiguous")
+
     def stats(self, reset: bool = False) -> dict:
         """What this buffer's exchanges cost and moved since the last reset (comm.stats: true): per op
         calls and times (device times from CUDA events, host times on CPU), bytes sent and received
@@ -329,13 +560,18 @@ class EPBuffer:
 
     def check_finished(self) -> None:
         """Raise what finished work reported (EPTimeoutError naming the missing ranks, or ValueError for
-        expert ids out of range), without waiting."""
+        expert ids out of range), without waiting. Covers the low-latency engine too."""
         self._backend.check()
+        if self._low_latency is not None:
+            self._low_latency.check()
         self._index_check.raise_if_seen()
 
     def check(self) -> None:
         """Wait for this rank's queued work on the current stream, then raise what it reported."""
         self._backend.wait_pending()
+        wait = getattr(self._low_latency, "wait_pending", None)  # an engine whose exchanges the stream waits for
+        if wait is not None:
+            wait()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
         self.check_finished()
@@ -343,7 +579,11 @@ class EPBuffer:
     synchronize = check
 
     def close(self) -> None:
+        """Release the backend's and the low-latency engine's communication resources; safe to repeat."""
+        self._closed = True
         self._backend.close()
+        if self._low_latency is not None:
+            self._low_latency.close()
 
     def __enter__(self):
         return self

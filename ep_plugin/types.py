@@ -5,12 +5,13 @@ the host lists (`send_counts`, `recv_counts`, `tokens_per_expert`) come from a n
 pinned memory and are read lazily: reading one waits for that copy only, not for the stream. Types
 never change with the mode: `tokens_per_expert` is always a list, `num_tokens_per_expert` always an
 int device tensor. `Handle.state` is a dataclass private to the backend that made the handle.
+`LowLatencyHandle` is the low-latency calls' counterpart (fixed expert-major layout, docs/LOW_LATENCY.md).
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -254,6 +255,34 @@ class ExpertDispatchResult:
         from .expert_major import padded  # expert_major builds on these types
 
         return padded(self.handle.tokens_per_expert, self.handle.expert.alignment)
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """What `EPBuffer.low_latency_combine` needs from its `low_latency_dispatch` (docs/LOW_LATENCY.md).
+
+    W ranks, E_l local experts, M = `comm.low_latency.max_tokens_per_rank`. Local expert e holds the
+    rows from source rank s in its slots [begin, begin + count), where begin = `layout_range[e, s] >> 32`
+    and count = `layout_range[e, s] & 0xFFFFFFFF`: sources in rank order from slot 0, each source's
+    rows by token index ascending. A row's `src_info` entry is that token's index on its source rank;
+    entries at and past the expert's total count are garbage. With a receive hook, the tensors are
+    valid once the hook has run on the stream.
+
+    Equality is identity: a handle stands for one dispatch.
+    """
+
+    src_info: torch.Tensor      # [E_l, W*M] int32: token index on the source rank of each received row
+    layout_range: torch.Tensor  # [E_l, W] int64: (begin << 32) | count of each source rank's rows
+    num_tokens: int             # T of the dispatching rank (combine's topk_idx/weights are [T, K])
+    max_tokens: int             # M: rows per source rank in each expert's [W*M] slots
+    hidden: int                 # H
+    num_experts: int            # E, global
+    topk: int                   # K
+    use_fp8: bool               # whether the dispatch cast the rows to FP8
+    backend: str                # name of the low-latency engine that made it
+    state: Any = field(default=None, repr=False)  # private to that engine
+    # Set by EPBuffer after the dispatch: combine refuses a handle from another buffer.
+    buffer_id: Optional[int] = field(default=None, repr=False)
 
 
 def counts_from_lists(send_counts: Sequence[int], recv_counts: Sequence[int],

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU suite in as few device calls as possible: build, GPU tests, Megatron layer, dispatch benchmark.
+# GPU suite in as few device calls as possible: build, GPU tests, Megatron layer, dispatch benchmark,
+# low-latency receive-hook overlap.
 #
 #   bash scripts/gpu_suite.sh build test layer     # first call
 #   bash scripts/gpu_suite.sh build bench          # second call (build is skipped when already done)
+#   bash scripts/gpu_suite.sh build ll             # receive hooks vs a GEMM (benchmarks/bench_ll_overlap.py)
 #   PYTEST_K=expert: only the GPU tests matching it; LAYER_BASELINE=0: the layer on this tree only
+#   BENCH_ARGS / LL_ARGS: extra arguments of bench_dispatch.py / bench_ll_overlap.py
 #
 # Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh), optionally DeepEP
 # sources in .deepep/ (../shared/gpu/deepep_reference.sh prepare) and an older tree in .baseline/
@@ -70,6 +73,13 @@ stage_bench() {  # the dispatch benchmark, both protocols, DeepEP beside; then t
   fi
 }
 
+stage_ll() {  # low-latency receive hooks: a GEMM between send and hook() vs the calls in sequence (EP2)
+  local t0=$(date +%s)
+  timeout "${LL_TIMEOUT:-300}" python3 benchmarks/bench_ll_overlap.py --out "$OUT/bench_ll_overlap.json" ${LL_ARGS:-} \
+    > "$OUT/bench_ll_overlap.log" 2>&1
+  echo "ll overlap rc=$? in $(( $(date +%s) - t0 )) s"; tail -25 "$OUT/bench_ll_overlap.log"
+}
+
 wait_deepep() {
   [ -d .deepep ] || return 0
   for _ in $(seq 1 60); do [ -f /tmp/deepep/.built ] && return 0; pgrep -f deepep_reference >/dev/null || break; sleep 3; done
@@ -82,6 +92,7 @@ for s in "$@"; do
     test) stage_test ;;
     layer) stage_layer ;;
     bench) stage_bench ;;
+    ll) stage_ll ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done

@@ -1,5 +1,8 @@
 // ep_plugin._C's NVSHMEM functions (nvshmem/runtime.h). setup.py compiles this file only when it
 // builds the NVSHMEM part (EP_WITH_NVSHMEM), so a build without the wheel has none of these names.
+#include <vector>
+
+#include "nvshmem/low_latency.h"
 #include "nvshmem/runtime.h"
 #include "python/bindings.h"
 
@@ -23,6 +26,29 @@ void bind_nvshmem(py::module_& m) {
   m.def("nvshmem_put_ints", &s::put_ints, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("peer"),
         py::arg("stream"), "Put n int32 from local src to symmetric dst on peer, then quiet (a test kernel)");
   m.def("nvshmem_barrier_all_on_stream", &s::barrier_all_on_stream, py::arg("stream"));
+
+  using LL = ll::Runtime;
+  py::class_<LL>(m, "LowLatencyRuntime",
+                 "The low-latency kernels' buffers and launches (csrc/nvshmem/low_latency.h); collective to build")
+      .def(py::init<int, int, int, int, int, int, double, int>(), py::arg("rank"), py::arg("world"),
+           py::arg("num_experts"), py::arg("max_tokens"), py::arg("max_topk"), py::arg("hidden"),
+           py::arg("timeout_s"), py::arg("num_blocks"))
+      .def_static("heap_bytes", &LL::heap_bytes, py::arg("world"), py::arg("num_experts"), py::arg("max_tokens"),
+                  py::arg("max_topk"), py::arg("hidden"))
+      .def("dispatch", &LL::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("T"), py::arg("K"),
+           py::arg("use_fp8"), py::arg("round_scale"), py::arg("phases"), py::arg("out_x"), py::arg("out_scales"),
+           py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"), py::arg("row_slot"),
+           py::arg("recv_stats"), py::arg("stream"))
+      .def("combine", &LL::combine, py::arg("x"), py::arg("row_slot"), py::arg("recv_count"), py::arg("topk_idx"),
+           py::arg("weights"), py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"))
+      .def("set_mask", &LL::set_mask, py::arg("left_out"))
+      .def("error", &LL::error)
+      .def("error_kernel", &LL::error_kernel)
+      .def("missing_ranks", &LL::missing_ranks)
+      .def("take_bad_expert_ids", &LL::take_bad_expert_ids)
+      .def_property_readonly("all_p2p", &LL::all_p2p)
+      .def_property_readonly("bytes", &LL::bytes)
+      .def("destroy", &LL::destroy, py::arg("collective") = true);
 }
 
 }  // namespace ep

@@ -8,6 +8,10 @@ before the buffer is built, and never afterwards.
 auto: nvshmem when the group spans nodes and it is built; nvlink when all ranks share a node with
 peer access and nvlink takes the row width; torch otherwise (`auto_choice`, which `ep_plugin doctor`
 asks too). The choice and its reason are logged once.
+
+The low-latency calls have engines of their own (docs/LOW_LATENCY.md, "Engines"), chosen by
+`low_latency_choice`: the NVSHMEM kernels when they can run here and `comm.backend` is not torch,
+else the torch reference.
 """
 from __future__ import annotations
 
@@ -19,13 +23,16 @@ from typing import Callable, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from .._ext import HOW_TO_BUILD, has_c
+from .._ext import HOW_TO_BUILD, get_c, has_c
 from ..errors import BackendUnavailableError
 
 BACKEND_NAMES = ("auto", "torch", "nvlink", "nvshmem")
 _PACKAGES = {"torch": ("torch_ref", "TorchBackend"), "nvlink": ("nvlink", "NvlinkBackend"),
              "nvshmem": ("nvshmem", "NvshmemBackend")}
 _KERNEL_BACKENDS = ("nvlink", "nvshmem")
+# low-latency engines: name -> (module under backends/, class)
+_LOW_LATENCY = {"torch": ("torch_ref.low_latency", "TorchLowLatency"),
+                "nvshmem": ("nvshmem.low_latency", "NvshmemLowLatency")}
 
 logger = logging.getLogger("ep_plugin")
 _said = set()
@@ -135,3 +142,52 @@ def make_backend(group, cfg, hidden: int, num_experts: int):
     if dist.get_rank(group) == 0:
         _say_once(f"ep_plugin: using the {name} backend ({reason})")
     return backend_class(name)(group, cfg, hidden, num_experts)
+
+
+def _low_latency_class(name: str) -> Type:
+    module, cls = _LOW_LATENCY[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def nvshmem_low_latency_unavailable(group, hidden: int) -> Optional[str]:
+    """Why the NVSHMEM low-latency engine cannot serve `group` and row width `hidden`, or None.
+    Asks the engine's check_available (no collectives)."""
+    pg_backend = dist.get_backend(group)
+    if "nccl" not in pg_backend or not torch.cuda.is_available():
+        return f"process group backend is {pg_backend!r} (the NVSHMEM kernels need NCCL and CUDA GPUs)"
+    if not has_c():
+        return "ep_plugin._C is not built"
+    if not getattr(get_c(), "HAS_NVSHMEM", False):
+        return "ep_plugin._C is built without NVSHMEM (pip install nvidia-nvshmem-cu13, or -cu12, then rebuild)"
+    try:
+        _low_latency_class("nvshmem").check_available(group, hidden)
+    except ImportError as exc:
+        return f"the NVSHMEM low-latency engine could not be imported ({exc})"
+    except (BackendUnavailableError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def low_latency_choice(group, requested: str, hidden: int) -> Tuple[str, str]:
+    """The low-latency engine for `comm.backend` = `requested`: (name, reason). The NVSHMEM kernels
+    unless `requested` is torch or they cannot run here (then the torch reference); an explicit
+    `comm.backend: nvshmem` raises BackendUnavailableError instead of falling back."""
+    if requested not in BACKEND_NAMES:
+        raise ValueError(f"comm.backend must be one of {BACKEND_NAMES}, got {requested!r}")
+    if requested == "torch":
+        return "torch", "comm.backend: torch"
+    why = nvshmem_low_latency_unavailable(group, hidden)
+    if why is None:
+        return "nvshmem", "the NVSHMEM kernels are built and the group is NCCL on GPUs"
+    if requested == "nvshmem":
+        raise BackendUnavailableError(f"comm.backend: nvshmem: the NVSHMEM low-latency engine cannot run here: {why}")
+    return "torch", why
+
+
+def make_low_latency(group, cfg, hidden: int, num_experts: int):
+    """Build the low-latency engine of an EPBuffer: collective over the group's members (each engine
+    builds its communication state)."""
+    name, reason = low_latency_choice(group, cfg.comm.backend, hidden)
+    if dist.get_rank(group) == 0:
+        _say_once(f"ep_plugin: low-latency calls use the {name} engine ({reason})")
+    return _low_latency_class(name)(group, cfg, hidden, num_experts)

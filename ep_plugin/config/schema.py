@@ -35,6 +35,16 @@ class MoEConfig:
 
 
 @dataclass
+class LowLatencyConfig:
+    """The low-latency calls (EPBuffer.low_latency_dispatch/combine, docs/LOW_LATENCY.md): section
+    ``comm.low_latency``."""
+
+    # M: most tokens one rank passes to a low-latency dispatch (more raises an error). Sizes its fixed
+    # output [E_local, W * M, H] and the engine's buffers, so keep it at the decode batch.
+    max_tokens_per_rank: int = 128
+
+
+@dataclass
 class CommConfig:
     """Communication: which transport, how many SMs, dtypes, buffer sizing, timeouts."""
 
@@ -61,6 +71,7 @@ class CommConfig:
     # Steps between the framework integrations' stats reports (their own logging); None = never,
     # read EPBuffer.stats() yourself.
     stats_interval: Optional[int] = 100
+    low_latency: LowLatencyConfig = field(default_factory=LowLatencyConfig)
 
 
 @dataclass
@@ -69,8 +80,8 @@ class OverlapConfig:
 
     async_dispatch: bool = False
     shared_expert_overlap: bool = False
-    # The default of return_recv_hook of the low-latency calls (not built yet: the nvshmem
-    # low-latency issue).
+    # The default of return_recv_hook of the low-latency calls: True = they return a hook that
+    # launches the receive half later, leaving every SM to the caller's compute in between.
     recv_hook: bool = False
 
 
@@ -104,7 +115,7 @@ class EPConfig:
 SECTIONS: Dict[str, type] = {"moe": MoEConfig, "comm": CommConfig, "overlap": OverlapConfig}
 
 __all__ = [
-    "MoEConfig", "CommConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
+    "MoEConfig", "CommConfig", "LowLatencyConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
     "SCORE_FUNCTIONS", "BACKEND_NAMES", "DISPATCH_DTYPES", "COMBINE_DTYPES", "COMBINE_KERNELS",
     "VALIDATE_MODES",
 ]

@@ -17,7 +17,8 @@ from .schema import (
     SECTIONS, VALIDATE_MODES, EPConfig,
 )
 
-# (kind, allowed): kind picks the check in check_value, allowed is what the message offers.
+# (kind, allowed): kind picks the check in check_value, allowed is what the message offers. A rule
+# that is a dict instead is a nested section (a dataclass field of the section), with its own rules.
 _POS_INT = ("int", "a positive int (>= 1)")
 _OPT_POS_INT = ("opt_int", "null or a positive int (>= 1)")
 _BOOL = ("bool", "true | false")
@@ -45,6 +46,9 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "validate": ("enum", VALIDATE_MODES),
         "stats": _BOOL,
         "stats_interval": _OPT_POS_INT,
+        "low_latency": {
+            "max_tokens_per_rank": _POS_INT,
+        },
     },
     "overlap": {
         "async_dispatch": _BOOL,
@@ -53,9 +57,23 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
     },
 }
 
-# A key added to a dataclass but not here (or the reverse) must fail at import, not at a user.
+
+
+def _nested_class(cls: type, key: str) -> type:
+    """The dataclass of nested section ``key`` of ``cls`` (its field's default_factory)."""
+    return next(f.default_factory for f in dataclasses.fields(cls) if f.name == key)
+
+
+def _check_rules(path: str, cls: type, rules: Dict[str, Any]) -> None:
+    # A key added to a dataclass but not here (or the reverse) must fail at import, not at a user.
+    assert set(rules) == {f.name for f in dataclasses.fields(cls)}, path
+    for key, rule in rules.items():
+        if isinstance(rule, dict):
+            _check_rules(f"{path}.{key}", _nested_class(cls, key), rule)
+
+
 for _sec, _cls in SECTIONS.items():
-    assert set(RULES[_sec]) == {f.name for f in dataclasses.fields(_cls)}, _sec
+    _check_rules(_sec, _cls, RULES[_sec])
 
 # Selection on score + bias needs scores that are not renormalised over the selection.
 _BIAS_SCORE_FUNCTIONS = tuple(f for f in SCORE_FUNCTIONS if f != "softmax")
@@ -93,7 +111,9 @@ class Context:
         self.override_keys = set(override_keys)
 
     def where(self, dotted: str) -> str:
-        if dotted in self.override_keys or dotted.split(".")[0] in self.override_keys:
+        parts = dotted.split(".")
+        # an override of a section (or nested section) covers every key inside it
+        if any(".".join(parts[:n]) in self.override_keys for n in range(1, len(parts) + 1)):
             return f"{self.source} (overrides)"
         return self.source
 
@@ -200,10 +220,12 @@ def check_moe(ctx: Context, m: Dict[str, Any]) -> None:
         )
 
 
-def _section_values(ctx: Context, sec: str, cls: type, body: Any) -> Dict[str, Any]:
+def _section_values(ctx: Context, sec: str, cls: type, body: Any,
+                    rules: Dict[str, Any] = None) -> Dict[str, Any]:
+    """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in."""
     if body is None:
         body = {}
-    rules = RULES[sec]
+    rules = RULES[sec] if rules is None else rules
     if not isinstance(body, Mapping):
         raise ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
                             f"{', '.join(rules)}")
@@ -213,10 +235,17 @@ def _section_values(ctx: Context, sec: str, cls: type, body: Any) -> Dict[str, A
                 f"{sec}.{key}",
                 f"unknown key{suggest(str(key), rules)}; allowed keys in '{sec}': {', '.join(rules)}",
             )
-    values = {f.name: copy.deepcopy(f.default) for f in dataclasses.fields(cls)}
-    for key, value in body.items():
-        kind, allowed = rules[key]
-        values[key] = check_value(ctx, f"{sec}.{key}", kind, allowed, value)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if isinstance(rules[f.name], dict):
+            sub = _nested_class(cls, f.name)
+            values[f.name] = sub(**_section_values(ctx, f"{sec}.{f.name}", sub, body.get(f.name),
+                                                   rules[f.name]))
+        elif f.name in body:
+            kind, allowed = rules[f.name]
+            values[f.name] = check_value(ctx, f"{sec}.{f.name}", kind, allowed, body[f.name])
+        else:
+            values[f.name] = copy.deepcopy(f.default)
     return values
 
 

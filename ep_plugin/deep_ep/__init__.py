@@ -4,10 +4,19 @@ ep_plugin by changing one import, or none after `install()`.
     import ep_plugin.deep_ep as deep_ep                 # explicit
     ep_plugin.deep_ep.install(); import deep_ep         # `import deep_ep` resolves to this module
 
-Supported: Buffer (get_dispatch_layout, dispatch (fresh, cached, FP8 pairs, num_worst_tokens,
-expert_alignment), combine (weights, bias), capture, set_num_sms, get_dispatch_config,
-get_combine_config, destroy), EventOverlap, Config. Not yet: the low-latency and internode calls
-raise NotImplementedError naming the call. See buffer.py for the mapping onto EPBuffer.
+Supported: Buffer with
+- intranode: get_dispatch_layout, dispatch (fresh, cached, FP8 pairs, num_worst_tokens,
+  expert_alignment), combine (weights, bias), capture, set_num_sms, get_dispatch_config,
+  get_combine_config, destroy;
+- low-latency (Buffer(..., low_latency_mode=True)): low_latency_dispatch (BF16 or FP8, round_scale,
+  use_ue8m0, cumulative_local_expert_recv_stats, async_finish, return_recv_hook),
+  low_latency_combine (out, zero_copy, async_finish, return_recv_hook),
+  get_next_low_latency_combine_buffer, clean_low_latency_buffer (a no-op), get_low_latency_rdma_size_hint,
+  and later DeepEP's low_latency_{update,query,clean}_mask_buffer;
+EventOverlap, Config. Not supported (NotImplementedError naming the call or argument): internode
+(internode_dispatch/combine, num_tokens_per_rdma_rank), dispatch_wait_recv_cost_stats,
+combine_wait_recv_cost_stats, use_logfmt, get_local_buffer_tensor. See buffer.py (intranode) and
+low_latency.py for the mapping onto EPBuffer.
 """
 from __future__ import annotations
 

@@ -1,17 +1,29 @@
-"""deep_ep.Buffer (DeepEP V1, tag v1.2.1), intranode part, over EPBuffer.
+"""deep_ep.Buffer (DeepEP V1, tag v1.2.1) over EPBuffer: the intranode and low-latency calls.
 
 Written from DeepEP's documented API (the docstrings of deep_ep/buffer.py), not from its code. The
-same arguments and return tuples; what is not supported raises an error naming the argument:
-internode (`num_tokens_per_rdma_rank`, an RDMA group) and the low-latency calls (ep_plugin's
-low-latency kernels are the nvshmem backend, not built yet).
+same arguments and return tuples; what is not supported raises an error naming the argument.
 
-Mapping: one EPBuffer per (hidden, num_experts), built at the first dispatch of that shape (every
-rank dispatches the same shapes in the same order, as with DeepEP). Its config comes from
+Supported
+- intranode: get_dispatch_layout, dispatch (fresh, cached, FP8 pairs, num_worst_tokens,
+  expert_alignment, routing by is_token_in_rank alone), combine (weights, bias), capture,
+  set_num_sms, get_dispatch_config / get_combine_config, destroy.
+- low-latency (low_latency.py, Buffer(low_latency_mode=True)): low_latency_dispatch (BF16, FP8,
+  round_scale, use_ue8m0, cumulative_local_expert_recv_stats, async_finish, return_recv_hook),
+  low_latency_combine (out, zero_copy, async_finish, return_recv_hook),
+  get_next_low_latency_combine_buffer, clean_low_latency_buffer (a no-op),
+  get_low_latency_rdma_size_hint, and later DeepEP's low_latency_{update,query,clean}_mask_buffer.
+Not supported: internode (`num_tokens_per_rdma_rank`, internode_dispatch/combine),
+`dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats`, `use_logfmt`,
+get_local_buffer_tensor: NotImplementedError naming them.
+
+Intranode mapping: one EPBuffer per (hidden, num_experts), built at the first dispatch of that shape
+(every rank dispatches the same shapes in the same order, as with DeepEP). Its config comes from
 `ep_config` (path, preset, dict or EPConfig; default: ep_plugin's defaults, backend auto, so nvlink
 on one node of GPUs and the torch backend elsewhere), with `Buffer.num_sms` as comm.num_sms.
 A dispatch without `topk_idx` routes by `is_token_in_rank` (a stand-in expert per destination).
 Outputs have exactly the received rows (the host waits for the counts, as DeepEP's does), or
-`num_worst_tokens` rows with no host sync when that is given.
+`num_worst_tokens` rows with no host sync when that is given. The low-latency mapping (one EPBuffer
+per (hidden, num_experts, num_max_dispatch_tokens_per_rank)) is described in low_latency.py.
 """
 from __future__ import annotations
 
@@ -25,10 +37,8 @@ from ..config import EPConfig, load_config
 from ..expert_major import padded
 from .events import Config, EventOverlap, capture
 from .handle import DeepEPHandle
+from .low_latency import LowLatencyMixin, low_latency_size_hint
 
-_LOW_LATENCY = ("ep_plugin.deep_ep: {name} needs ep_plugin's low-latency kernels (the nvshmem backend), "
-                "which are not built yet; dispatch(..., num_worst_tokens=N) gives a host-sync-free, "
-                "CUDA-graph-capturable dispatch meanwhile")
 _INTERNODE = ("ep_plugin.deep_ep: {name}: internode dispatch/combine (RDMA ranks) is not supported yet; "
               "ep_plugin's intranode backends serve one node")
 
@@ -44,8 +54,13 @@ def _cut(t: Optional[torch.Tensor], n: int, fill=0) -> Optional[torch.Tensor]:
     return out
 
 
-class Buffer:
-    """deep_ep.Buffer over ep_plugin.EPBuffer (intranode high-throughput API)."""
+class Buffer(LowLatencyMixin):
+    """deep_ep.Buffer over ep_plugin.EPBuffer (intranode and low-latency APIs).
+
+    num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl
+    are accepted and kept: ep_plugin sizes and connects its own memory (comm.max_tokens_per_rank,
+    comm.low_latency.max_tokens_per_rank; the engine picks NVLink or RDMA per peer). ep_config: the
+    EPConfig source of every EPBuffer this Buffer builds (ep_plugin's own keyword)."""
 
     num_sms: int = 20
 
@@ -61,9 +76,12 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
         self._cfg: EPConfig = load_config(ep_config)
         self._buffers: Dict[Tuple[int, int], EPBuffer] = {}
+        self._ll_init()
         self._destroyed = False
 
     # ------------------------------------------------------------------ class-level settings
@@ -91,7 +109,9 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        return 0  # no RDMA buffer: callers pass it to Buffer(num_rdma_bytes=...), which ignores it
+        """Bytes the low-latency engine holds per rank for this shape (BF16 rows; the formula is in
+        low_latency.low_latency_size_hint). A hint only: Buffer(num_rdma_bytes=...) is kept, not used."""
+        return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def get_comm_stream(self) -> torch.Stream:
         return torch.cuda.current_stream()
@@ -105,14 +125,18 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("ep_plugin.deep_ep.Buffer: this buffer was destroyed")
 
+    def _raw_config(self, num_experts: int) -> dict:
+        """The config (a dict) of an EPBuffer for num_experts experts: ep_config, with Buffer.num_sms."""
+        raw = self._cfg.to_dict()
+        raw["moe"] = {"num_experts": num_experts, "topk": min(int(raw["moe"].get("topk") or 1), num_experts)}
+        raw["comm"]["num_sms"] = Buffer.num_sms
+        return raw
+
     def _buffer(self, hidden: int, num_experts: int) -> EPBuffer:
         key = (hidden, num_experts)
         buf = self._buffers.get(key)
         if buf is None:
-            raw = self._cfg.to_dict()
-            raw["moe"] = {"num_experts": num_experts, "topk": min(int(raw["moe"].get("topk") or 1), num_experts)}
-            raw["comm"]["num_sms"] = Buffer.num_sms
-            buf = self._buffers[key] = EPBuffer(self.group, load_config(raw), hidden=hidden)
+            buf = self._buffers[key] = EPBuffer(self.group, load_config(self._raw_config(num_experts)), hidden=hidden)
         return buf
 
     @staticmethod
@@ -252,27 +276,20 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         raise NotImplementedError(_INTERNODE.format(name="internode_combine"))
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY.format(name="low_latency_dispatch"))
-
-    def low_latency_combine(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY.format(name="low_latency_combine"))
-
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY.format(name="clean_low_latency_buffer"))
-
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY.format(name="get_next_low_latency_combine_buffer"))
-
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Close the EPBuffers (collective: every rank calls it)."""
         if self._destroyed:
             return
         self._destroyed = True
-        for buf in self._buffers.values():
-            buf.close()
+        closed = []
+        for buf in list(self._buffers.values()) + list(self._ll_buffers.values()):
+            if all(buf is not c for c in closed):
+                buf.close()
+                closed.append(buf)
         self._buffers.clear()
+        self._ll_buffers.clear()
+        self._ll_staging.clear()
 
 
 __all__ = ["Buffer"]

@@ -27,3 +27,23 @@ class DeepEPHandle(tuple):
         self.inner = inner
         self.num_rows = num_rows
         return self
+
+
+class DeepEPLowLatencyHandle(tuple):
+    """(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), as DeepEP's
+    low_latency_dispatch returns it, carrying ep_plugin's LowLatencyHandle for low_latency_combine.
+
+    src_info [E_l, W*M] int32: the token index on its source rank of each received row.
+    layout_range [E_l, W] int64: `(begin << 32) | count` of each source rank's rows per local expert.
+    Both are valid once the dispatch has completed (its event waited on, or its hook run).
+    """
+
+    inner: object   # ep_plugin.types.LowLatencyHandle
+    buffer: object  # the EPBuffer that made it
+
+    def __new__(cls, inner, buffer, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
+        self = super().__new__(cls, (inner.src_info, inner.layout_range, num_max_dispatch_tokens_per_rank,
+                                     hidden, num_experts))
+        self.inner = inner
+        self.buffer = buffer
+        return self

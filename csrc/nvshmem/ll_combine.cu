@@ -1,0 +1,147 @@
+// Low-latency combine: each received row goes back to its source at (token, k); the source sums
+// its tokens' K rows with their weights (float32, k ascending, multiply and add rounded apart, as
+// the reference does) into BF16. One kernel does either half or both (kSend|kRecv).
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "nvshmem/ll_device.cuh"
+#include "nvshmem/ll_kernels.h"
+
+namespace ep {
+namespace ll {
+namespace {
+
+__device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slot, const int* recv_count,
+                          int* smem, bool* any_rdma) {
+  const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
+  const int MK = M * c.max_topk;
+  int* s_cnt = smem;
+  int* s_off = smem + EL;
+  for (int el = threadIdx.x; el < EL; el += blockDim.x) s_cnt[el] = recv_count[el];
+  block_exclusive_scan(s_cnt, s_off, EL);
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int n16 = c.hidden / 8;
+  const int total = s_off[EL];
+  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total; i += gridDim.x * warps) {
+    const int el = find_segment(s_off, EL, i);
+    const long long in_row = static_cast<long long>(el) * WM + (i - s_off[el]);
+    const int slot = row_slot[in_row];
+    const int s = slot / MK, at = slot % MK;
+    if (left_out(c, s)) continue;
+    const int4* src = x + in_row * n16;
+    const long long off = c.comb_rows[p] + static_cast<long long>(at) * c.hidden * 2;
+    char* base = c.peer[s];
+    int4* dst = reinterpret_cast<int4*>((base != nullptr ? base : c.heap + c.comb_stage + in_row * c.hidden * 2 - off) + off);
+    constexpr int U = 4;
+    for (int u0 = 0; u0 < n16; u0 += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u0 + u * 32 + lane < n16) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u0 + u * 32 + lane < n16) st_na_v4(dst + u0 + u * 32 + lane, v[u]);
+    }
+    if (base == nullptr) {  // staged: an NVSHMEM put to the source (compiled, not run here)
+      __syncwarp();
+      nvshmemx_putmem_nbi_warp(c.heap + off, dst, static_cast<size_t>(c.hidden) * 2, s);
+      *any_rdma = true;
+    }
+  }
+}
+
+__device__ void signal_all(const Ctx& c, int p, int epoch) {
+  __threadfence_system();
+  __syncthreads();
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
+    if (left_out(c, d)) continue;
+    if (c.peer[d] != nullptr) {
+      st_release_sys(flag_word(c.peer[d], c.comb_flag[p], c.rank), epoch + 1);
+    } else {
+      nvshmem_fence();
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + c.comb_flag[p] + 8ll * c.rank),
+                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
+    }
+  }
+}
+
+__device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
+                              int4* y) {
+  const int W = c.world, EL = c.local_experts, E = c.num_experts;
+  const int epoch = ld_volatile(c.state + kCombRecvEpoch);
+  const int p = epoch & 1;
+  __shared__ int s_ok[kMaxRanks];
+  __shared__ float s_w[32];
+  __shared__ int s_k[32];
+  __shared__ int s_nk;
+  for (int s = threadIdx.x; s < W; s += blockDim.x)
+    s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
+  __syncthreads();
+  const int n16 = c.hidden / 8;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x == 0) {
+      int nk = 0;
+      for (int k = 0; k < K; ++k) {
+        const long long e = topk_idx[static_cast<long long>(t) * K + k];
+        if (e < 0 || e >= E || !s_ok[static_cast<int>(e) / EL]) continue;
+        s_k[nk] = k;
+        s_w[nk] = weights[static_cast<long long>(t) * K + k];
+        ++nk;
+      }
+      s_nk = nk;
+    }
+    __syncthreads();
+    const int nk = s_nk;
+    for (int j = threadIdx.x; j < n16; j += blockDim.x) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int q = 0; q < nk; ++q) {
+        const int4 v = ld_nc_v4(reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, s_k[q])) + j);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        const float w = s_w[q];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+        }
+      }
+      int4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      y[static_cast<long long>(t) * n16 + j] = out;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+__global__ void __launch_bounds__(kThreads, 1)
+    ll_combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
+               const float* weights, int T, int K, int phases, int4* y) {
+  extern __shared__ int smem[];
+  if (phases & kSend) {
+    const int epoch = ld_volatile(c.state + kCombSendEpoch);
+    const int p = epoch & 1;
+    bool any_rdma = false;
+    send_rows(c, p, x, row_slot, recv_count, smem, &any_rdma);
+    if (any_rdma) nvshmem_quiet();
+    if (last_block(ticket(c, kTicketCombSend))) {
+      signal_all(c, p, epoch);
+      __syncthreads();
+      if (threadIdx.x == 0) c.state[kCombSendEpoch] = epoch + 1;
+    }
+  }
+  if (phases & kRecv) {
+    __syncthreads();
+    reduce_tokens(c, topk_idx, weights, T, K, y);
+    if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
+      c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
+  }
+}
+
+}  // namespace ll
+}  // namespace ep

@@ -1,0 +1,115 @@
+// The low-latency kernels' shared view of memory (see low_latency.h for the protocol).
+//
+// Symmetric heap of every rank, per parity p (0/1, the parity of the call's epoch, so that a fast
+// peer's next call never writes what a slow rank is still reading):
+//   disp_flag[p][W]        u64 signal words; source s sets [s] to epoch + 1 after its rows and counts
+//   disp_cnt[p][W][EL]     int, rows source s sent to each local expert
+//   disp_slots[p][EL][W][M] slot = 16-byte header {token, k} + payload (BF16 row, or FP8 row + scales)
+//   comb_flag[p][W]        u64, as disp_flag, for combine
+//   comb_rows[p][M*KMAX]   BF16 rows sent back, at token * KMAX + k
+// RDMA staging (only when a peer is not reachable over P2P): stage_rows[M] slots, stage_cnt[E] ints,
+// comb_stage[EL*W*M] rows: NVSHMEM puts need a symmetric source.
+#pragma once
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "common/ptx.cuh"
+#include "common/wait.cuh"
+
+namespace ep {
+namespace ll {
+
+constexpr int kMaxRanks = 64;
+constexpr int kThreads = 512;
+constexpr int kHeaderBytes = 16;
+constexpr int kSend = 1, kRecv = 2;  // phases of one launch
+constexpr int kKernelDispatch = 10, kKernelCombine = 11;
+
+// Local (not symmetric) ints: epochs of each half, last-block tickets, the mask of left-out ranks.
+enum StateIndex { kDispSendEpoch = 0, kDispRecvEpoch, kCombSendEpoch, kCombRecvEpoch,
+                  kTicketDispSend, kTicketDispRecv, kTicketCombSend, kTicketCombRecv, kMask };
+
+struct HostInfo {  // host-mapped: what a wait that timed out reports, and expert ids out of range
+  int err;
+  int err_kernel;
+  int missing[kMaxRanks];
+  int bad_ids;  // a send half saw topk_idx outside [-1, E) (treated as routed nowhere)
+};
+
+struct Ctx {
+  int rank, world, num_experts, local_experts, max_tokens, max_topk, hidden;
+  int slot_bytes;  // header + BF16 row, rounded to 16
+  char* heap;                 // this rank's symmetric base
+  char* peer[kMaxRanks];      // nvshmem_ptr(heap, r): P2P address, or nullptr (RDMA)
+  long long disp_flag[2], disp_cnt[2], disp_slots[2], comb_flag[2], comb_rows[2];
+  long long stage_rows, stage_cnt, comb_stage;  // -1 when every peer is P2P
+  int* state;
+  int* aborted;
+  HostInfo* host;
+  unsigned long long timeout_ns;
+};
+
+__device__ __forceinline__ bool left_out(const Ctx& c, int r) { return ld_volatile(c.state + kMask + r) != 0; }
+
+__device__ __forceinline__ unsigned* ticket(const Ctx& c, int i) { return reinterpret_cast<unsigned*>(c.state + i); }
+
+// Slot of (local expert el, source s, index i) in parity p, relative to a rank's heap base.
+__device__ __forceinline__ long long slot_offset(const Ctx& c, int p, int el, int s, int i) {
+  return c.disp_slots[p] + ((static_cast<long long>(el) * c.world + s) * c.max_tokens + i) * c.slot_bytes;
+}
+
+__device__ __forceinline__ long long comb_row_offset(const Ctx& c, int p, int token, int k) {
+  return c.comb_rows[p] + (static_cast<long long>(token) * c.max_topk + k) * c.hidden * 2;
+}
+
+// The 32-bit half of a u64 signal word that P2P stores and waits use (little endian: the low word;
+// an RDMA signal_op SET of a value below 2^31 leaves the high word 0).
+__device__ __forceinline__ int* flag_word(char* base, long long off, int r) {
+  return reinterpret_cast<int*>(base + off + 8ll * r);
+}
+
+// Exclusive scan of n ints in shared memory into off[0..n] (off[n] = total), by the whole block.
+__device__ inline void block_exclusive_scan(const int* in, int* off, int n) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int per = (n + 31) / 32;
+    const int lo = min(n, lane * per), hi = min(n, lo + per);
+    int sum = 0;
+    for (int i = lo; i < hi; ++i) sum += in[i];
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int run = incl - sum;
+    for (int i = lo; i < hi; ++i) {
+      off[i] = run;
+      run += in[i];
+    }
+    if (lane == 31) off[n] = incl;
+  }
+  __syncthreads();
+}
+
+// Index j with off[j] <= i < off[j + 1] (off ascending, off[0] = 0 <= i < off[n]).
+__device__ __forceinline__ int find_segment(const int* off, int n, int i) {
+  int lo = 0, hi = n;  // invariant: off[lo] <= i < off[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= i) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Waits for source r's signal of this call; records a timeout. True if it arrived.
+__device__ inline bool wait_signal(const Ctx& c, long long flag_off, int r, int target, int kernel_id) {
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  const int got = wait_geq(flag_word(c.heap, flag_off, r), target, deadline, c.aborted);
+  if (got == kTimedOut) record_timeout(c, r, kernel_id);
+  return got == kArrived;
+}
+
+}  // namespace ll
+}  // namespace ep

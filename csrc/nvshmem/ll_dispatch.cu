@@ -1,0 +1,293 @@
+// Low-latency dispatch: a copy per (token, expert) into the owner's slot for (expert, this source),
+// then counts and one signal per destination; the receive half packs each expert's rows in source
+// order into the caller's [EL, W*M, H] tensor. One kernel does either half or both (kSend|kRecv).
+#include <cuda_fp8.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "nvshmem/ll_device.cuh"
+#include "nvshmem/ll_kernels.h"
+
+namespace ep {
+namespace ll {
+namespace {
+
+// Per 128 channels: amax over 16 lanes holding 8 BF16 each (all 32 lanes call it).
+__device__ __forceinline__ float group_amax(float a) {
+#pragma unroll
+  for (int d = 8; d >= 1; d >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, d));
+  return a;
+}
+
+__device__ __forceinline__ void unpack_bf16(const int4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// The send half for the tokens of this block. s_topk holds the T*K expert ids (int), -1 where a
+// (token, k) goes nowhere (invalid id or left-out owner).
+template <bool kFp8>
+__device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_topk, int T, int K,
+                            int round_scale, bool* any_rdma) {
+  __shared__ int s_slot[32];
+  __shared__ char* s_dst[32];
+  __shared__ int s_rdma;
+  const int EL = c.local_experts;
+  const int n16 = c.hidden / 8;  // 16-byte units of a BF16 row
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x < K) s_slot[threadIdx.x] = 0;
+    if (threadIdx.x == 0) s_rdma = 0;
+    __syncthreads();
+    // slot index of (t, k) at its expert: entries of earlier tokens routed to the same expert
+    for (int j = threadIdx.x; j < t * K; j += blockDim.x) {
+      const int e = s_topk[j];
+      if (e < 0) continue;
+      for (int k = 0; k < K; ++k)
+        if (s_topk[t * K + k] == e) atomicAdd(&s_slot[k], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < K) {
+      const int k = threadIdx.x, e = s_topk[t * K + k];
+      char* dst = nullptr;
+      for (int k2 = 0; k2 < k; ++k2)  // an expert listed twice for one token: one slot each
+        if (e >= 0 && s_topk[t * K + k2] == e) ++s_slot[k];
+      if (e >= 0) {
+        const int d = e / EL;
+        const long long off = slot_offset(c, p, e % EL, c.rank, s_slot[k]);
+        if (c.peer[d] != nullptr) {
+          dst = c.peer[d] + off;
+          *reinterpret_cast<int4*>(dst) = make_int4(t, k, 0, 0);
+        } else {
+          s_rdma = 1;
+        }
+      }
+      s_dst[k] = dst;
+    }
+    __syncthreads();
+    const bool rdma = s_rdma != 0;
+    char* stage = rdma ? c.heap + c.stage_rows + static_cast<long long>(t) * c.slot_bytes : nullptr;
+    if (rdma && threadIdx.x == 0) *reinterpret_cast<int4*>(stage) = make_int4(t, 0, 0, 0);
+    const int4* row = x + static_cast<long long>(t) * n16;
+    // all lanes of a warp run every round (the FP8 amax shuffles need them)
+    for (int base = 0; base < n16; base += blockDim.x) {
+      const int j = base + threadIdx.x;
+      const bool active = j < n16;
+      const int4 v = active ? ld_nc_v4(row + j) : make_int4(0, 0, 0, 0);
+      if constexpr (!kFp8) {
+        if (active) {
+          for (int k = 0; k < K; ++k)
+            if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + kHeaderBytes) + j, v);
+          if (rdma) st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, v);
+        }
+      } else {
+        float f[8];
+        unpack_bf16(v, f);
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(f[i]));
+        const float amax = fmaxf(group_amax(a), 1e-4f);
+        // The float32 steps torch takes for DeepEP's reference cast on CUDA: `amax / 448.0` is a
+        // multiply by the rounded reciprocal, `448.0 / amax` is reciprocal(amax) * 448.
+        constexpr float kInv448 = 1.f / 448.f;
+        float scale, inv;
+        if (round_scale) {
+          scale = exp2f(ceilf(log2f(amax * kInv448)));
+          inv = 1.f / scale;
+        } else {
+          scale = amax * kInv448;
+          inv = (1.f / amax) * 448.f;
+        }
+        uint2 q;
+        unsigned char* qb = reinterpret_cast<unsigned char*>(&q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          qb[i] = static_cast<unsigned char>(__nv_cvt_float_to_fp8(f[i] * inv, __NV_SATFINITE, __NV_E4M3));
+        if (active) {
+          const int group = j / 16;
+          const bool writes_scale = (j % 16) == 0;
+          for (int k = 0; k < K; ++k) {
+            char* d = s_dst[k];
+            if (d == nullptr) continue;
+            reinterpret_cast<uint2*>(d + kHeaderBytes)[j] = q;
+            if (writes_scale) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[group] = scale;
+          }
+          if (rdma) {
+            reinterpret_cast<uint2*>(stage + kHeaderBytes)[j] = q;
+            if (writes_scale) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[group] = scale;
+          }
+        }
+      }
+    }
+    if (rdma) {  // NVSHMEM puts from the staged slot to the peers without P2P (compiled, not run here)
+      __syncthreads();
+      const int bytes = kHeaderBytes + (kFp8 ? c.hidden + c.hidden / 32 : c.hidden * 2);
+      for (int k = 0; k < K; ++k) {
+        const int e = s_topk[t * K + k];
+        if (e < 0 || s_dst[k] != nullptr) continue;
+        if (threadIdx.x == 0) reinterpret_cast<int*>(stage)[1] = k;
+        __syncthreads();
+        const int d = e / EL;
+        nvshmemx_putmem_nbi_block(c.heap + slot_offset(c, p, e % EL, c.rank, s_slot[k]), stage, bytes, d);
+        __syncthreads();
+        if (threadIdx.x == 0) nvshmem_quiet();  // the header's k is rewritten for the next put
+        __syncthreads();
+      }
+      *any_rdma = true;
+    }
+    __syncthreads();
+  }
+}
+
+// Rows per (destination expert) -> the owners' disp_cnt, by one block before the rows: the signal
+// (after every block's fence) makes them visible with the rows.
+__device__ void send_counts(const Ctx& c, int p, const int* s_topk, int TK, int* s_hist) {
+  const int E = c.num_experts, EL = c.local_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
+  __syncthreads();
+  for (int j = threadIdx.x; j < TK; j += blockDim.x)
+    if (s_topk[j] >= 0) atomicAdd(&s_hist[s_topk[j]], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int d = e / EL;
+    if (left_out(c, d)) continue;
+    const long long off = c.disp_cnt[p] + 4ll * (c.rank * EL + e % EL);
+    if (c.peer[d] != nullptr) {
+      *reinterpret_cast<volatile int*>(c.peer[d] + off) = s_hist[e];
+    } else {
+      int* staged = reinterpret_cast<int*>(c.heap + c.stage_cnt) + e;
+      *staged = s_hist[e];
+      nvshmem_int_put_nbi(reinterpret_cast<int*>(c.heap + off), staged, 1, d);
+    }
+  }
+  if (c.stage_cnt >= 0) nvshmem_quiet();  // the counts' puts complete before this block's ticket
+  __syncthreads();
+}
+
+// The last sender block, after every block's rows and counts are out: one signal per rank.
+__device__ void signal_all(const Ctx& c, int p, int epoch) {
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
+    if (left_out(c, d)) continue;
+    if (c.peer[d] != nullptr) {
+      st_release_sys(flag_word(c.peer[d], c.disp_flag[p], c.rank), epoch + 1);
+    } else {
+      nvshmem_fence();
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + c.disp_flag[p] + 8ll * c.rank),
+                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
+    }
+  }
+}
+
+// The receive half: wait for every source, then pack each expert's rows (source order, then slot
+// order = token order) into out; block 0 writes counts, layout ranges and the statistics.
+template <bool kFp8>
+__device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
+  const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
+  const int epoch = ld_volatile(c.state + kDispRecvEpoch);
+  const int p = epoch & 1;
+  const int n = W * EL;
+  int* s_cnt = smem;          // [EL][W]
+  int* s_off = smem + n;      // [EL*W + 1]
+  __shared__ int s_ok[kMaxRanks];
+  for (int s = threadIdx.x; s < W; s += blockDim.x)
+    s_ok[s] = !left_out(c, s) && wait_signal(c, c.disp_flag[p], s, epoch + 1, kKernelDispatch);
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int el = i / W, s = i % W;
+    s_cnt[i] = s_ok[s] ? ld_volatile(reinterpret_cast<int*>(c.heap + c.disp_cnt[p]) + s * EL + el) : 0;
+  }
+  block_exclusive_scan(s_cnt, s_off, n);
+  if (blockIdx.x == 0) {
+    for (int el = threadIdx.x; el < EL; el += blockDim.x) {
+      const int cnt = s_off[(el + 1) * W] - s_off[el * W];
+      o.recv_count[el] = cnt;
+      if (o.recv_stats != nullptr) o.recv_stats[el] += cnt;
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const long long begin = s_off[i] - s_off[(i / W) * W];
+      o.layout_range[i] = (begin << 32) | static_cast<long long>(s_cnt[i]);
+    }
+  }
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int total = s_off[n];
+  const int units = kFp8 ? c.hidden / 16 : c.hidden / 8;  // 16-byte units of the payload's data
+  const int S = c.hidden / 128;
+  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total; i += gridDim.x * warps) {
+    const int pair = find_segment(s_off, n, i);
+    const int el = pair / W, s = pair % W;
+    const int idx = i - s_off[pair], row = i - s_off[el * W];
+    const char* slot = c.heap + slot_offset(c, p, el, s, idx);
+    const long long out_row = static_cast<long long>(el) * WM + row;
+    if (lane == 0) {
+      const int4 h = ld_nc_v4(reinterpret_cast<const int4*>(slot));
+      o.src_info[out_row] = h.x;
+      o.row_slot[out_row] = (s * M + h.x) * c.max_topk + h.y;
+    }
+    const int4* src = reinterpret_cast<const int4*>(slot + kHeaderBytes);
+    int4* dst = reinterpret_cast<int4*>(o.x + out_row * (kFp8 ? c.hidden : c.hidden * 2));
+    constexpr int U = 4;
+    for (int u0 = 0; u0 < units; u0 += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u0 + u * 32 + lane < units) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u0 + u * 32 + lane < units) dst[u0 + u * 32 + lane] = v[u];
+    }
+    if constexpr (kFp8) {
+      const float* sc = reinterpret_cast<const float*>(slot + kHeaderBytes + c.hidden);
+      for (int j = lane; j < S; j += 32)
+        o.scales[(static_cast<long long>(el) * S + j) * WM + row] = __ldg(sc + j);
+    }
+  }
+}
+
+}  // namespace
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    ll_dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases, int round_scale,
+                DispatchOut o) {
+  extern __shared__ int smem[];
+  if (phases & kSend) {
+    const int epoch = ld_volatile(c.state + kDispSendEpoch);
+    const int p = epoch & 1;
+    int* s_topk = smem;  // [T*K], then the last block's histogram [E]
+    const int E = c.num_experts, EL = c.local_experts;
+    bool bad = false;
+    for (int j = threadIdx.x; j < T * K; j += blockDim.x) {
+      const long long e = topk_idx[j];
+      bad |= e < -1 || e >= E;
+      s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
+    }
+    if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;
+    __syncthreads();
+    bool any_rdma = false;
+    // the last block has no token when the grid outnumbers the tokens: it sends the counts
+    if (blockIdx.x == gridDim.x - 1) send_counts(c, p, s_topk, T * K, s_topk + T * K);
+    send_tokens<kFp8>(c, p, x, s_topk, T, K, round_scale, &any_rdma);
+    if (any_rdma && threadIdx.x == 0) nvshmem_quiet();
+    if (last_block(ticket(c, kTicketDispSend))) {
+      signal_all(c, p, epoch);
+      __syncthreads();
+      if (threadIdx.x == 0) c.state[kDispSendEpoch] = epoch + 1;
+    }
+  }
+  if (phases & kRecv) {
+    __syncthreads();
+    receive<kFp8>(c, o, smem);
+    if (last_block(ticket(c, kTicketDispRecv)) && threadIdx.x == 0)
+      c.state[kDispRecvEpoch] = ld_volatile(c.state + kDispRecvEpoch) + 1;
+  }
+}
+
+template __global__ void ll_dispatch<false>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
+template __global__ void ll_dispatch<true>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
+
+}  // namespace ll
+}  // namespace ep

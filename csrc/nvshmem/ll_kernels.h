@@ -1,0 +1,28 @@
+// The low-latency kernels, launched by ll_runtime.cu (separate compilation units: -rdc).
+#pragma once
+#include <cstdint>
+
+#include "nvshmem/ll_device.cuh"
+
+namespace ep {
+namespace ll {
+
+struct DispatchOut {   // the caller's tensors (recv half)
+  char* x;             // [EL, W*M, H] BF16, or FP8 bytes
+  float* scales;       // FP8: storage [EL, H/128, W*M]
+  int* recv_count;     // [EL]
+  int* src_info;       // [EL, W*M]
+  long long* layout_range;  // [EL, W]
+  int* row_slot;       // [EL, W*M]: (source * M + token) * KMAX + k, for combine
+  int* recv_stats;     // [EL] or nullptr
+};
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases,
+                            int round_scale, DispatchOut o);
+
+__global__ void __launch_bounds__(kThreads, 1) ll_combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
+                           const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y);
+
+}  // namespace ll
+}  // namespace ep

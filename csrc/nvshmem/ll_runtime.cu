@@ -1,0 +1,212 @@
+// Host side of the low-latency kernels (low_latency.h): the symmetric layout, checks, launches.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "nvshmem/ll_kernels.h"
+#include "nvshmem/low_latency.h"
+
+namespace ep {
+namespace ll {
+namespace {
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+int slot_bytes_for(int hidden) { return static_cast<int>(align16(kHeaderBytes + 2ull * hidden)); }
+
+// Offsets of ll_device.cuh's layout; returns the total. stage: the RDMA staging areas.
+size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage) {
+  const size_t slot = slot_bytes_for(H);
+  size_t at = 0;
+  auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
+  long long disp_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2];
+  for (int p = 0; p < 2; ++p) {
+    disp_flag[p] = take(8ull * W);
+    comb_flag[p] = take(8ull * W);
+    disp_cnt[p] = take(4ull * E);
+    disp_slots[p] = take(slot * E * M);
+    comb_rows[p] = take(2ull * H * M * KMAX);
+  }
+  long long stage_rows = -1, stage_cnt = -1, comb_stage = -1;
+  if (stage) {
+    stage_rows = take(slot * M);
+    stage_cnt = take(4ull * E);
+    comb_stage = take(2ull * H * E * M);
+  }
+  if (c != nullptr) {
+    for (int p = 0; p < 2; ++p) {
+      c->disp_flag[p] = disp_flag[p];
+      c->comb_flag[p] = comb_flag[p];
+      c->disp_cnt[p] = disp_cnt[p];
+      c->disp_slots[p] = disp_slots[p];
+      c->comb_rows[p] = comb_rows[p];
+    }
+    c->stage_rows = stage_rows;
+    c->stage_cnt = stage_cnt;
+    c->comb_stage = comb_stage;
+  }
+  return at;
+}
+
+size_t smem_bytes(int T, int K, int E) {
+  const size_t send = static_cast<size_t>(T) * K + E, recv = 2ull * E + 1;
+  return 4 * (send > recv ? send : recv);
+}
+
+}  // namespace
+
+size_t Runtime::heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden) {
+  return layout(nullptr, world, num_experts, max_tokens, max_topk, hidden, false);
+}
+
+Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_topk, int hidden, double timeout_s,
+                 int num_blocks)
+    : world_(world), max_tokens_(max_tokens), max_topk_(max_topk), hidden_(hidden), num_blocks_(num_blocks) {
+  EP_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "LowLatencyRuntime: call nvshmem_init first");
+  EP_CHECK_ARG(world >= 1 && world <= kMaxRanks, "LowLatencyRuntime: world must be in [1, %d], got %d", kMaxRanks, world);
+  EP_CHECK_ARG(rank == nvshmem_my_pe() && world == nvshmem_n_pes(),
+               "LowLatencyRuntime: rank %d / world %d differ from NVSHMEM's PE %d of %d", rank, world,
+               nvshmem_my_pe(), nvshmem_n_pes());
+  EP_CHECK_ARG(num_experts > 0 && num_experts % world == 0, "LowLatencyRuntime: %d experts do not split over %d ranks",
+               num_experts, world);
+  EP_CHECK_ARG(hidden > 0 && hidden % 8 == 0, "LowLatencyRuntime: hidden must be a positive multiple of 8, got %d", hidden);
+  EP_CHECK_ARG(max_tokens > 0, "LowLatencyRuntime: max_tokens must be positive, got %d", max_tokens);
+  EP_CHECK_ARG(max_topk > 0 && max_topk <= 32, "LowLatencyRuntime: max_topk must be in [1, 32], got %d", max_topk);
+  EP_CHECK_ARG(num_blocks > 0, "LowLatencyRuntime: num_blocks must be positive, got %d", num_blocks);
+  EP_CHECK_ARG(static_cast<long long>(world) * max_tokens * max_topk < (1ll << 31),
+               "LowLatencyRuntime: world * max_tokens * max_topk must stay below 2^31");
+  Ctx* c = new Ctx{};
+  ctx_ = c;
+  // Every rank takes the same decision (staging or not): in a job spanning nodes every rank has a
+  // peer without P2P, and nvshmem_ptr is null exactly for those.
+  bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, false);
+  heap_ = static_cast<char*>(nvshmem_malloc(bytes_));  // collective
+  EP_CHECK(heap_ != nullptr, "nvshmem_malloc(%zu) failed for the low-latency buffers (raise NVSHMEM_SYMMETRIC_SIZE)",
+           bytes_);
+  for (int r = 0; r < world; ++r) all_p2p_ = all_p2p_ && nvshmem_ptr(heap_, r) != nullptr;
+  if (!all_p2p_) {  // peers across nodes: add the staging areas (every rank of such a job lacks P2P to some peer)
+    nvshmem_free(heap_);
+    bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, true);
+    heap_ = static_cast<char*>(nvshmem_malloc(bytes_));
+    EP_CHECK(heap_ != nullptr, "nvshmem_malloc(%zu) failed for the low-latency buffers", bytes_);
+  }
+  EP_CUDA_CHECK(cudaMemset(heap_, 0, bytes_));
+  EP_CUDA_CHECK(cudaMalloc(&local_, sizeof(int) * (kMask + world + 1)));
+  EP_CUDA_CHECK(cudaMemset(local_, 0, sizeof(int) * (kMask + world + 1)));
+  EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(HostInfo), cudaHostAllocMapped));
+  std::memset(host_, 0, sizeof(HostInfo));
+  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+  EP_CUDA_CHECK(cudaDeviceSynchronize());
+  nvshmem_barrier_all();  // nobody writes a peer's slots before that peer has zeroed them
+
+  c->rank = rank;
+  c->world = world;
+  c->num_experts = num_experts;
+  c->local_experts = num_experts / world;
+  c->max_tokens = max_tokens;
+  c->max_topk = max_topk;
+  c->hidden = hidden;
+  c->slot_bytes = slot_bytes_for(hidden);
+  c->heap = heap_;
+  for (int r = 0; r < world; ++r) c->peer[r] = static_cast<char*>(nvshmem_ptr(heap_, r));
+  c->state = local_;
+  c->aborted = local_ + kMask + world;
+  c->host = host_dev_;
+  c->timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
+  const size_t smem = smem_bytes(max_tokens, max_topk, num_experts);
+  EP_CHECK_ARG(smem <= 200 * 1024, "LowLatencyRuntime: max_tokens * max_topk + 2 * experts too large for shared memory");
+  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_combine, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+}
+
+Runtime::~Runtime() { destroy(false); }
+
+void Runtime::destroy(bool collective) {
+  if (heap_ != nullptr && collective) nvshmem_free(heap_);
+  heap_ = nullptr;
+  if (local_ != nullptr) cudaFree(local_);
+  local_ = nullptr;
+  if (host_ != nullptr) cudaFreeHost(host_);
+  host_ = nullptr;
+  delete static_cast<Ctx*>(ctx_);
+  ctx_ = nullptr;
+}
+
+void Runtime::check_call(int T, int K) const {
+  EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "LowLatencyRuntime: used after destroy()");
+  EP_CHECK_ARG(T >= 0 && T <= max_tokens_, "low-latency call: %d tokens, the buffer holds at most %d", T, max_tokens_);
+  EP_CHECK_ARG(K >= 1 && K <= max_topk_, "low-latency call: topk %d outside [1, %d]", K, max_topk_);
+}
+
+void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
+                       uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
+                       uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream) {
+  check_call(T, K);
+  EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency dispatch: phases must be 1, 2 or 3, got %d", phases);
+  EP_CHECK_ARG(!use_fp8 || hidden_ % 128 == 0, "low-latency FP8 dispatch needs hidden %% 128 == 0, got %d", hidden_);
+  const Ctx& c = *static_cast<Ctx*>(ctx_);
+  DispatchOut o{reinterpret_cast<char*>(out_x), reinterpret_cast<float*>(out_scales), reinterpret_cast<int*>(recv_count),
+                reinterpret_cast<int*>(src_info), reinterpret_cast<long long*>(layout_range),
+                reinterpret_cast<int*>(row_slot), reinterpret_cast<int*>(recv_stats)};
+  const size_t smem = smem_bytes(T, K, c.num_experts);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (use_fp8)
+    ll_dispatch<true><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
+                                                          reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
+                                                          round_scale, o);
+  else
+    ll_dispatch<false><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
+                                                           reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
+                                                           round_scale, o);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
+                      int T, int K, int phases, uintptr_t y, uintptr_t stream) {
+  check_call(T, K);
+  EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency combine: phases must be 1, 2 or 3, got %d", phases);
+  const Ctx& c = *static_cast<Ctx*>(ctx_);
+  const size_t smem = smem_bytes(0, 0, c.num_experts);
+  ll_combine<<<num_blocks_, kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+      c, reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
+      reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
+      reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y));
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::set_mask(const std::vector<int>& left_out) {
+  EP_CHECK(ctx_ != nullptr, "LowLatencyRuntime: used after destroy()");
+  std::vector<int> mask(world_ + 1, 0);  // + the abort word, cleared with the mask
+  for (int r : left_out) {
+    EP_CHECK_ARG(r >= 0 && r < world_, "low-latency mask: rank %d outside [0, %d)", r, world_);
+    mask[r] = 1;
+  }
+  EP_CUDA_CHECK(cudaDeviceSynchronize());
+  EP_CUDA_CHECK(cudaMemcpy(local_ + kMask, mask.data(), sizeof(int) * mask.size(), cudaMemcpyHostToDevice));
+  std::memset(host_, 0, sizeof(HostInfo));
+}
+
+int Runtime::error() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err : 0; }
+int Runtime::error_kernel() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err_kernel : 0; }
+
+int Runtime::take_bad_expert_ids() {
+  if (host_ == nullptr) return 0;
+  volatile HostInfo* h = host_;
+  const int bad = h->bad_ids;
+  if (bad) h->bad_ids = 0;
+  return bad;
+}
+
+std::vector<int> Runtime::missing_ranks() const {
+  std::vector<int> out;
+  if (host_ == nullptr) return out;
+  volatile HostInfo* h = host_;
+  for (int r = 0; r < world_; ++r)
+    if (h->missing[r]) out.push_back(r);
+  return out;
+}
+
+}  // namespace ll
+}  // namespace ep

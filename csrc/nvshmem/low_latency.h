@@ -1,0 +1,56 @@
+// ep_plugin._C.LowLatencyRuntime: the low-latency kernels' host side (ll_runtime.cu). Protocol:
+// every rank builds one after nvshmem_init (a collective: one symmetric allocation, zeroed, then a
+// barrier). dispatch/combine launch one kernel with phases kSend (1), kRecv (2) or both: the send
+// half writes rows straight into the owners' symmetric slots (P2P stores, or NVSHMEM puts where a
+// peer is not P2P-reachable), then one signal per rank carrying epoch + 1; the receive half waits
+// for the signals (deadline timeout_s, recorded in host-mapped memory, never a trap) and packs the
+// rows into the caller's tensors. Epochs and tickets live on the device, so calls never sync the
+// host and replay in CUDA graphs. Calls must alternate dispatch/combine in the same order on every
+// rank; buffers alternate by epoch parity, so one call of a kind may be in flight per rank.
+//
+// No NVSHMEM type here: the bindings compile without the wheel's headers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ep {
+namespace ll {
+
+struct HostInfo;
+
+class Runtime {
+ public:
+  Runtime(int rank, int world, int num_experts, int max_tokens, int max_topk, int hidden, double timeout_s,
+          int num_blocks);
+  ~Runtime();
+  static size_t heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden);
+
+  void dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
+                uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
+                uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream);
+  void combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
+               int T, int K, int phases, uintptr_t y, uintptr_t stream);
+  void set_mask(const std::vector<int>& left_out);  // clears a recorded timeout too (synchronous)
+  int error() const;
+  int error_kernel() const;
+  std::vector<int> missing_ranks() const;
+  int take_bad_expert_ids();  // 1 if a send half since the last call saw an id outside [-1, E); clears it
+  bool all_p2p() const { return all_p2p_; }
+  size_t bytes() const { return bytes_; }
+  void destroy(bool collective);  // nvshmem_free (collective) unless after a fault
+
+ private:
+  void check_call(int T, int K) const;
+  int world_, max_tokens_, max_topk_, hidden_, num_blocks_;
+  size_t bytes_ = 0;
+  bool all_p2p_ = true;
+  char* heap_ = nullptr;
+  int* local_ = nullptr;
+  HostInfo* host_ = nullptr;
+  HostInfo* host_dev_ = nullptr;
+  void* ctx_ = nullptr;  // ll::Ctx (defined in ll_device.cuh)
+};
+
+}  // namespace ll
+}  // namespace ep

@@ -1,0 +1,162 @@
+"""NvshmemLowLatency: EPBuffer's low-latency engine on NVSHMEM (docs/LOW_LATENCY.md has the contract).
+
+The kernels (csrc/nvshmem/ll_*.cu) write each (token, expert) row straight into the owner's
+symmetric slot over NVLink P2P (NVSHMEM puts where a peer has no P2P path: the RDMA path, compiled
+but not run on the GPU machines here), signal with epoch counters kept on the device, and pack rows
+into the caller's tensors in the receive half. No host sync, fixed shapes, so a dispatch/combine
+pair captures into a CUDA graph. With a hook the send half is launched now and the receive half when
+the hook is called; without, one kernel does both.
+
+A wait past comm.timeout_s records the missing rank in host-mapped memory; check() raises it as
+EPTimeoutError (once), and set_mask() lets the others go on without that rank.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..._ext import get_c
+from ...errors import BackendUnavailableError, EPTimeoutError
+from ...types import FP8_BLOCK, LowLatencyHandle
+from . import runtime
+
+SEND, RECV = 1, 2
+MAX_RANKS = 64
+MIN_TOPK_CAPACITY = 16  # combine slots per token: the config's topk or this, whichever is larger
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class NvshmemLowLatency:
+    name = "nvshmem"
+    checks_expert_ids = True  # the send half flags ids outside [-1, E); check() raises them
+
+    @staticmethod
+    def check_available(group, hidden: int) -> None:
+        C = get_c()
+        if not getattr(C, "HAS_NVSHMEM", False):
+            raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM")
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the NVSHMEM low-latency kernels need CUDA GPUs")
+        world = dist.get_world_size(group)
+        if world > MAX_RANKS:
+            raise ValueError(f"the NVSHMEM low-latency kernels support at most {MAX_RANKS} ranks, got {world}")
+        if hidden % 8:
+            raise ValueError(f"the NVSHMEM low-latency kernels need hidden % 8 == 0 (16-byte rows), got {hidden}")
+
+    def __init__(self, group, cfg, hidden: int, num_experts: int):
+        C = get_c()
+        self.group = group
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.local_experts = num_experts // self.world
+        self.max_tokens = int(cfg.comm.low_latency.max_tokens_per_rank)
+        self.max_topk = max(int(cfg.moe.topk), MIN_TOPK_CAPACITY)
+        self.timeout_s = float(cfg.comm.timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden)
+        runtime.join(group, heap)
+        blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
+                                       self.timeout_s, blocks)
+        self._reported = False
+
+    # ------------------------------------------------------------------ dispatch
+    # The send half is launched first, with nothing but pointers: in a cold call the host's work
+    # before the first launch is on the critical path, the allocations after it overlap the send.
+    def dispatch(self, x, topk_idx, *, use_fp8: bool, round_scale: bool, recv_stats, hook: bool):
+        T, K = topk_idx.shape
+        rt = self._rt
+        rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, int(use_fp8), int(round_scale), SEND,
+                    0, 0, 0, 0, 0, 0, 0, torch.cuda.current_stream().cuda_stream)
+        EL, WM, H, dev = self.local_experts, self.world * self.max_tokens, self.hidden, x.device
+        if use_fp8:
+            data = torch.empty((EL, WM, H), dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty((EL, H // FP8_BLOCK, WM), dtype=torch.float32, device=dev).transpose(1, 2)
+            recv_x = (data, scales)
+        else:
+            data = recv_x = torch.empty((EL, WM, H), dtype=torch.bfloat16, device=dev)
+            scales = None
+        recv_count = torch.empty((EL,), dtype=torch.int32, device=dev)
+        src_info = torch.empty((EL, WM), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((EL, self.world), dtype=torch.int64, device=dev)
+        row_slot = torch.empty((EL, WM), dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
+                                  max_tokens=self.max_tokens, hidden=H, num_experts=self.num_experts, topk=K,
+                                  use_fp8=use_fp8, backend=self.name,
+                                  state={"row_slot": row_slot, "recv_count": recv_count})
+        outs = (data.data_ptr(), _ptr(scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                row_slot.data_ptr(), _ptr(recv_stats))
+        # the receive half reads no input: x and topk_idx may go once the send half is queued
+        keep = [recv_stats]
+
+        def recv():
+            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, torch.cuda.current_stream().cuda_stream)
+            keep.clear()
+
+        if not hook:
+            recv()
+            return recv_x, recv_count, handle, None
+        return recv_x, recv_count, handle, recv
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, topk_idx, topk_weights, handle, *, out, hook: bool):
+        T, K = topk_idx.shape
+        rt, state = self._rt, handle.state
+        rt.combine(x.data_ptr(), state["row_slot"].data_ptr(), state["recv_count"].data_ptr(), 0, 0, T, K, SEND, 0,
+                   torch.cuda.current_stream().cuda_stream)
+        y = out if out is not None else torch.empty((T, self.hidden), dtype=torch.bfloat16, device=x.device)
+        keep = [topk_idx, topk_weights]  # read by the receive half
+
+        def recv():
+            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
+                       torch.cuda.current_stream().cuda_stream)
+            keep.clear()
+
+        if not hook:
+            recv()
+            return y, None
+        return y, recv
+
+    # ------------------------------------------------------------------ faults
+    def set_mask(self, ranks: Sequence[int]) -> None:
+        self._rt.set_mask(list(ranks))
+        self._reported = False
+
+    def check(self) -> None:
+        if self._rt is None:
+            return
+        if self._rt.take_bad_expert_ids():
+            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated as "
+                             "routed nowhere by a low-latency dispatch")
+        if self._reported or not self._rt.error():
+            return
+        self._reported = True
+        runtime.mark_fault()
+        missing = tuple(self._rt.missing_ranks())
+        where = {10: "low-latency dispatch", 11: "low-latency combine"}.get(self._rt.error_kernel(), "?")
+        raise EPTimeoutError(
+            f"nvshmem low-latency: rank(s) {list(missing)} did not arrive within comm.timeout_s={self.timeout_s}s "
+            f"({where}); their rows are missing from that call. Leave them out with "
+            "EPBuffer.set_low_latency_mask(ranks) to go on without them", missing)
+
+    def close(self) -> None:
+        if self._rt is None:
+            return
+        rt, self._rt = self._rt, None
+        torch.cuda.synchronize(self.device)
+        # nvshmem_free is collective: after a fault a peer may never join it
+        rt.destroy(collective=not runtime.faulted() and not rt.error())
+
+    def __del__(self):
+        if getattr(self, "_rt", None) is not None:
+            try:
+                self._rt.destroy(collective=False)
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass

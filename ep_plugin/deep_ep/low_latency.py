@@ -1,0 +1,416 @@
+"""deep_ep.Buffer's low-latency calls (DeepEP V1, tag v1.2.1) over EPBuffer.low_latency_dispatch /
+low_latency_combine / set_low_latency_mask (docs/LOW_LATENCY.md).
+
+Written from DeepEP's documented API (the docstrings of deep_ep/buffer.py), not from its code.
+
+Mapping
+- One EPBuffer per (hidden, num_experts, num_max_dispatch_tokens_per_rank) = (H, E, M), built at the
+  first low-latency call of that shape (a collective, as DeepEP's calls are), with
+  `comm.low_latency.max_tokens_per_rank = M`. The intranode EPBuffer of (H, E) is reused when its
+  config already has that M. Otherwise a Buffer made with `num_nvl_bytes > 0` (meant for both kinds
+  of call) builds one EPBuffer that both kinds share; one made with `num_nvl_bytes == 0` (low-latency
+  only, as DeepEP's low-latency users make it) builds one whose normal path is sized to M tokens
+  (`comm.max_tokens_per_rank = M`), so the unused high-throughput buffers stay small.
+- recv_x, recv_count, handle[0] (src_info), handle[1] (layout_range), cumulative stats: the engine's,
+  unchanged (its contract is DeepEP's layout). The handle is a 5-tuple subclass that also carries
+  ep_plugin's LowLatencyHandle for combine.
+- `use_ue8m0`: the engine's `round_scale` scales are exact powers of two; their exponent bytes
+  (the float32 exponent field, i.e. log2(scale) + 127) are packed four per int32, little-endian along
+  the scale dim, into DeepEP's `[E_l, W*M, H/512]` int32 (the transpose of a contiguous
+  `[E_l, H/512, W*M]`). The packing is enqueued on the current stream after the receive half: at
+  once, or inside the hook; an async_finish event covers it.
+- `zero_copy`: get_next_low_latency_combine_buffer returns a BF16 `[E_l, W*M, H]` staging tensor
+  (two per shape, alternating, as DeepEP's two buffers); a zero_copy combine sends from it (x is
+  only checked). Nothing is saved: the engine reads the rows from wherever they are.
+- The mask calls of later DeepEP (low_latency_update_mask_buffer / query / clean; not in v1.2.1) map
+  onto EPBuffer.set_low_latency_mask. Unlike DeepEP's, a rank that times out is not masked
+  silently: the next call raises EPTimeoutError naming it; mask it to go on without it.
+
+Not supported (NotImplementedError naming the argument): `dispatch_wait_recv_cost_stats`,
+`combine_wait_recv_cost_stats`, `use_logfmt`.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from ..buffer import EPBuffer
+from ..config import load_config
+from .events import EventOverlap
+from .handle import DeepEPLowLatencyHandle
+
+_UNSUPPORTED = ("ep_plugin.deep_ep: {name} is not supported by ep_plugin's low-latency engine ({why})")
+_NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_mode=True (as DeepEP's "
+                "does); this one was made with low_latency_mode=False")
+
+# Combine slots per token the size hint counts: the NVSHMEM engine keeps max(moe.topk, 16) (its
+# MIN_TOPK_CAPACITY); DeepEP's hint takes no top-k either.
+SIZE_HINT_TOPK = 16
+_HEADER_BYTES = 16  # per dispatched row: token index and top-k slot, padded to 16
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                          num_experts: int, topk: int = SIZE_HINT_TOPK) -> int:
+    """Bytes of symmetric memory the NVSHMEM low-latency engine allocates per rank for this shape
+    (csrc/nvshmem/ll_runtime.cu, every peer reachable over P2P), BF16 rows:
+
+        slot = align16(16 + 2 * H)                       # header + BF16 row (an FP8 row + scales fits)
+        half = 2 * align16(8 * W)                        # dispatch and combine signal words
+             + align16(4 * E)                            # rows per (source, local expert)
+             + align16(E * M * slot)                     # dispatch slots: E_l experts x W sources x M
+             + align16(2 * H * M * topk)                 # combine rows: M tokens x topk slots
+        hint = 2 * half                                  # two parities: calls alternate halves
+
+    E = num_experts, M = num_max_dispatch_tokens_per_rank, W = num_ranks, topk = 16 (the engine keeps
+    max(moe.topk, 16) slots; the hint has no top-k argument, as in DeepEP). The torch reference engine
+    allocates per call instead. Only a hint: ep_plugin allocates its own memory and ignores
+    Buffer(num_rdma_bytes=...).
+    """
+    M, H, W, E = int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks), int(num_experts)
+    for name, v in (("num_max_dispatch_tokens_per_rank", M), ("hidden", H), ("num_ranks", W),
+                    ("num_experts", E)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    if E % W:
+        raise ValueError(f"num_experts ({E}) must be divisible by num_ranks ({W})")
+    slot = _align16(_HEADER_BYTES + 2 * H)
+    half = 2 * _align16(8 * W) + _align16(4 * E) + _align16(E * M * slot) + _align16(2 * H * M * int(topk))
+    return 2 * half
+
+
+def _need(cond: bool, exc, msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+class _ThenEvent:
+    """An async dispatch's EPEvent followed by work enqueued after it on the same stream (the UE8M0
+    packing): waiting on it waits for both."""
+
+    def __init__(self, event, device: torch.device) -> None:
+        self._event = event
+        self._after = None
+        if device.type == "cuda":
+            self._after = torch.cuda.Event()
+            self._after.record(torch.cuda.current_stream(device))
+
+    def current_stream_wait(self) -> None:
+        self._event.current_stream_wait()
+        if self._after is not None:
+            torch.cuda.current_stream().wait_event(self._after)
+
+    wait = current_stream_wait
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        if self._after is not None:
+            self._after.synchronize()
+
+
+def _ue8m0_target(scales: torch.Tensor) -> torch.Tensor:
+    """The int32 `[E_l, N, H/512]` tensor DeepEP returns for UE8M0 scales: the transpose of a
+    contiguous `[E_l, H/512, N]`."""
+    E_l, N, G = scales.shape
+    return torch.empty((E_l, G // 4, N), dtype=torch.int32, device=scales.device).transpose(1, 2)
+
+
+def _pack_ue8m0(scales: torch.Tensor, packed: torch.Tensor) -> None:
+    """Write into `packed` (from _ue8m0_target) the exponent bytes of the power-of-two float32 scales
+    `[E_l, N, H/128]`: byte k of int32 [e, t, j] = exponent field of scales[e, t, 4j + k]."""
+    E_l, N, G = scales.shape
+    exps = scales.transpose(1, 2).contiguous().view(torch.int32)  # [E_l, G, N], a no-op view for the engine's
+    exps = torch.bitwise_and(torch.bitwise_right_shift(exps, 23), 0xFF).to(torch.uint8)
+    dst = packed.transpose(1, 2).view(torch.uint8).view(E_l, G // 4, N, 4)  # contiguous [E_l, G/4, N] int32
+    dst.copy_(exps.view(E_l, G // 4, 4, N).transpose(2, 3))
+
+
+class LowLatencyMixin:
+    """The low-latency half of deep_ep.Buffer (mixed into buffer.Buffer)."""
+
+    def _ll_init(self) -> None:
+        self._ll_buffers: Dict[Tuple[int, int, int], EPBuffer] = {}
+        self._ll_masked: Set[int] = set()
+        self._ll_staging: Dict[Tuple[int, int, int], List[Optional[torch.Tensor]]] = {}
+        self._ll_next: Dict[Tuple[int, int, int], int] = {}
+
+    # ------------------------------------------------------------------ checks
+    def _ll_mode(self, name: str) -> None:
+        self._live()
+        if not self.low_latency_mode:
+            raise NotImplementedError(_NOT_LL_MODE.format(name=name))
+
+    def _ll_shape(self, M, E) -> Tuple[int, int]:
+        M, E = _positive_int("num_max_dispatch_tokens_per_rank", M), _positive_int("num_experts", E)
+        _need(E % self.group_size == 0, ValueError,
+              f"num_experts ({E}) must be divisible by the number of ranks ({self.group_size})")
+        return M, E
+
+    # ------------------------------------------------------------------ buffers
+    def _ll_buffer(self, hidden: int, num_experts: int, M: int, topk: int) -> EPBuffer:
+        """The EPBuffer of the low-latency calls of shape (hidden, num_experts, M); built (a collective)
+        at the first call, with moe.topk at least this call's top-k (the NVSHMEM engine sizes its
+        combine slots by it)."""
+        key = (hidden, num_experts, M)
+        buf = self._ll_buffers.get(key)
+        if buf is not None:
+            return buf
+        shared = self._buffers.get((hidden, num_experts))
+        if shared is not None and _ll_tokens(shared) == M and topk <= max(shared.cfg.moe.topk, SIZE_HINT_TOPK):
+            buf = shared
+        else:
+            raw = self._raw_config(num_experts)
+            raw["moe"]["topk"] = min(max(int(raw["moe"]["topk"]), topk), num_experts)
+            ll = dict(raw["comm"].get("low_latency") or {})
+            ll["max_tokens_per_rank"] = M
+            raw["comm"]["low_latency"] = ll
+            both = shared is None and self.num_nvl_bytes > 0
+            if not both:  # low-latency only: the high-throughput path's buffers sized to M tokens
+                raw["comm"]["max_tokens_per_rank"] = M
+            buf = EPBuffer(self.group, load_config(raw), hidden=hidden)
+            if both:
+                self._buffers[(hidden, num_experts)] = buf
+        if self._ll_masked:
+            buf.set_low_latency_mask(sorted(self._ll_masked))
+        self._ll_buffers[key] = buf
+        return buf
+
+    # ------------------------------------------------------------------ dispatch
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """(recv_x, recv_count, handle, event, hook), as DeepEP's low_latency_dispatch returns them.
+
+        x [T, H] BF16 (T <= num_max_dispatch_tokens_per_rank = M); topk_idx [T, K] int64, -1 = none.
+        recv_x: BF16 [E_l, W*M, H]; with use_fp8 the pair (float8_e4m3fn [E_l, W*M, H], float32
+        scales [E_l, W*M, H/128] column-major), or with use_ue8m0 (needs round_scale) int32 scales
+        [E_l, W*M, H/512] packing four exponent bytes. Rows of local expert e: source rank 0's first,
+        by token index; only the first recv_count[e] are valid. recv_count [E_l] int32.
+        handle: (src_info [E_l, W*M] int32, layout_range [E_l, W] int64, M, H, num_experts).
+        event: an EventOverlap (holds the work when async_finish). hook: None, or with
+        return_recv_hook the receive half: the outputs are valid once it has run.
+        """
+        name = "low_latency_dispatch"
+        self._ll_mode(name)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError(_UNSUPPORTED.format(
+                name="dispatch_wait_recv_cost_stats", why="it has no per-rank wait timers"))
+        M, E = self._ll_shape(num_max_dispatch_tokens_per_rank, num_experts)
+        _need(isinstance(x, torch.Tensor) and x.dim() == 2, ValueError,
+              f"x must be a [num_tokens, hidden] tensor, got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        _need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
+        T, H = x.shape
+        _need(T <= M, ValueError, f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
+        _need(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[0] == T,
+              ValueError, f"topk_idx must have shape [{T}, num_topk], got {tuple(getattr(topk_idx, 'shape', ()))}")
+        _need(not (async_finish and return_recv_hook), ValueError,
+              "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
+              "current stream")
+        ue8m0 = bool(use_fp8 and use_ue8m0)
+        if ue8m0:
+            _need(round_scale, ValueError, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two)")
+            _need(H % 512 == 0, ValueError, f"use_ue8m0=True needs hidden divisible by 512, got {H}")
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            E_l = E // self.group_size
+            _need(stats.dtype == torch.int32, TypeError,
+                  f"cumulative_local_expert_recv_stats must be torch.int, got {stats.dtype}")
+            _need(stats.dim() == 1 and stats.shape[0] == E_l and stats.is_contiguous(), ValueError,
+                  f"cumulative_local_expert_recv_stats must be a contiguous [{E_l}] tensor, got {tuple(stats.shape)}")
+        buf = self._ll_buffer(H, E, M, topk_idx.shape[1])
+        recv_x, recv_count, inner, event, hook = buf.low_latency_dispatch(
+            x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale), async_op=bool(async_finish),
+            return_recv_hook=bool(return_recv_hook), recv_stats=stats)
+        if ue8m0:
+            data, scales = recv_x
+            packed = _ue8m0_target(scales)
+            recv_x = (data, packed)
+
+            def pack(scales=scales, packed=packed):
+                _pack_ue8m0(scales, packed)
+
+            if hook is not None:  # the scales land in the receive half
+                def hook(recv=hook, pack=pack):
+                    recv()
+                    pack()
+            else:  # the receive half is on the current stream already (the engine's contract)
+                pack()
+                if event is not None:
+                    event = _ThenEvent(event, scales.device)
+        handle = DeepEPLowLatencyHandle(inner, buf, M, H, E)
+        keep = None
+        if async_finish:
+            rows = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+            keep = (x, topk_idx, *rows, recv_count, handle[0], handle[1], stats)
+        return recv_x, recv_count, handle, EventOverlap(event, keep), hook
+
+    # ------------------------------------------------------------------ combine
+    def _ll_handle(self, handle) -> DeepEPLowLatencyHandle:
+        if not isinstance(handle, DeepEPLowLatencyHandle):
+            raise TypeError("handle must come from this module's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        if handle.buffer not in self._ll_buffers.values():
+            raise ValueError("handle comes from another Buffer's low_latency_dispatch")
+        return handle
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """(combined_x [T, H] BF16, event, hook), as DeepEP's low_latency_combine returns them.
+
+        x [E_l, W*M, H] BF16: the expert outputs in the dispatch's layout (only rows below recv_count
+        are read). combined_x[t] = sum over k of topk_weights[t, k] * row(t, k), in float32; -1 slots
+        add nothing. out: written in place and returned. zero_copy: the rows are taken from the
+        tensor get_next_low_latency_combine_buffer(handle) returned (x is only checked).
+        """
+        name = "low_latency_combine"
+        self._ll_mode(name)
+        if use_logfmt:
+            raise NotImplementedError(_UNSUPPORTED.format(
+                name="use_logfmt", why="combine sends BF16 rows; LogFMT-10 is DeepEP's own wire format"))
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError(_UNSUPPORTED.format(
+                name="combine_wait_recv_cost_stats", why="it has no per-rank wait timers"))
+        h = self._ll_handle(handle)
+        _, _, M, H, E = h
+        E_l, W = E // self.group_size, self.group_size
+        shape = (E_l, W * M, H)
+        _need(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, ValueError,
+              f"x must have shape {list(shape)} (num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, "
+              f"hidden), got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        _need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
+        _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
+              f"topk_weights must be a float32 tensor, got {getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
+        _need(isinstance(topk_idx, torch.Tensor) and topk_weights.shape == topk_idx.shape, ValueError,
+              f"topk_weights must have topk_idx's shape {tuple(getattr(topk_idx, 'shape', ()))}, "
+              f"got {tuple(topk_weights.shape)}")
+        _need(topk_idx.dim() == 2 and topk_idx.shape[0] <= M, ValueError,
+              f"topk_idx must be [num_tokens <= {M}, num_topk], got {tuple(topk_idx.shape)}")
+        if out is not None:
+            T = topk_idx.shape[0]
+            _need(isinstance(out, torch.Tensor) and tuple(out.shape) == (T, H) and out.dtype == torch.bfloat16
+                  and out.is_contiguous(), ValueError,
+                  f"out must be a contiguous bfloat16 [{T}, {H}] tensor, got "
+                  f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        _need(not (async_finish and return_recv_hook), ValueError,
+              "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
+              "current stream")
+        rows = self._ll_take_staging((H, E, M)) if zero_copy else x
+        y, event, hook = h.buffer.low_latency_combine(
+            rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
+            return_recv_hook=bool(return_recv_hook), out=out)
+        keep = (x, rows, topk_idx, topk_weights, h[0], h[1], y) if async_finish else None
+        return y, EventOverlap(event, keep), hook
+
+    # ------------------------------------------------------------------ zero copy
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """The BF16 [E_l, W*M, H] tensor the next `low_latency_combine(..., zero_copy=True)` of this
+        handle's shape sends from: fill it with the expert outputs, in the dispatch's layout.
+
+        DeepEP hands out its registered send buffer; ep_plugin's engine reads the rows from any tensor,
+        so this is a staging tensor kept by the Buffer (two per shape, used in turn, so that filling
+        the next one never races a combine whose hook has not run yet). It saves nothing over passing
+        the rows as x; it exists so that code written for zero-copy runs unchanged."""
+        self._ll_mode("get_next_low_latency_combine_buffer")
+        h = self._ll_handle(handle)
+        _, _, M, H, E = h
+        key = (H, E, M)
+        slots = self._ll_staging.setdefault(key, [None, None])
+        i = self._ll_next.setdefault(key, 0)
+        if slots[i] is None:
+            slots[i] = torch.empty((E // self.group_size, self.group_size * M, H), dtype=torch.bfloat16,
+                                   device=h[0].device)
+        return slots[i]
+
+    def _ll_take_staging(self, key) -> torch.Tensor:
+        i = self._ll_next.get(key, 0)
+        slots = self._ll_staging.get(key)
+        if slots is None or slots[i] is None:
+            raise ValueError("low_latency_combine(zero_copy=True) sends the tensor that "
+                             "get_next_low_latency_combine_buffer(handle) returned: call it and fill it first")
+        self._ll_next[key] = i ^ 1
+        return slots[i]
+
+    # ------------------------------------------------------------------ buffer management
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """A no-op that checks its arguments. DeepEP's low-latency kernels need part of their RDMA
+        buffer zeroed after it was used by something else (e.g. normal dispatch/combine). ep_plugin's
+        engines need nothing of the kind: the low-latency signals are epoch counters owned by the
+        engine (no flag is left to be zeroed between calls), its memory is its own (the normal
+        dispatch/combine never write it), and the torch reference keeps no state between calls."""
+        self._ll_mode("clean_low_latency_buffer")
+        self._ll_shape(num_max_dispatch_tokens_per_rank, num_experts)
+        _positive_int("hidden", hidden)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Leave out (mask=True) or take back (mask=False) a rank in the low-latency calls of this
+        Buffer (from DeepEP after v1.2.1): EPBuffer.set_low_latency_mask on every low-latency EPBuffer,
+        now and when later ones are built. A left-out rank neither receives from nor is waited for by
+        the others, and rows routed to it count as routed nowhere."""
+        self._ll_mode("low_latency_update_mask_buffer")
+        _need(isinstance(rank_to_mask, int) and 0 <= rank_to_mask < self.group_size, ValueError,
+              f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        if mask:
+            self._ll_masked.add(rank_to_mask)
+        else:
+            self._ll_masked.discard(rank_to_mask)
+        self._ll_apply_mask()
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write into mask_status ([W] torch.int) 1 for each left-out rank, 0 otherwise (from DeepEP
+        after v1.2.1). Only ranks left out through low_latency_update_mask_buffer: ep_plugin does not
+        leave out a rank that timed out by itself, it raises EPTimeoutError naming it at the next call."""
+        self._ll_mode("low_latency_query_mask_buffer")
+        _need(isinstance(mask_status, torch.Tensor) and mask_status.dtype == torch.int32
+              and tuple(mask_status.shape) == (self.group_size,), ValueError,
+              f"mask_status must be a [{self.group_size}] torch.int tensor")
+        status = torch.zeros(self.group_size, dtype=torch.int32)
+        for r in self._ll_masked:
+            status[r] = 1
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Take every rank back (from DeepEP after v1.2.1)."""
+        self._ll_mode("low_latency_clean_mask_buffer")
+        self._ll_masked.clear()
+        self._ll_apply_mask()
+
+    def _ll_apply_mask(self) -> None:
+        ranks = sorted(self._ll_masked)
+        for buf in _unique(self._ll_buffers.values()):
+            buf.set_low_latency_mask(ranks)
+
+
+def _positive_int(name: str, v) -> int:
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
+    _need(n > 0, ValueError, f"{name} must be positive, got {n}")
+    return n
+
+
+def _ll_tokens(buf: EPBuffer) -> Optional[int]:
+    """comm.low_latency.max_tokens_per_rank of an EPBuffer's config (None if it has none)."""
+    ll = getattr(buf.cfg.comm, "low_latency", None)
+    if ll is None:
+        return None
+    return getattr(ll, "max_tokens_per_rank", None) if not isinstance(ll, dict) else ll.get("max_tokens_per_rank")
+
+
+def _unique(bufs) -> List[EPBuffer]:
+    out: List[EPBuffer] = []
+    for b in bufs:
+        if all(b is not o for o in out):
+            out.append(b)
+    return out

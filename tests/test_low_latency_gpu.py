@@ -1,0 +1,330 @@
+"""The low-latency calls on 2 GPUs: the NVSHMEM engine against the torch reference engine.
+
+Each test spawns one process per GPU and builds two EPBuffers on the same group: `comm.backend: auto`
+(whose low-latency engine is the NVSHMEM kernels when ep_plugin._C is built with NVSHMEM) and
+`comm.backend: torch` (the reference, torch.distributed on NCCL), and feeds both the same inputs.
+Dispatch outputs must match bit for bit on the valid rows (counts, layout_range, src_info, rows;
+FP8 data and scales), except that with round_scale the scales come from log2 of the block maximum,
+which CUDA's fast log2 and torch's may round apart at a power of two: there the dequantised rows
+are compared within one FP8 step. Combine must match bit for bit: the contract fixes the order of
+the float32 sum (k ascending) and forbids fused multiply-add, so nothing is left to rounding choices.
+
+If the auto buffer's engine turns out to be the torch reference (no NVSHMEM build, or its
+check_available refuses), the tests skip with the reason instead of comparing the reference with
+itself.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from ep_plugin.backends import registry
+from ep_plugin.errors import EPTimeoutError
+from tests._dist import read_rank_results, spawn, write_rank_result
+from tests.reference import make_inputs
+from tests.test_low_latency import contract_body
+
+pytestmark = pytest.mark.gpu
+
+WORLD = 2
+M = 128          # comm.low_latency.max_tokens_per_rank
+GARBAGE = 1.0e4  # fills the combine input past each expert's rows: a read of it shows in y
+
+
+def _need_gpus():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs")
+
+
+def _need_nvshmem_engine():
+    _need_gpus()
+    import ep_plugin._ext as ext
+    if not ext.has_c():
+        pytest.skip("ep_plugin._C is not built: the low-latency engine would be the torch reference")
+    if not getattr(ext.get_c(), "HAS_NVSHMEM", False):
+        pytest.skip("ep_plugin._C is built without NVSHMEM: the low-latency engine would be the torch reference")
+
+
+def _spawn_or_skip(body, tmp_path, *args, **kw):
+    """Run body(rank, world, out_dir, *args) on the GPUs; skip if a rank found no NVSHMEM engine."""
+    spawn(body, WORLD, str(tmp_path), *args, backend="nccl", **kw)
+    results = read_rank_results(str(tmp_path), WORLD)
+    skips = [r["skip"] for r in results if "skip" in r]
+    if skips:
+        pytest.skip(f"the auto buffer's low-latency engine is the torch reference: {skips[0]}")
+    assert all(r.get("ok") for r in results), results
+
+
+def _no_nvshmem_engine(buf, out_dir, rank) -> bool:
+    """After the first low-latency call: True (and the reason written for the parent) if `buf`'s
+    engine is the torch reference."""
+    if buf.low_latency_backend_name != "torch":
+        return False
+    why = registry.nvshmem_low_latency_unavailable(buf.group, buf.hidden)
+    write_rank_result(out_dir, rank, {"skip": why or "make_low_latency chose the torch engine"})
+    return True
+
+
+def _buf(backend, E_l, K, hidden, timeout_s=20.0):
+    cfg = {"moe": {"num_experts": E_l * WORLD, "topk": K},
+           "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s,
+                    "low_latency": {"max_tokens_per_rank": M}}}
+    return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
+
+
+def _inputs(rank, tokens, hidden, E, K, seed, mode="random"):
+    """This rank's (x BF16, topk_idx, topk_weights) on its GPU; tokens per rank as a list."""
+    xs, idxs, ws = make_inputs(WORLD, tokens, hidden, E, K, seed, torch.bfloat16, mode)
+    return xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+
+
+def _valid(count, slots):
+    """[E_l, slots] bool: the rows below each expert's count."""
+    return torch.arange(slots, device=count.device).unsqueeze(0) < count.unsqueeze(1)
+
+
+def _dequantized(recv_x):
+    if not isinstance(recv_x, tuple):
+        return recv_x
+    data, scales = recv_x
+    return (data.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+
+
+def _expert_output(recv_x, count, rank, E_l):
+    """What the test's experts make of their rows (an affine map per global expert); GARBAGE past the
+    counts, which combine must not read."""
+    rows = _dequantized(recv_x)
+    scale = 1 + 0.125 * (rank * E_l + torch.arange(E_l, device=rows.device, dtype=torch.float32))
+    out = (rows.float() * scale.view(-1, 1, 1) - 0.5).to(torch.bfloat16)
+    return torch.where(_valid(count, rows.shape[1]).unsqueeze(2), out, torch.full_like(out, GARBAGE))
+
+
+def _same_dispatch(a, b, use_fp8, round_scale, ctx):
+    """a, b: (recv_x, recv_count, handle) of the engine under test and of the reference."""
+    (ax, ac, ah), (bx, bc, bh) = a, b
+    assert ac.dtype == torch.int32 and torch.equal(ac, bc), (ctx, ac.tolist(), bc.tolist())
+    assert torch.equal(ah.layout_range, bh.layout_range), ctx
+    valid = _valid(bc, bh.src_info.shape[1])
+    assert torch.equal(ah.src_info[valid], bh.src_info[valid]), ctx
+    if not use_fp8:
+        assert ax.dtype == torch.bfloat16 and ax.shape == bx.shape, ctx
+        assert torch.equal(ax[valid], bx[valid]), ctx
+        return
+    (ad, asc), (bd, bsc) = ax, bx
+    assert ad.dtype == torch.float8_e4m3fn and ad.shape == bd.shape, ctx
+    assert asc.dtype == torch.float32 and asc.shape == bsc.shape, ctx
+    assert asc.transpose(1, 2).is_contiguous(), f"{ctx}: scales must be the transpose of [E_l, H/128, W*M]"
+    if not round_scale:
+        assert torch.equal(ad.view(torch.uint8)[valid], bd.view(torch.uint8)[valid]), ctx
+        assert torch.equal(asc[valid], bsc[valid]), ctx
+        return
+    sa, sb = asc[valid], bsc[valid]
+    assert bool((torch.frexp(sa).mantissa == 0.5).all()), f"{ctx}: round_scale scales must be powers of 2"
+    # A scale one power of two apart moves each value by at most one FP8 step (1/8 relative in the
+    # normal range, scale * 2^-9 in the subnormal one).
+    da, db = _dequantized((ad, asc))[valid].float(), _dequantized((bd, bsc))[valid].float()
+    step = (torch.maximum(sa, sb) * 2.0 ** -8).repeat_interleave(128, dim=-1)
+    bound = 0.125 * torch.maximum(da.abs(), db.abs()) + step
+    assert bool(((da - db).abs() <= bound).all()), (ctx, (da - db).abs().max())
+
+
+def check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale, hook=False):
+    """One dispatch + combine on both buffers, compared. With `hook`, the engine under test receives
+    through its hooks, a matmul running on the stream between each call and its hook."""
+    ctx = f"rank {rank} E_l {E_l} K {K} H {hidden} tokens {tokens} {mode} fp8 {use_fp8} round {round_scale} hook {hook}"
+    x, idx, w = _inputs(rank, tokens, hidden, E_l * WORLD, K, seed, mode)
+    ax, ac, ah, _, a_hook = auto.low_latency_dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale,
+                                                      return_recv_hook=hook)
+    if hook:
+        _busy()
+        a_hook()
+    bx, bc, bh, _, _ = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale,
+                                                return_recv_hook=False)
+    _same_dispatch((ax, ac, ah), (bx, bc, bh), use_fp8, round_scale, ctx)
+    # the same expert outputs (in the common layout) into both combines
+    out = _expert_output(bx, bc, rank, E_l)
+    ya, _, a_hook = auto.low_latency_combine(out, idx, w, ah, return_recv_hook=hook)
+    if hook:
+        _busy()
+        a_hook()
+    yb, _, _ = ref.low_latency_combine(out, idx, w, bh, return_recv_hook=False)
+    assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
+    torch.testing.assert_close(ya, yb, atol=0, rtol=0, msg=ctx)
+
+
+def _busy():
+    """Compute on the current stream, as a model would between a call and its hook."""
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(4):
+        a = (a @ a) * 1e-3
+
+
+# Hidden sizes: 7168 (DeepSeek-V3) and a small one for each row format: 256 with FP8 (128 channels
+# per scale), 1032 BF16 only (2064-byte rows: a multiple of 16, not of 128 channels). The largest
+# buffer comes first: a process's NVSHMEM heap is sized by its first engine (later ones reuse it).
+SHAPES = [  # (local experts, top-k, hidden, FP8 too)
+    (144, 8, 7168, True), (144, 8, 256, True), (144, 8, 1032, False),
+    (2, 3, 7168, True), (2, 3, 256, True), (2, 3, 1032, False),
+]
+CASES = [  # (tokens per rank, routing)
+    ([M, M], "random"),
+    ([0, M], "random"),      # rank 0 sends nothing
+    ([1, 17], "random"),
+    ([M, M], "skew"),        # every token to expert 0 only: its W*M rows are all used
+    ([7, 0], "nowhere"),
+]
+
+
+def body_matches_reference(rank, world, out_dir):
+    seed = 0
+    for E_l, K, hidden, fp8 in SHAPES:
+        auto, ref = _buf("auto", E_l, K, hidden), _buf("torch", E_l, K, hidden)
+        for tokens, mode in CASES:
+            for use_fp8, round_scale in ([(False, False)] + ([(True, False), (True, True)] if fp8 else [])):
+                seed += 1
+                check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
+                if seed == 1 and _no_nvshmem_engine(auto, out_dir, rank):
+                    return
+        # receive hooks, with compute on the stream before each hook
+        for use_fp8 in ((False, True) if fp8 else (False,)):
+            seed += 1
+            check_case(auto, ref, rank, E_l, K, hidden, [M, 33], "random", seed, use_fp8, False, hook=True)
+        if hidden == 7168:
+            for use_fp8 in (False, True):
+                check_graph(auto, ref, rank, E_l, K, hidden, use_fp8)
+        auto.close()
+        ref.close()
+    write_rank_result(out_dir, rank, {"ok": True})
+
+
+def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
+    """dispatch + experts + combine (no hooks) captured in one CUDA graph after a warm-up outside
+    capture, replayed on new inputs: each replay matches the reference on the same inputs."""
+    sx = torch.zeros(M, hidden, dtype=torch.bfloat16, device="cuda")
+    sidx = torch.full((M, K), -1, dtype=torch.int64, device="cuda")
+    sw = torch.zeros(M, K, dtype=torch.float32, device="cuda")
+
+    def step():
+        recv_x, count, handle, _, _ = auto.low_latency_dispatch(sx, sidx, use_fp8=use_fp8)
+        y, _, _ = auto.low_latency_combine(_expert_output(recv_x, count, rank, E_l), sidx, sw, handle)
+        return recv_x, count, handle, y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, count, handle, y = step()
+    for s in range(3):
+        x, idx, w = _inputs(rank, [M, M], hidden, E_l * WORLD, K, 900 + s, "random" if s < 2 else "skew")
+        sx.copy_(x)
+        sidx.copy_(idx)
+        sw.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        ctx = f"graph replay {s} rank {rank} E_l {E_l} fp8 {use_fp8}"
+        bx, bc, bh, _, _ = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8)
+        _same_dispatch((recv_x, count, handle), (bx, bc, bh), use_fp8, False, ctx)
+        yb, _, _ = ref.low_latency_combine(_expert_output(bx, bc, rank, E_l), idx, w, bh)
+        torch.testing.assert_close(y, yb, atol=0, rtol=0, msg=ctx)
+    del graph
+    auto.check()
+
+
+def test_nvshmem_engine_matches_reference(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_or_skip(body_matches_reference, tmp_path, timeout=580)
+
+
+def body_mask(rank, world, out_dir):
+    """Both ranks leave rank 1 out. Rank 1 then stays away from the engine under test (as a dead rank
+    would), and rank 0's calls must neither wait for it nor deliver to it: rank 0 receives its own
+    rows only and combine sums its own experts only, as the reference computes with every entry to or
+    from rank 1 set to -1."""
+    E_l, K, hidden = 2, 3, 7168
+    auto, ref = _buf("auto", E_l, K, hidden), _buf("torch", E_l, K, hidden)
+    x, idx, w = _inputs(rank, [M, M], hidden, E_l * WORLD, K, seed=71)
+    check_case(auto, ref, rank, E_l, K, hidden, [M, M], "random", 70, False, False)  # builds both engines
+    if _no_nvshmem_engine(auto, out_dir, rank):
+        return
+    torch.cuda.synchronize()
+    dist.barrier()
+    cut = idx.clone()
+    cut[(cut // E_l == 1) | torch.full_like(cut, rank == 1, dtype=torch.bool)] = -1
+    for use_fp8 in (False, True):
+        for buf in (auto, ref):
+            buf.set_low_latency_mask([1])
+        # the reference with the mask (its collectives need rank 1 too) ...
+        masked = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8)[:3]
+        y_masked = ref.low_latency_combine(_expert_output(masked[0], masked[1], rank, E_l), idx, w, masked[2])[0]
+        # ... equals the reference without it on the routing cut by hand
+        ref.set_low_latency_mask([])
+        want = ref.low_latency_dispatch(x, cut, use_fp8=use_fp8)[:3]
+        out = _expert_output(want[0], want[1], rank, E_l)
+        y_want = ref.low_latency_combine(out, cut, w, want[2])[0]
+        if rank == 1:
+            continue
+        ctx = f"mask [1], rank 0, fp8 {use_fp8}"
+        _same_dispatch(masked, want, use_fp8, False, f"reference {ctx}")
+        torch.testing.assert_close(y_masked, y_want, atol=0, rtol=0, msg=f"reference {ctx}")
+        # the engine under test, on rank 0 alone
+        got = auto.low_latency_dispatch(x, idx, use_fp8=use_fp8)[:3]
+        _same_dispatch(got, want, use_fp8, False, ctx)
+        y = auto.low_latency_combine(out, idx, w, got[2])[0]
+        torch.testing.assert_close(y, y_want, atol=0, rtol=0, msg=ctx)
+        auto.check()  # nobody was waited for: no timeout
+    dist.barrier()
+    auto.close()
+    ref.close()
+    write_rank_result(out_dir, rank, {"ok": True})
+
+
+def test_mask_leaves_a_rank_out(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_or_skip(body_mask, tmp_path, timeout=300, abandon=True)
+
+
+TIMEOUT_S = 2.0
+
+
+def body_timeout(rank, world, out_dir):
+    """Rank 1 skips a dispatch that rank 0 makes: rank 0's check() raises EPTimeoutError naming rank 1
+    within the deadline. Rank 1 calls nothing on the buffer after that. Neither rank closes the
+    buffer; both processes exit (spawn's abandon mode): closing pairs the ranks (the nvlink backend's
+    barrier, then NVSHMEM's collective free for a rank that saw no fault, which rank 0, faulted, no
+    longer joins), and a test of the timeout must not hang on that. No wait here is unbounded: the
+    kernels' own deadline, then a barrier that rank 0 reaches once it has its error."""
+    E_l, K, hidden = 2, 3, 7168
+    auto = _buf("auto", E_l, K, hidden, timeout_s=TIMEOUT_S)
+    x, idx, w = _inputs(rank, [M, M], hidden, E_l * WORLD, K, seed=5)
+    recv_x, count, handle, _, _ = auto.low_latency_dispatch(x, idx)  # a healthy round: builds the engine
+    auto.low_latency_combine(_expert_output(recv_x, count, rank, E_l), idx, w, handle)
+    if _no_nvshmem_engine(auto, out_dir, rank):
+        return
+    auto.check()
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        auto.low_latency_dispatch(x, idx)  # returns at once: the kernels wait on the device
+        with pytest.raises(EPTimeoutError) as info:
+            auto.check()
+        elapsed = time.monotonic() - start
+        assert info.value.missing_ranks == (1,), str(info.value)
+        assert elapsed < TIMEOUT_S + 10, f"raised after {elapsed:.1f}s"
+    dist.barrier()  # rank 1 waits here until rank 0 has its error
+    write_rank_result(out_dir, rank, {"ok": True})
+
+
+def test_timeout_names_the_rank_that_skipped(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_or_skip(body_timeout, tmp_path, timeout=120, abandon=True)
+
+
+def test_torch_engine_on_nccl():
+    """The reference itself on CUDA tensors and NCCL: the CPU contract test's brute-force checks."""
+    _need_gpus()
+    spawn(contract_body, WORLD, "cuda", backend="nccl")

@@ -1,0 +1,152 @@
+"""NVSHMEM on 2 GPUs: the bootstrap over torch.distributed, and the low-latency engine's kernels
+(NvshmemLowLatency, driven directly) against a brute-force expectation built from every rank's
+inputs. tests/test_low_latency_gpu.py checks the same engine through EPBuffer against the torch
+reference engine."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import spawn
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_nvshmem(world=2):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    import ep_plugin._ext as ext
+    if not ext.has_c() or not ext.get_c().HAS_NVSHMEM:
+        pytest.skip("ep_plugin._C is built without NVSHMEM")
+
+
+def _cfg(M, K, timeout_s=20.0):
+    return SimpleNamespace(comm=SimpleNamespace(low_latency=SimpleNamespace(max_tokens_per_rank=M), timeout_s=timeout_s),
+                           moe=SimpleNamespace(topk=K))
+
+
+def _cast_fp8(x, round_scale):
+    """The contract's cast (docs/LOW_LATENCY.md), in torch."""
+    T, H = x.shape
+    v = x.float().view(T, H // 128, 128)
+    amax = v.abs().amax(-1).clamp(min=1e-4)
+    inv448 = torch.tensor(1.0, dtype=torch.float32) / 448.0  # float32 1/448, as the kernel's constant
+    if round_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(amax * inv448.item())))
+        q = (v * torch.reciprocal(scale).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    else:
+        scale = amax * inv448.item()
+        q = (v * (torch.reciprocal(amax) * 448.0).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.view(T, H), scale
+
+
+def _gather(t, world):
+    """Every rank's tensor (sizes may differ), on this GPU."""
+    out = [None] * world
+    dist.all_gather_object(out, t.cpu())
+    return [o.cuda() for o in out]
+
+
+def _check_case(eng, rank, world, E, H, T, K, seed, use_fp8, round_scale, hook, skew=False, none_rows=0):
+    g = torch.Generator(device="cpu").manual_seed(seed * 100 + rank)
+    x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16).cuda()
+    scores = torch.rand(T, E, generator=g)
+    if skew:
+        scores[:, 0] += 10.0
+    idx = scores.topk(K, dim=1).indices
+    if none_rows and T:
+        idx[: min(none_rows, T)] = -1
+        idx[T // 2:, K - 1] = -1
+    idx = idx.cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    EL, M = E // world, eng.max_tokens
+    xs, idxs, ws = _gather(x, world), _gather(idx, world), _gather(w, world)
+    recv_x, count, handle, recv = eng.dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=None,
+                                               hook=hook)
+    if hook:
+        torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")  # compute in between
+        recv()
+    torch.cuda.synchronize()
+    eng.check()
+    ctx = f"rank {rank} E {E} H {H} T {T} K {K} fp8 {use_fp8} round {round_scale} hook {hook} seed {seed}"
+    for el in range(EL):
+        e = rank * EL + el
+        rows = [(s, t) for s in range(world) for t in range(idxs[s].shape[0]) for k in range(K) if idxs[s][t, k] == e]
+        n = len(rows)
+        assert int(count[el]) == n, ctx
+        per_src = [sum(1 for s, _ in rows if s == r) for r in range(world)]
+        begins = [sum(per_src[:r]) for r in range(world)]
+        lr = handle.layout_range[el].cpu()
+        assert [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in lr] == list(zip(begins, per_src)), ctx
+        if n == 0:
+            continue
+        assert handle.src_info[el, :n].cpu().tolist() == [t for _, t in rows], ctx
+        want = torch.stack([xs[s][t] for s, t in rows])
+        if use_fp8:
+            q, sc = _cast_fp8(want, round_scale)
+            got_q, got_s = recv_x[0][el, :n], recv_x[1][el, :n]
+            if not torch.equal(got_s, sc):
+                bad = (got_s != sc).nonzero()[:4].tolist()
+                raise AssertionError(f"{ctx}: scales differ at {bad}: got {[float(got_s[i][j]) for i, j in bad]} "
+                                     f"want {[float(sc[i][j]) for i, j in bad]}; data equal: "
+                                     f"{torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))}; "
+                                     f"rows {rows[:4]}")
+            assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)), ctx
+        else:
+            assert torch.equal(recv_x[el, :n], want), ctx
+    # combine: send each received row back as the expert output (dequantised for FP8)
+    if use_fp8:
+        data, sc = recv_x
+        out = (data.float().view(EL, -1, H // 128, 128) * sc.unsqueeze(-1)).view(EL, -1, H).to(torch.bfloat16)
+    else:
+        out = recv_x
+    out = out.contiguous()
+    y, recv = eng.combine(out, idx, w, handle, out=None, hook=hook)
+    if hook:
+        recv()
+    torch.cuda.synchronize()
+    eng.check()
+    xe = x if not use_fp8 else None
+    if use_fp8:
+        q, sc = _cast_fp8(x, round_scale) if T else (x, None)
+        xe = (q.float().view(T, H // 128, 128) * sc.unsqueeze(-1)).view(T, H).to(torch.bfloat16) if T else x
+    acc = torch.zeros(T, H, dtype=torch.float32, device="cuda")
+    for k in range(K):
+        valid = (idx[:, k] >= 0).unsqueeze(1)
+        acc = torch.where(valid, acc + (w[:, k:k + 1] * xe.float()), acc)
+    assert torch.equal(y, acc.to(torch.bfloat16)), ctx + f" max diff {(y.float() - acc).abs().max()}"
+
+
+def _bootstrap_and_ll(rank, world):
+    from ep_plugin._ext import get_c
+    from ep_plugin.backends.nvshmem import runtime
+    from ep_plugin.backends.nvshmem.low_latency import NvshmemLowLatency
+    C = get_c()
+    runtime.join(dist.group.WORLD, 64 << 20)
+    assert C.nvshmem_initialized() and C.nvshmem_my_pe() == rank and C.nvshmem_n_pes() == world
+    # a put from each rank into the next one's symmetric buffer
+    buf = C.nvshmem_malloc(64)
+    src = torch.arange(4, dtype=torch.int32, device="cuda") + 10 * rank
+    stream = torch.cuda.current_stream().cuda_stream
+    C.nvshmem_put_ints(buf, src.data_ptr(), 4, (rank + 1) % world, stream)
+    C.nvshmem_barrier_all_on_stream(stream)
+    torch.cuda.synchronize()
+    C.nvshmem_free(buf)
+
+    for E, H, M, K in ((8, 256, 16, 4), (288, 7168, 128, 8), (4, 1032, 32, 2)):
+        eng = NvshmemLowLatency(dist.group.WORLD, _cfg(M, K), H, E)
+        seed = 0
+        for fp8 in ((False, True) if H % 128 == 0 else (False,)):
+            for rs in ((False, True) if fp8 else (False,)):
+                for hook in (False, True):
+                    for T in (M, 1, 0 if rank == 1 else M // 2):
+                        seed += 1
+                        _check_case(eng, rank, world, E, H, T, K, seed, fp8, rs, hook, skew=seed % 3 == 0,
+                                    none_rows=seed % 2 * 3)
+        eng.close()
+
+
+def test_nvshmem_bootstrap_and_low_latency_kernels():
+    _need_nvshmem()
+    spawn(_bootstrap_and_ll, 2, backend="nccl", timeout=600)
