@@ -1,5 +1,7 @@
 // ep_plugin._C's NVSHMEM functions (nvshmem/runtime.h). setup.py compiles this file only when it
 // builds the NVSHMEM part (EP_WITH_NVSHMEM), so a build without the wheel has none of these names.
+#include <pybind11/stl.h>
+
 #include <vector>
 
 #include "nvshmem/low_latency.h"
