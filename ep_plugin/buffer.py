@@ -18,6 +18,8 @@ validates their arguments the same way before the engine sees them.
 """
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 from typing import Optional, Sequence
 
@@ -81,6 +83,28 @@ class _IndexCheck:
                          "treated as routed nowhere")
 
 
+def _form(*args):
+    """What the low-latency checks depend on, for tensors (dtype, shape, device, contiguity) and plain
+    values; None when an argument is not of a checkable kind (then the full checks run and raise)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.shape, a.device, a.is_contiguous()))
+        elif a is None or isinstance(a, bool):
+            out.append(a)
+        else:
+            return None
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        out.append(torch.cuda.current_device())
+    return tuple(out)
+
+
+def _no_grad_if(flag: bool):
+    """torch.no_grad() where an input tracks gradients (the engines' outputs never do); a free
+    context otherwise, which saves its cost on the hot path."""
+    return torch.no_grad() if flag else contextlib.nullcontext()
+
+
 class _RecvHook:
     """The receive half of a low-latency call, handed to the caller: enqueues it on the current stream
     the first time it is called; a second call is an error (the engine's receive runs once)."""
@@ -128,6 +152,10 @@ class EPBuffer:
         self._full_validation = self.cfg.comm.validate == "full"
         self._id = next(_buffer_ids)
         self._low_latency = None          # the engine, built at the first low-latency call
+        # The form (dtypes, shapes, devices, strides, flags) of the last low-latency calls that passed
+        # every check: a call of the same form skips them (cold calls are host-bound at 128 tokens).
+        self._ll_dispatch_form = self._ll_combine_form = None
+        self._ll_max_tokens = self.cfg.comm.low_latency.max_tokens_per_rank
         self._low_latency_mask: tuple = ()
         self._closed = False
 
@@ -370,16 +398,19 @@ class EPBuffer:
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
         self._raise_pending_low_latency()
-        self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
+        form = _form(x, topk_idx, recv_stats, use_fp8, round_scale)
         hook = self._recv_hook_wanted(return_recv_hook)
-        _need(isinstance(async_op, bool), TypeError, f"async_op must be a bool, got {async_op!r}")
+        _need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
         engine = self._low_latency_engine()
-        limit = getattr(engine, "max_topk", None)  # an engine sized for a top-k when it was built
-        _need(limit is None or topk_idx.shape[1] <= limit, ValueError,
-              f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
-              f"got {topk_idx.shape[1]}")
+        if form is None or form != self._ll_dispatch_form:  # the full checks run once per form of call
+            self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
+            limit = getattr(engine, "max_topk", None)  # an engine sized for a top-k when it was built
+            _need(limit is None or topk_idx.shape[1] <= limit, ValueError,
+                  f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
+                  f"got {topk_idx.shape[1]}")
+            self._ll_dispatch_form = form
         self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
-        with torch.no_grad():
+        with _no_grad_if(x.requires_grad):
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
@@ -397,12 +428,16 @@ class EPBuffer:
         to BF16 at the end; ids -1 and left-out ranks contribute nothing. return_recv_hook and
         async_op as for low_latency_dispatch."""
         self._raise_pending_low_latency()
-        self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
+        form = _form(x, topk_idx, topk_weights, out)
+        # the handle is checked on every call; the tensors' checks once per form of call
+        if form is None or form != self._ll_combine_form or not self._same_low_latency_handle(handle, topk_idx):
+            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
+            self._ll_combine_form = form
         hook = self._recv_hook_wanted(return_recv_hook)
-        _need(isinstance(async_op, bool), TypeError, f"async_op must be a bool, got {async_op!r}")
+        _need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
         engine = self._low_latency
         self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
-        with torch.no_grad():
+        with _no_grad_if(x.requires_grad):
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         return y, self._low_latency_event(async_op, x), self._wrap_hook(recv, hook, "low_latency_combine")
 
@@ -420,6 +455,12 @@ class EPBuffer:
         self._low_latency_mask = tuple(sorted(set(ranks)))
         if self._low_latency is not None:
             self._low_latency.set_mask(list(self._low_latency_mask))
+
+    def _same_low_latency_handle(self, handle, topk_idx) -> bool:
+        """The handle checks of _check_low_latency_combine, for a call whose tensors kept their form."""
+        return (type(handle) is LowLatencyHandle and handle.buffer_id == self._id and self._low_latency is not None
+                and handle.backend == self._low_latency.name and handle.num_tokens == topk_idx.shape[0]
+                and handle.topk == topk_idx.shape[1] and handle.max_tokens == self._ll_max_tokens)
 
     def _low_latency_engine(self):
         if self._low_latency is None:

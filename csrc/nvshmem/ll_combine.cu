@@ -22,29 +22,25 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int n16 = c.hidden / 8;
   const int total = s_off[EL];
-  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total; i += gridDim.x * warps) {
-    const int el = find_segment(s_off, EL, i);
-    const long long in_row = static_cast<long long>(el) * WM + (i - s_off[el]);
+  // NVSHMEM puts send whole rows: one warp per row when some peer needs them
+  const int parts = c.comb_stage >= 0 ? 1 : parts_per_row(total, gridDim.x * warps);
+  const int chunk = (n16 + parts - 1) / parts;
+  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total * parts; i += gridDim.x * warps) {
+    const int r = i / parts, part = i % parts;
+    const int el = find_segment(s_off, EL, r);
+    const long long in_row = static_cast<long long>(el) * WM + (r - s_off[el]);
     const int slot = row_slot[in_row];
     const int s = slot / MK, at = slot % MK;
     if (left_out(c, s)) continue;
     const int4* src = x + in_row * n16;
     const long long off = c.comb_rows[p] + static_cast<long long>(at) * c.hidden * 2;
     char* base = c.peer[s];
-    int4* dst = reinterpret_cast<int4*>((base != nullptr ? base : c.heap + c.comb_stage + in_row * c.hidden * 2 - off) + off);
-    constexpr int U = 4;
-    for (int u0 = 0; u0 < n16; u0 += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u0 + u * 32 + lane < n16) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u0 + u * 32 + lane < n16) st_na_v4(dst + u0 + u * 32 + lane, v[u]);
-    }
-    if (base == nullptr) {  // staged: an NVSHMEM put to the source (compiled, not run here)
+    // P2P: straight into the source's row; RDMA: into this rank's staging row, then a put
+    char* row = base != nullptr ? base + off : c.heap + c.comb_stage + in_row * c.hidden * 2;
+    warp_copy_units<4>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
+    if (base == nullptr) {  // compiled, not run here (no NIC on the GPU machines)
       __syncwarp();
-      nvshmemx_putmem_nbi_warp(c.heap + off, dst, static_cast<size_t>(c.hidden) * 2, s);
+      nvshmemx_putmem_nbi_warp(c.heap + off, row, static_cast<size_t>(c.hidden) * 2, s);
       *any_rdma = true;
     }
   }
@@ -96,15 +92,24 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int q = 0; q < nk; ++q) {
-        const int4 v = ld_nc_v4(reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, s_k[q])) + j);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-        const float w = s_w[q];
+      // up to 8 rows' loads in flight before the sums (which keep the k order)
+      for (int q0 = 0; q0 < nk; q0 += 8) {
+        int4 v[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
-          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+        for (int u = 0; u < 8; ++u)
+          if (q0 + u < nk)
+            v[u] = ld_nc_v4(reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, s_k[q0 + u])) + j);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (q0 + u >= nk) break;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+          const float w = s_w[q0 + u];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+          }
         }
       }
       int4 out;
@@ -120,7 +125,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 }  // namespace
 
 __global__ void __launch_bounds__(kThreads, 1)
-    ll_combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
+    combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
                const float* weights, int T, int K, int phases, int4* y) {
   extern __shared__ int smem[];
   if (phases & kSend) {

@@ -103,6 +103,27 @@ __device__ __forceinline__ int find_segment(const int* off, int n, int i) {
   return lo;
 }
 
+// How many warps share one row's copy: with fewer rows than warps (128 tokens, 2 ranks: ~1000 rows
+// for ~2000 warps) a warp per row leaves half the warps idle and each copy latency-bound.
+__device__ __forceinline__ int parts_per_row(int rows, int warps) {
+  const int p = rows > 0 ? warps / rows : 1;
+  return p < 1 ? 1 : (p > 8 ? 8 : p);
+}
+
+// A warp copies 16-byte units [begin, end) of a row, U loads in flight per lane before the stores.
+template <int U>
+__device__ __forceinline__ void warp_copy_units(const int4* src, int4* dst, int begin, int end, int lane) {
+  for (int u0 = begin; u0 < end; u0 += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (u0 + u * 32 + lane < end) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (u0 + u * 32 + lane < end) st_na_v4(dst + u0 + u * 32 + lane, v[u]);
+  }
+}
+
 // Waits for source r's signal of this call; records a timeout. True if it arrived.
 __device__ inline bool wait_signal(const Ctx& c, long long flag_off, int r, int target, int kernel_id) {
   const unsigned long long deadline = globaltimer() + c.timeout_ns;

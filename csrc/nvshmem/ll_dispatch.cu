@@ -216,33 +216,29 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
   const int total = s_off[n];
   const int units = kFp8 ? c.hidden / 16 : c.hidden / 8;  // 16-byte units of the payload's data
   const int S = c.hidden / 128;
-  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total; i += gridDim.x * warps) {
-    const int pair = find_segment(s_off, n, i);
+  const int parts = parts_per_row(total, gridDim.x * warps);
+  const int chunk = (units + parts - 1) / parts;
+  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total * parts; i += gridDim.x * warps) {
+    const int r = i / parts, part = i % parts;
+    const int pair = find_segment(s_off, n, r);
     const int el = pair / W, s = pair % W;
-    const int idx = i - s_off[pair], row = i - s_off[el * W];
+    const int idx = r - s_off[pair], row = r - s_off[el * W];
     const char* slot = c.heap + slot_offset(c, p, el, s, idx);
     const long long out_row = static_cast<long long>(el) * WM + row;
-    if (lane == 0) {
+    if (part == 0 && lane == 0) {
       const int4 h = ld_nc_v4(reinterpret_cast<const int4*>(slot));
       o.src_info[out_row] = h.x;
       o.row_slot[out_row] = (s * M + h.x) * c.max_topk + h.y;
     }
     const int4* src = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     int4* dst = reinterpret_cast<int4*>(o.x + out_row * (kFp8 ? c.hidden : c.hidden * 2));
-    constexpr int U = 4;
-    for (int u0 = 0; u0 < units; u0 += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u0 + u * 32 + lane < units) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u0 + u * 32 + lane < units) dst[u0 + u * 32 + lane] = v[u];
-    }
+    warp_copy_units<4>(src, dst, part * chunk, min(units, (part + 1) * chunk), lane);
     if constexpr (kFp8) {
-      const float* sc = reinterpret_cast<const float*>(slot + kHeaderBytes + c.hidden);
-      for (int j = lane; j < S; j += 32)
-        o.scales[(static_cast<long long>(el) * S + j) * WM + row] = __ldg(sc + j);
+      if (part == 0) {
+        const float* sc = reinterpret_cast<const float*>(slot + kHeaderBytes + c.hidden);
+        for (int j = lane; j < S; j += 32)
+          o.scales[(static_cast<long long>(el) * S + j) * WM + row] = __ldg(sc + j);
+      }
     }
   }
 }
@@ -251,7 +247,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
-    ll_dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases, int round_scale,
+    dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases, int round_scale,
                 DispatchOut o) {
   extern __shared__ int smem[];
   if (phases & kSend) {
@@ -286,8 +282,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template __global__ void ll_dispatch<false>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
-template __global__ void ll_dispatch<true>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
+template __global__ void dispatch<false>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
+template __global__ void dispatch<true>(Ctx, const int4*, const int64_t*, int, int, int, int, DispatchOut);
 
 }  // namespace ll
 }  // namespace ep

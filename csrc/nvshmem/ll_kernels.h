@@ -18,10 +18,10 @@ struct DispatchOut {   // the caller's tensors (recv half)
 };
 
 template <bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) ll_dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases,
+__global__ void __launch_bounds__(kThreads, 1) dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases,
                             int round_scale, DispatchOut o);
 
-__global__ void __launch_bounds__(kThreads, 1) ll_combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
+__global__ void __launch_bounds__(kThreads, 1) combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
                            const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y);
 
 }  // namespace ll

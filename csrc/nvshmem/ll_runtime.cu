@@ -116,9 +116,9 @@ Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_t
   c->timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
   const size_t smem = smem_bytes(max_tokens, max_topk, num_experts);
   EP_CHECK_ARG(smem <= 200 * 1024, "LowLatencyRuntime: max_tokens * max_topk + 2 * experts too large for shared memory");
-  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  EP_CUDA_CHECK(cudaFuncSetAttribute(ll_combine, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::combine, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 }
 
 Runtime::~Runtime() { destroy(false); }
@@ -153,11 +153,11 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
   const size_t smem = smem_bytes(T, K, c.num_experts);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (use_fp8)
-    ll_dispatch<true><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
+    ::ep::ll::dispatch<true><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
                                                           reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
                                                           round_scale, o);
   else
-    ll_dispatch<false><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
+    ::ep::ll::dispatch<false><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
                                                            reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
                                                            round_scale, o);
   EP_CUDA_CHECK(cudaGetLastError());
@@ -169,7 +169,7 @@ void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uin
   EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency combine: phases must be 1, 2 or 3, got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const size_t smem = smem_bytes(0, 0, c.num_experts);
-  ll_combine<<<num_blocks_, kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+  ::ep::ll::combine<<<num_blocks_, kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
       c, reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
       reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
       reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y));
