@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ..backends.registry import BACKEND_NAMES
 
@@ -42,6 +42,32 @@ class LowLatencyConfig:
     # M: most tokens one rank passes to a low-latency dispatch (more raises an error). Sizes its fixed
     # output [E_local, W * M, H] and the engine's buffers, so keep it at the decode batch.
     max_tokens_per_rank: int = 128
+    # 0: fresh output tensors every call. N > 0: outputs from N sets allocated once and used in turn
+    # (no allocation per call: a cold call is host-bound at this size), overwritten N calls later.
+    output_buffers: int = 0
+
+
+@dataclass
+class RdmaConfig:
+    """The RDMA settings of the nvshmem backend across hosts (docs/RDMA.md): section ``comm.rdma``.
+
+    Mapped to NVSHMEM's environment before it starts (``backends/nvshmem/rdma_env.py``); variables the
+    user set win. Unused when the whole group is one host (no NIC is used). ``auto`` = NVSHMEM's default.
+    """
+
+    # RC queue pairs to each peer PE: channels spread their RDMA writes over them; with >= 2 a bonded
+    # dual-port NIC (and ECMP) hashes them onto both ports/paths. NVSHMEM_IBGDA_NUM_RC_PER_PE (IBGDA)
+    # or NVSHMEM_IB_NUM_RC_PER_DEVICE (CPU-proxy transport).
+    qps_per_peer: Union[int, str] = AUTO
+    traffic_class: int = 0  # IP traffic class byte (DSCP << 2) of RoCE packets: NVSHMEM_IB_TRAFFIC_CLASS
+    service_level: int = 0  # IB service level / RoCE 802.1p priority: NVSHMEM_IB_SL
+    ibgda: Union[bool, str] = AUTO  # GPU-initiated RDMA (no CPU proxy): NVSHMEM_IB_ENABLE_IBGDA
+    # Which HCA each GPU uses: auto (NVSHMEM: the closest by PCIe), "mlx5_0:1" (every rank; an
+    # NVSHMEM_HCA_LIST string), a list indexed by local rank, or a mapping {local rank: "dev[:port]"}.
+    nic: Union[str, List[str], Dict[int, str]] = AUTO
+    gid_index: Union[int, str] = AUTO  # RoCE source GID index (e.g. 3 = RoCEv2/IPv4): NVSHMEM_IB_GID_INDEX
+    # RoCE version of the GID NVSHMEM picks when gid_index is auto: NVSHMEM_IB_ROCE_VERSION_NUM
+    roce_version: Union[int, str] = AUTO
 
 
 @dataclass
@@ -72,6 +98,7 @@ class CommConfig:
     # read EPBuffer.stats() yourself.
     stats_interval: Optional[int] = 100
     low_latency: LowLatencyConfig = field(default_factory=LowLatencyConfig)
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
 
 
 @dataclass
@@ -115,7 +142,7 @@ class EPConfig:
 SECTIONS: Dict[str, type] = {"moe": MoEConfig, "comm": CommConfig, "overlap": OverlapConfig}
 
 __all__ = [
-    "MoEConfig", "CommConfig", "LowLatencyConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
+    "MoEConfig", "CommConfig", "LowLatencyConfig", "RdmaConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
     "SCORE_FUNCTIONS", "BACKEND_NAMES", "DISPATCH_DTYPES", "COMBINE_DTYPES", "COMBINE_KERNELS",
     "VALIDATE_MODES",
 ]

@@ -9,13 +9,33 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-from typing import Any, Dict, Iterable, List, Mapping, Tuple
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, SCORE_FUNCTIONS,
-    SECTIONS, VALIDATE_MODES, EPConfig,
+    SECTIONS, VALIDATE_MODES, EPConfig, RdmaConfig,
 )
+
+
+class IntRange:
+    """Rule data of kind ``int_range``: an int in ``lo..hi`` (``hi`` None: no upper bound), and with
+    ``auto`` also the word auto. ``str()`` is what a message offers as allowed."""
+
+    def __init__(self, lo: int, hi: Optional[int] = None, auto: bool = False):
+        self.lo, self.hi, self.auto = lo, hi, auto
+
+    def __str__(self) -> str:
+        ints = f"an int {self.lo}..{self.hi}" if self.hi is not None else f"an int >= {self.lo}"
+        return f"{AUTO} or {ints}" if self.auto else ints
+
+
+# One NVSHMEM HCA entry: a device name, optionally ":port" (NVSHMEM_HCA_LIST syntax; names <= 63 chars).
+_HCA_ENTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}(:[1-9][0-9]*)?")
+_NIC_ALLOWED = (f"{AUTO}; a device[:port] string for every rank, e.g. 'mlx5_0:1' (an NVSHMEM_HCA_LIST: "
+                f"comma-separated entries, a leading ^ excludes them); a list of such strings indexed "
+                f"by local rank; or a mapping {{local rank: 'device[:port]'}}")
 
 # (kind, allowed): kind picks the check in check_value, allowed is what the message offers. A rule
 # that is a dict instead is a nested section (a dataclass field of the section), with its own rules.
@@ -48,6 +68,16 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "stats_interval": _OPT_POS_INT,
         "low_latency": {
             "max_tokens_per_rank": _POS_INT,
+            "output_buffers": ("int_range", IntRange(0, None)),
+        },
+        "rdma": {
+            "qps_per_peer": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),
+            "traffic_class": ("int_range", IntRange(0, 255)),
+            "service_level": ("int_range", IntRange(0, 15)),
+            "ibgda": ("bool_or_auto", f"true | false | {AUTO}"),
+            "nic": ("nic", _NIC_ALLOWED),
+            "gid_index": ("int_range", IntRange(0, None, auto=True)),
+            "roce_version": ("int_range", IntRange(1, 2, auto=True)),
         },
     },
     "overlap": {
@@ -121,6 +151,58 @@ class Context:
         return ConfigError(f"{self.where(dotted)}: {dotted}: {msg}")
 
 
+def _hca_list(text: str) -> Optional[str]:
+    """``text`` as a normalised NVSHMEM_HCA_LIST (``[^]dev[:port][,dev[:port]...]``), or None if it
+    is not one."""
+    body = text.strip()
+    exclude = body.startswith("^")
+    entries = [e.strip() for e in (body[1:] if exclude else body).split(",")]
+    if not entries or not all(_HCA_ENTRY.fullmatch(e) for e in entries):
+        return None
+    return ("^" if exclude else "") + ",".join(entries)
+
+
+def _check_nic(ctx: Context, dotted: str, value):
+    """``comm.rdma.nic``: auto | HCA list string | list per local rank | {local rank: HCA list}."""
+
+    def bad(what: str) -> ConfigError:
+        return ctx.fail(dotted, f"{what}, got {value!r} ({type(value).__name__}); allowed: {_NIC_ALLOWED}")
+
+    def entry(where: str, item):
+        if not isinstance(item, str):
+            raise bad(f"{where} is not a string ({item!r})")
+        hca = _hca_list(item)
+        if hca is None or item.strip() == AUTO:
+            raise bad(f"{where} {item!r} is not a device[:port] list such as 'mlx5_0:1'")
+        return hca
+
+    if isinstance(value, str):
+        if value == AUTO:
+            return value
+        if _hca_list(value) is None:
+            raise bad("not a device[:port] list such as 'mlx5_0:1'" + suggest(value, [AUTO]))
+        return _hca_list(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise bad("an empty list")
+        return [entry(f"entry [{i}]", item) for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        if not value:
+            raise bad("an empty mapping")
+        out: Dict[int, str] = {}
+        for key, item in value.items():
+            rank = key
+            if isinstance(key, str) and key.strip().isdigit():  # JSON keys are strings
+                rank = int(key)
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                raise bad(f"key {key!r} is not a local rank (an int >= 0)")
+            if rank in out:
+                raise bad(f"local rank {rank} is given twice")
+            out[rank] = entry(f"local rank {rank}:", item)
+        return dict(sorted(out.items()))
+    raise bad("wrong type")
+
+
 def check_value(ctx: Context, dotted: str, kind: str, allowed, value):
     """Type/range check one value; return it normalised (ints to floats where floats expected)."""
 
@@ -130,6 +212,23 @@ def check_value(ctx: Context, dotted: str, kind: str, allowed, value):
 
     if kind in ("opt_int", "opt_float") and value is None:
         return None
+    if kind == "nic":
+        return _check_nic(ctx, dotted, value)
+    if kind == "bool_or_auto":
+        if isinstance(value, bool) or value == AUTO:
+            return value
+        raise bad("not an allowed value" + (suggest(value, [AUTO, "true", "false"])
+                                            if isinstance(value, str) else ""))
+    if kind == "int_range":
+        if allowed.auto and isinstance(value, str):
+            if value != AUTO:
+                raise bad("not an allowed value" + suggest(value, [AUTO]))
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("wrong type")
+        if value < allowed.lo or (allowed.hi is not None and value > allowed.hi):
+            raise bad("out of range")
+        return value
     if kind == "int_or_auto" and isinstance(value, str):
         if value != AUTO:
             raise bad("not an allowed value" + suggest(value, [AUTO]))
@@ -220,6 +319,17 @@ def check_moe(ctx: Context, m: Dict[str, Any]) -> None:
         )
 
 
+def check_rdma(ctx: Context, r: RdmaConfig) -> None:
+    """The rules that tie ``comm.rdma`` keys together (values already type-checked)."""
+    if r.roce_version != AUTO and r.gid_index != AUTO:
+        raise ctx.fail(
+            "comm.rdma.roce_version",
+            f"only applies when comm.rdma.gid_index is {AUTO} (NVSHMEM then picks a GID of this RoCE "
+            f"version), got roce_version {r.roce_version} with gid_index {r.gid_index}; allowed: "
+            f"{AUTO} with a gid_index, 1 | 2 | {AUTO} with gid_index: {AUTO}",
+        )
+
+
 def _section_values(ctx: Context, sec: str, cls: type, body: Any,
                     rules: Dict[str, Any] = None) -> Dict[str, Any]:
     """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in."""
@@ -270,6 +380,8 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
         values = _section_values(ctx, sec, cls, raw.get(sec))
         if sec == "moe":
             check_moe(ctx, values)
+        if sec == "comm":
+            check_rdma(ctx, values["rdma"])
         built[sec] = cls(**values)
     return EPConfig(source=ctx.source, **built)
 

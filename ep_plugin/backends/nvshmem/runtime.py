@@ -9,20 +9,27 @@ on a dead peer.
 Environment set before NVSHMEM starts, unless the user set it (docs/LOW_LATENCY.md lists them):
 NVSHMEM_DISABLE_NVLS=1 always (NVLink multicast stays off), NVSHMEM_SYMMETRIC_SIZE to what the
 first engine needs plus headroom, NVSHMEM_REMOTE_TRANSPORT=none when the whole group is one host
-(no NIC is probed), NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY left to NVSHMEM.
+(no NIC is probed), NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY left to NVSHMEM. When the group spans hosts,
+the RDMA knobs of `comm.rdma` (QPs per peer, traffic class, service level, IBGDA, NIC per GPU, GID)
+are added by `rdma_env.rdma_environment` (docs/RDMA.md); on one host they are not, as no NIC is used
+(virtual nodes from `comm.ranks_per_node` included: their "RDMA" half runs over NVSHMEM's P2P transport).
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..._ext import get_c
 from ...errors import BackendUnavailableError
+from .rdma_env import check_local_ranks, rdma_environment, shadowed
+
+logger = logging.getLogger("ep_plugin.nvshmem")
 
 HEADROOM = 256 << 20  # symmetric heap beyond the first engine's need (NVSHMEM's own allocations, a second engine)
 
@@ -34,24 +41,37 @@ def _group_ranks(group) -> List[int]:
         else list(range(dist.get_world_size()))
 
 
-def _one_host(group) -> bool:
+def _host_layout(group) -> Tuple[bool, int, int]:
+    """(whether the group is one host, this rank's local rank: its position among the group's ranks
+    on its host in group-rank order, the most ranks any host has). Collective over the group."""
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    rank = dist.get_rank(group)
+    return len(set(hosts)) == 1, hosts[:rank].count(hosts[rank]), max(hosts.count(h) for h in hosts)
 
 
-def environment(heap_bytes: int, one_host: bool) -> dict:
-    """The NVSHMEM settings this job starts with (user-set variables win, NVLS is always off)."""
+def environment(heap_bytes: int, one_host: bool, rdma_cfg: Any = None, local_rank: int = 0,
+                world: int = 1) -> dict:
+    """The NVSHMEM settings this job starts with (user-set variables win, NVLS is always off).
+
+    ``rdma_cfg`` (a ``comm.rdma`` section), ``local_rank`` and ``world``: across hosts, the RDMA
+    knobs' variables for this rank (``rdma_env.rdma_environment``). On one host no NIC is used
+    (``NVSHMEM_REMOTE_TRANSPORT=none``), so they are not set."""
     env = {"NVSHMEM_DISABLE_NVLS": "1"}
     if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
         env["NVSHMEM_SYMMETRIC_SIZE"] = str(int(heap_bytes) + HEADROOM)
     if one_host and "NVSHMEM_REMOTE_TRANSPORT" not in os.environ:
         env["NVSHMEM_REMOTE_TRANSPORT"] = "none"
+    if not one_host and rdma_cfg is not None:
+        env.update(rdma_environment(rdma_cfg, local_rank, world))
     return env
 
 
-def join(group, heap_bytes: int) -> None:
-    """Start NVSHMEM over `group` if this process has not yet (collective over the group)."""
+def join(group, heap_bytes: int, rdma_cfg: Any = None) -> None:
+    """Start NVSHMEM over `group` if this process has not yet (collective over the group).
+
+    ``rdma_cfg``: the config's ``comm.rdma`` section (None: NVSHMEM's RDMA defaults), applied when the
+    group spans hosts."""
     C = get_c()
     if not getattr(C, "HAS_NVSHMEM", False):
         raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM (pip install nvidia-nvshmem-cu13 "
@@ -62,8 +82,13 @@ def join(group, heap_bytes: int) -> None:
             raise ValueError(f"NVSHMEM already runs over global ranks {_job['ranks']}; one NVSHMEM job per process, "
                              f"so a low-latency buffer on ranks {ranks} cannot join it")
         return
-    one_host = _one_host(group)
-    env = environment(heap_bytes, one_host)
+    one_host, local_rank, local_world = _host_layout(group)
+    if not one_host:
+        check_local_ranks(rdma_cfg, local_world)  # every rank raises alike: none waits on the others
+    env = environment(heap_bytes, one_host, rdma_cfg, local_rank, len(ranks))
+    if not one_host and rdma_cfg is not None:
+        for var, (mine, user) in shadowed(rdma_cfg, local_rank, len(ranks)).items():
+            logger.info("ep_plugin.nvshmem: %s=%s from the environment wins over comm.rdma's %s", var, user, mine)
     os.environ.update(env)
     if os.environ.get("NVSHMEM_DISABLE_NVLS") != "1":
         os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
