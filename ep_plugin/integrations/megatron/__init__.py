@@ -2,7 +2,8 @@
 which re-exports these and installs the hooks).
 
     config.py      ep_plugin YAML -> TransformerConfig fields; the EPConfig each dispatcher uses
-    dispatcher.py  EPPluginTokenDispatcher (imports megatron-core; loaded by hooks.install())
+    dispatcher.py  EPPluginTokenDispatcher (imports megatron-core; loaded by hooks.install()); under
+                   torch.compile its dispatch/combine are ep_plugin.ops' custom ops
     hooks.py       install / uninstall: how megatron-core builds the dispatcher by name or as flex backend
     experts.py     GroupedMMLinear and grouped_mm_experts: grouped-GEMM experts without TransformerEngine
     training.py    Megatron-LM's launch path: --moe-token-dispatcher-type ep_plugin, --ep-plugin-config

@@ -65,16 +65,23 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
     return fields
 
 
-def resolve_config(transformer_config, num_experts: int, topk: int) -> EPConfig:
+def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bool = False) -> EPConfig:
     """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the
-    TransformerConfig's expert count and top-k, and comm.host_sync on (see below). Its
-    comm.max_tokens_per_rank is the buffer's capacity, never the size of a batch."""
+    TransformerConfig's expert count and top-k. Its comm.max_tokens_per_rank is the buffer's
+    capacity, never the size of a batch.
+
+    Eager forwards (compiled=False) always get comm.host_sync on (see below). Forwards traced by
+    torch.compile (compiled=True) keep the attached comm.host_sync: false, the default, runs the
+    dispatch and combine as the custom ops of ep_plugin.ops, whose worst-case output shapes follow from
+    the config; true makes the dispatcher call EPBuffer eagerly, with a graph break around each call
+    (dispatcher.py)."""
     raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
-    # megatron's experts split their input by host counts, so the host waits for them anyway: an
-    # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
-    raw["comm"]["host_sync"] = True
+    if not compiled:
+        # megatron's experts split their input by host counts, so the host waits for them anyway: an
+        # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
+        raw["comm"]["host_sync"] = True
     return load_config(raw)
 
 

@@ -6,23 +6,91 @@ megatron-core is importable) imports this module, and nothing else in ep_plugin 
 With comm.stats on, the buffer's stats are reported every comm.stats_interval steps through Python
 logging (logger "ep_plugin.megatron", rank 0 of the EP group): tokens/s, the communication share of
 the wall time, the slowest rank, imbalance and timeouts (ep_plugin.telemetry).
+
+Under torch.compile (torch.compiler.is_compiling() while dynamo traces the layer) the dispatcher
+takes one of two paths, chosen by the attached config's comm.host_sync (resolve_config):
+  - false (the default): dispatch and combine are the custom ops of ep_plugin.ops, traced into the
+    graph (no graph break in these hooks). The dispatch rows are sized for the worst case of
+    comm.max_tokens_per_rank (their shape follows from the config), and the counts stay on the
+    device. megatron's experts (SequentialMLP, TEGroupedMLP) take host-sized input: they call
+    `tokens_per_expert.tolist()` (experts.py, 0.19.2) and split their rows by it, so
+    dispatch_postprocess cuts the rows to the valid ones by one host read of their count,
+    `tokens_per_expert.sum().item()`. With torch._dynamo.config.capture_scalar_outputs = True both
+    reads trace as unbacked ints (one device->host copy each at run time, no graph break); without
+    it each is a graph break (ours in dispatch_postprocess, megatron's in its experts).
+  - true: the eager EPBuffer calls, each hook a torch.compiler.disable'd call (three graph breaks per
+    layer: token_dispatch, dispatch_postprocess, token_combine), exact-size rows.
+The compiled path uses its own EPBuffer (comm.host_sync false), from the same cache; it is built
+when the first compiled forward runs its first dispatch (a collective, in program order). The
+stats reports (comm.stats) are not made by compiled forwards.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ... import ops
 from ...buffer import EPBuffer
 from ...config import EPConfig
 from ...telemetry import log_to, training_step
-from ..buffer_cache import get_buffer
+from ..buffer_cache import buffer_key, get_buffer
 from .config import resolve_config
 
 _REPORT = log_to(logging.getLogger("ep_plugin.megatron"))
+
+# The compiled path's constants. Dynamo runs the assume_constant_result functions below when it
+# traces and puts their results into the graph, so the config is resolved and the op id registered in
+# plain Python, never traced. Their arguments must be constants: an int key per (TransformerConfig,
+# EP group, experts, top-k), shared by every layer built from the same config, so that layers
+# compiled one by one hit the same cache entry (a per-layer key would recompile for each layer).
+class _CompiledSpec:
+    def __init__(self, transformer_config, ep_group, ep_size: int, num_experts: int, topk: int):
+        self.transformer_config, self.ep_group, self.ep_size = transformer_config, ep_group, ep_size
+        self.num_experts, self.topk = num_experts, topk
+        self._cfg: Optional[EPConfig] = None
+
+    def config(self) -> EPConfig:
+        if self._cfg is None:
+            self._cfg = resolve_config(self.transformer_config, self.num_experts, self.topk, compiled=True)
+        return self._cfg
+
+
+_SPECS: Dict[int, _CompiledSpec] = {}
+_SPEC_KEYS: Dict[tuple, int] = {}  # the spec holds its TransformerConfig, so the id in a key stays its own
+
+
+def _spec_key(transformer_config, ep_group, ep_size: int, num_experts: int, topk: int) -> int:
+    k = (id(transformer_config), ep_group, int(num_experts), int(topk))
+    key = _SPEC_KEYS.get(k)
+    if key is None:
+        key = _SPEC_KEYS[k] = len(_SPECS) + 1
+        _SPECS[key] = _CompiledSpec(transformer_config, ep_group, ep_size, num_experts, topk)
+    return key
+
+
+@torch.compiler.assume_constant_result
+def _compiled_uses_ops(key: int) -> bool:
+    """True: the compiled path runs ep_plugin.ops (comm.host_sync false); False: eager calls."""
+    return not _SPECS[key].config().comm.host_sync
+
+
+@torch.compiler.assume_constant_result
+def _compiled_capacity(key: int) -> int:
+    return _SPECS[key].config().comm.max_tokens_per_rank
+
+
+@torch.compiler.assume_constant_result
+def _compiled_buffer_id(key: int, hidden: int) -> int:
+    """The ep_plugin.ops id of the compiled path's buffer: registered, not built (the op builds it)."""
+    spec = _SPECS[key]
+    cfg = spec.config()
+    return ops.register_factory(functools.partial(get_buffer, spec.ep_group, cfg, hidden), cfg, spec.ep_size,
+                                hidden, key=("megatron",) + buffer_key(spec.ep_group, cfg, hidden))
 
 
 def _wait(event) -> None:
@@ -47,6 +115,10 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     Buffer: the EPBuffer of (EP group, config, hidden) from integrations/buffer_cache.py, shared by
     every layer and batch and sized by comm.max_tokens_per_rank; a batch with more tokens raises
     ValueError in dispatch_preprocess, before any communication.
+
+    torch.compile: token_dispatch / token_combine become ep_plugin.ops' custom ops (worst-case rows,
+    counts on the device) and dispatch_postprocess cuts the rows to the valid ones for megatron's
+    experts; see the module docstring for what breaks the graph and when.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
@@ -84,6 +156,7 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.num_recv = None
         self.tokens_per_expert = None
         self.probs_dtype = None
+        self._key = _spec_key(config, self.ep_group, self.ep_size, self.num_experts, self.router_topk)
 
     # ---------------------------------------------------------------- helpers
     def _ep_config(self) -> EPConfig:
@@ -94,7 +167,10 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     def _check_capacity(self, num_tokens: int) -> None:
         # checked at the first hook, before any communication: a rank that went on to dispatch
         # would leave its peers waiting in a collective
-        cap = self._ep_config().comm.max_tokens_per_rank
+        if torch.compiler.is_compiling():
+            cap = _compiled_capacity(self._key)
+        else:
+            cap = self._ep_config().comm.max_tokens_per_rank
         if num_tokens > cap:
             raise ValueError(
                 f"ep_plugin.megatron: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank} "
@@ -138,6 +214,28 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return hidden_states, topk_probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if torch.compiler.is_compiling():
+            if _compiled_uses_ops(self._key):
+                return self._token_dispatch_op(hidden_states, probs)
+            return _eager_token_dispatch(self, hidden_states, probs)
+        return self._token_dispatch_eager(hidden_states, probs)
+
+    def _token_dispatch_op(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The compiled path: ep_plugin.ops' dispatch, worst-case rows, counts on the device."""
+        hidden_states = hidden_states.contiguous()
+        bid = _compiled_buffer_id(self._key, hidden_states.shape[1])
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        res = ops.dispatch(bid, hidden_states, self.topk_idx, probs.float().contiguous(), layout="expert")
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(res.x)
+        self.handle = res.handle  # an ops.OpHandle: the handle token (a tensor of the graph) and T
+        self.num_recv = None      # not read on the host in a compiled forward
+        self.tokens_per_expert = res.num_tokens_per_expert  # [E_local] int64 on the device
+        self.topk_idx = None
+        return res.x, res.topk_weights
+
+    def _token_dispatch_eager(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_states = hidden_states.contiguous()
         buf = self._buffer_for(hidden_states)
         training_step(self, buf, hidden_states.shape[0], _REPORT)  # every comm.stats_interval steps
@@ -156,6 +254,26 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return res.x, res.topk_weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if torch.compiler.is_compiling():
+            if _compiled_uses_ops(self._key):
+                return self._dispatch_postprocess_op(hidden_states, probs)
+            return _eager_dispatch_postprocess(self, hidden_states, probs)
+        return self._dispatch_postprocess_eager(hidden_states, probs)
+
+    def _dispatch_postprocess_op(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        # megatron's experts split their input by host counts (tokens_per_expert.tolist()), which must
+        # add up to its rows: cut the worst-case rows to the valid ones. The count is the one host
+        # read of the compiled path (an unbacked int with capture_scalar_outputs, else a graph break)
+        tokens_per_expert = self.tokens_per_expert
+        n = tokens_per_expert.sum().item()
+        torch._check(n >= 0)
+        torch._check(n <= hidden_states.shape[0])
+        rows = hidden_states[:n]
+        if self.config.overlap_moe_expert_parallel_comm:
+            rows = rows.clone()
+        return rows, tokens_per_expert, probs[:n].to(self.probs_dtype)
+
+    def _dispatch_postprocess_eager(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         # already grouped by expert: nothing to permute. An exact-size dispatch (the config this
         # dispatcher resolves) has exactly sum(tokens_per_expert) rows; a worst-case-sized one is cut
         # to them (a view)
@@ -174,6 +292,23 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            if _compiled_uses_ops(self._key):
+                return self._token_combine_op(hidden_states)
+            return _eager_token_combine(self, hidden_states)
+        return self._token_combine_eager(hidden_states)
+
+    def _token_combine_op(self, hidden_states: torch.Tensor):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        out = ops.combine(hidden_states.contiguous(), self.handle)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        self.handle = None
+        return out
+
+    def _token_combine_eager(self, hidden_states: torch.Tensor):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         out = self.buffer.combine(hidden_states.contiguous(), self.handle)
@@ -199,3 +334,20 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
 
     def reset_over_budget(self):
         return None
+
+
+# comm.host_sync: true under torch.compile: the eager calls, each behind a graph break. The buffer is
+# the compiled config's (host_sync true: the same as the eager path's, so the eager cache entry).
+@torch.compiler.disable
+def _eager_token_dispatch(d: EPPluginTokenDispatcher, hidden_states, probs):
+    return d._token_dispatch_eager(hidden_states, probs)
+
+
+@torch.compiler.disable
+def _eager_dispatch_postprocess(d: EPPluginTokenDispatcher, hidden_states, probs):
+    return d._dispatch_postprocess_eager(hidden_states, probs)
+
+
+@torch.compiler.disable
+def _eager_token_combine(d: EPPluginTokenDispatcher, hidden_states):
+    return d._token_combine_eager(hidden_states)
