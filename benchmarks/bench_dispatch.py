@@ -60,6 +60,9 @@ NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_ca
               "nvlink.combine_expert_bf16", "nvlink.dispatch_expert_fp8", "nvlink.dispatch_then_permute",
               "nvlink.unpermute_then_combine")
 EP_LL_OPS = ll_op_names("ep_ll")
+# the same calls with comm.low_latency.output_buffers: 2 (outputs from two sets used in turn)
+EP_LL_RING = 2
+EP_LL_RING_OPS = ll_op_names("ep_ll_ring")
 
 
 # ---------------------------------------------------------------------------------- ranks
@@ -311,17 +314,22 @@ class RankBench:
 
     def ours_ll(self, inp: Inputs, rec: Dict) -> None:
         """ep_plugin's low-latency rows on their own EPBuffer (the nvlink rows' config plus
-        comm.low_latency.max_tokens_per_rank = the case's tokens), closed afterwards."""
+        comm.low_latency.max_tokens_per_rank = the case's tokens), closed afterwards; then the same with
+        comm.low_latency.output_buffers: EP_LL_RING (outputs from sets used in turn, no allocation per call)."""
         if not hasattr(ep_plugin.EPBuffer, "low_latency_dispatch"):
             rec["ops"].update({op: failed(f"n/a: this ep_plugin ({ep_plugin.__file__}) has no "
-                                          "EPBuffer.low_latency_dispatch") for op in EP_LL_OPS})
+                                          "EPBuffer.low_latency_dispatch") for op in EP_LL_OPS + EP_LL_RING_OPS})
             return
-        cfg = ep_config("nvlink", self.args.num_sms, ll_max_tokens=inp.T)
-        buf, err = attempt("EPBuffer(comm.low_latency.max_tokens_per_rank)",
+        self.ours_ll_rows(inp, rec, "ep_ll", EP_LL_OPS, 0)
+        self.ours_ll_rows(inp, rec, "ep_ll_ring", EP_LL_RING_OPS, EP_LL_RING)
+
+    def ours_ll_rows(self, inp: Inputs, rec: Dict, prefix: str, names, output_buffers: int) -> None:
+        cfg = ep_config("nvlink", self.args.num_sms, ll_max_tokens=inp.T, ll_output_buffers=output_buffers)
+        buf, err = attempt(f"EPBuffer(comm.low_latency: max_tokens_per_rank, output_buffers {output_buffers})",
                            lambda: ep_plugin.EPBuffer(None, cfg, hidden=H))
         if err:
             self.say(f"{inp.case}: {err}")
-            rec["ops"].update({op: failed(err) for op in EP_LL_OPS})
+            rec["ops"].update({op: failed(err) for op in names})
             return
         try:
             mine, err = attempt("ep_plugin low-latency check", lambda: self.check_ll(buf, inp))
@@ -329,14 +337,14 @@ class RankBench:
             rec["ll_engine"] = engines[0] if len(engines) == 1 else " / ".join(engines)
             if err:
                 self.say(f"{inp.case}: {err}")
-                rec["checks"]["ep_ll_error"] = err
-                rec["ops"].update({op: failed(err) for op in EP_LL_OPS})
+                rec["checks"][f"{prefix}_error"] = err
+                rec["ops"].update({op: failed(err) for op in names})
                 return
             every = gather((mine["checks"], mine["info"]))
-            rec["checks"]["ep_ll"] = [e[0] for e in every]
-            rec["checks"]["ep_ll_info"] = [e[1] for e in every]
-            self.say(f"{inp.case}: ep_plugin low-latency engine {rec['ll_engine']}; checks "
-                     f"{[sorted(k for k, v in c.items() if not v) or 'all OK' for c in rec['checks']['ep_ll']]}")
+            rec["checks"][prefix] = [e[0] for e in every]
+            rec["checks"][f"{prefix}_info"] = [e[1] for e in every]
+            self.say(f"{inp.case}: ep_plugin low-latency engine {rec['ll_engine']} (output_buffers {output_buffers}); "
+                     f"checks {[sorted(k for k, v in c.items() if not v) or 'all OK' for c in rec['checks'][prefix]]}")
             x, idx, w = inp.x, inp.idx, inp.w
 
             def dispatch(fp8, hook):
@@ -345,7 +353,7 @@ class RankBench:
             def combine(rows, handle, hook):
                 return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
 
-            ops = measure_low_latency(self.proto, "ep_ll", dispatch, combine, mine["expert_out"])
+            ops = measure_low_latency(self.proto, prefix, dispatch, combine, mine["expert_out"])
             rec["ops"].update(ops)
             self.report_ops(inp.case, ops)
         finally:
@@ -397,7 +405,7 @@ class RankBench:
         self.put("partial")
         ll_rec = self.records.get("latency")
         if ll_rec is not None and args.ep_ll == "off":
-            ll_rec["ops"].update({op: failed("n/a: skipped (--ep-ll off)") for op in EP_LL_OPS})
+            ll_rec["ops"].update({op: failed("n/a: skipped (--ep-ll off)") for op in EP_LL_OPS + EP_LL_RING_OPS})
         elif ll_rec is not None and args.ep_ll == "first":
             ll_rec["ops"].update(pending(EP_LL_OPS, "ep_plugin's low-latency calls"))
             self.put("partial")

@@ -16,14 +16,17 @@ CASES = {"throughput": (4096, "uniform"), "group_limited": (4096, "group_limited
 MAX_TOKENS = 4096  # comm.max_tokens_per_rank of every benchmark buffer
 
 
-def ep_config(backend: str, num_sms: int, *, host_sync: bool = False, ll_max_tokens: Optional[int] = None) -> Dict:
+def ep_config(backend: str, num_sms: int, *, host_sync: bool = False, ll_max_tokens: Optional[int] = None,
+              ll_output_buffers: int = 0) -> Dict:
     """The EPBuffer config of the benchmark rows; ll_max_tokens sets comm.low_latency.max_tokens_per_rank
-    (the low-latency rows' buffers: the same config plus that key)."""
+    (the low-latency rows' buffers: the same config plus that key), ll_output_buffers its output_buffers."""
     comm: Dict = {"backend": backend, "max_tokens_per_rank": MAX_TOKENS, "timeout_s": 15.0, "num_sms": num_sms}
     if host_sync:
         comm["host_sync"] = True
     if ll_max_tokens is not None:
         comm["low_latency"] = {"max_tokens_per_rank": ll_max_tokens}
+        if ll_output_buffers:
+            comm["low_latency"]["output_buffers"] = ll_output_buffers
     return {"moe": {"num_experts": E, "topk": K}, "comm": comm}
 
 

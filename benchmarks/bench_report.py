@@ -66,6 +66,9 @@ ROWS = (
         floor="ll", engine=True),
     Row("ep_plugin low-latency BF16, recv half: hook()", "ep_ll.dispatch_recv_bf16", "ep_ll.combine_recv_bf16",
         floor="ll_recv", engine=True),
+    Row("ep_plugin low-latency BF16, output_buffers 2", "ep_ll_ring.dispatch_bf16", "ep_ll_ring.combine_bf16",
+        floor="ll", engine=True),
+    Row("ep_plugin low-latency FP8, output_buffers 2", "ep_ll_ring.dispatch_fp8", None, "fp8", floor="ll", engine=True),
 )
 
 
@@ -183,8 +186,8 @@ def check_summary(c: Dict) -> Dict:
     dep, mine = c.get("deepep_recv_rows"), c.get("ours_recv_rows")
     out["ours_vs_torch_ok"] = False if c.get("ours_error") else (None if ours is None else all(ours))
     out["deepep_rows_match"] = None if dep is None or mine is None else list(dep) == list(mine)
-    ll = c.get("ep_ll")  # per rank: {check: bool}
-    out["ep_ll_ok"] = False if c.get("ep_ll_error") else (
+    ll = (c.get("ep_ll") or []) + (c.get("ep_ll_ring") or [])  # per rank: {check: bool}, both buffers
+    out["ep_ll_ok"] = False if c.get("ep_ll_error") or c.get("ep_ll_ring_error") else (
         None if not ll else all(all(v for v in r.values()) for r in ll))
     verdicts = [v for v in (out["ours_vs_torch_ok"], out["deepep_rows_match"], out["ep_ll_ok"]) if v is not None]
     out["ok"] = all(verdicts) if verdicts else None
@@ -225,10 +228,12 @@ def check_line(s: Dict) -> str:
             v = c[key]
             parts.append(f"{label}: {verdict(all(v) if isinstance(v, list) else v)}")
     if c.get("ep_ll_ok") is not None:
-        bad = sorted({k for r in (c.get("ep_ll") or []) for k, v in r.items() if not v})
+        rows = (c.get("ep_ll") or []) + (c.get("ep_ll_ring") or [])
+        bad = sorted({k for r in rows for k, v in r.items() if not v})
+        errors = [c[k] for k in ("ep_ll_error", "ep_ll_ring_error") if c.get(k)]
         parts.append(f"ep_plugin low-latency == contract: {verdict(c['ep_ll_ok'])}"
                      + (f" (failed: {', '.join(bad)})" if bad else "")
-                     + (f" ({c['ep_ll_error']})" if c.get("ep_ll_error") else ""))
+                     + (f" ({'; '.join(errors)})" if errors else ""))
     return "   check: " + "; ".join(parts)
 
 

@@ -1,9 +1,11 @@
 """A framework that speaks DeepEP, unchanged, on ep_plugin: megatron-core's flex dispatcher with
 moe_flex_dispatcher_backend="deepep" (its fused_a2a.py imports `deep_ep`) resolved to ep_plugin.deep_ep,
-against megatron's own alltoall dispatcher on the same MoE layer (CPU, gloo, torch backend)."""
+against megatron's own alltoall dispatcher on the same MoE layer: on CPU (gloo, torch backend), and
+on 2 GPUs (NCCL, the nvlink backend under ep_plugin.deep_ep)."""
 import importlib
 import sys
 
+import pytest
 import torch
 
 from tests._dist import spawn
@@ -29,11 +31,12 @@ def _megatron_on_our_deep_ep():
     return fused_a2a
 
 
-def body(rank, world):
-    from ep_plugin.testing import cpu_stand_ins
+def body(rank, world, device="cpu"):
+    if device == "cpu":
+        from ep_plugin.testing import cpu_stand_ins
 
-    cpu_stand_ins()
-    torch.set_num_threads(1)
+        cpu_stand_ins()
+        torch.set_num_threads(1)
     fused_a2a = _megatron_on_our_deep_ep()
     from megatron.core import parallel_state as ps
 
@@ -42,17 +45,20 @@ def body(rank, world):
     ours = make_moe_layer(make_config(world, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
                                       moe_router_dtype="fp32"))
     assert type(ours.token_dispatcher).__name__ == "MoEFlexTokenDispatcher", type(ours.token_dispatcher)
+    # on GPUs the layer runs in BF16, as DeepEP (and the nvlink backend under it) moves BF16 rows
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ref, ours = ref.to(device, dtype), ours.to(device, dtype)
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)
         for n, p in ref.named_parameters():
             if ".experts." in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(device, dtype))
     missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
     assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
     S = 5 + 3 * rank
     g = torch.Generator().manual_seed(1000 + rank)
-    x0 = torch.randn(S, 2, ref.config.hidden_size, generator=g)
-    w = torch.randn(S, 2, ref.config.hidden_size, generator=g)
+    x0 = torch.randn(S, 2, ref.config.hidden_size, generator=g).to(device, dtype)
+    w = torch.randn(S, 2, ref.config.hidden_size, generator=g).to(device, dtype)
     got = {}
     for tag, layer in (("ref", ref), ("ours", ours)):
         x = x0.clone().requires_grad_()
@@ -60,11 +66,12 @@ def body(rank, world):
         (y * w).sum().backward()
         got[tag] = (y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
     (y0, gx0, gp0), (y1, gx1, gp1) = got["ref"], got["ours"]
-    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gx1, gx0, atol=1e-5, rtol=1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # BF16 sums
+    torch.testing.assert_close(y1, y0, **tol)
+    torch.testing.assert_close(gx1, gx0, **tol)
     assert set(gp0) == set(gp1)
     for n in gp0:
-        torch.testing.assert_close(gp1[n], gp0[n], atol=1e-5, rtol=1e-5, msg=n)
+        torch.testing.assert_close(gp1[n], gp0[n], msg=n, **tol)
     assert isinstance(fused_a2a._buffer, sys.modules["ep_plugin.deep_ep"].Buffer)
     fused_a2a._buffer.destroy()
     ps.destroy_model_parallel()
@@ -72,3 +79,10 @@ def body(rank, world):
 
 def test_megatron_flex_deepep_backend_runs_on_ep_plugin():
     spawn(body, 2, timeout=240)
+
+
+@pytest.mark.gpu
+def test_megatron_flex_deepep_backend_runs_on_ep_plugin_gpu():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    spawn(body, 2, "cuda", backend="nccl", timeout=240)

@@ -21,9 +21,9 @@ def _need_nvshmem(world=2):
         pytest.skip("ep_plugin._C is built without NVSHMEM")
 
 
-def _cfg(M, K, timeout_s=20.0):
-    return SimpleNamespace(comm=SimpleNamespace(low_latency=SimpleNamespace(max_tokens_per_rank=M), timeout_s=timeout_s),
-                           moe=SimpleNamespace(topk=K))
+def _cfg(M, K, timeout_s=20.0, output_buffers=0):
+    ll = SimpleNamespace(max_tokens_per_rank=M, output_buffers=output_buffers)
+    return SimpleNamespace(comm=SimpleNamespace(low_latency=ll, timeout_s=timeout_s), moe=SimpleNamespace(topk=K))
 
 
 def _cast_fp8(x, round_scale):
@@ -147,6 +147,27 @@ def _bootstrap_and_ll(rank, world):
         eng.close()
 
 
+def _output_ring(rank, world):
+    """comm.low_latency.output_buffers = 2: the same results, and a call's outputs survive the next call."""
+    from ep_plugin.backends.nvshmem.low_latency import NvshmemLowLatency
+    eng = NvshmemLowLatency(dist.group.WORLD, _cfg(32, 4, output_buffers=2), 1024, 16)
+    for seed, (fp8, hook) in enumerate(((False, False), (True, False), (False, True), (True, True), (False, False))):
+        _check_case(eng, rank, world, 16, 1024, 32 - rank, 4, 100 + seed, fp8, False, hook, skew=seed == 2)
+    x = torch.randn(8, 1024, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 16, (8, 4), device="cuda")
+    first, count, _, _ = eng.dispatch(x, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    kept, kept_count = first.clone(), count.clone()
+    second, _, _, _ = eng.dispatch(x * 2, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    torch.cuda.synchronize()
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, kept) and torch.equal(count, kept_count)
+    eng.close()
+
+
 def test_nvshmem_bootstrap_and_low_latency_kernels():
     _need_nvshmem()
     spawn(_bootstrap_and_ll, 2, backend="nccl", timeout=600)
+
+
+def test_low_latency_output_ring():
+    _need_nvshmem()
+    spawn(_output_ring, 2, backend="nccl", timeout=300)

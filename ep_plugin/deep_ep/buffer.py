@@ -290,6 +290,7 @@ class Buffer(LowLatencyMixin):
         self._buffers.clear()
         self._ll_buffers.clear()
         self._ll_staging.clear()
+        self._ll_dispatch_last, self._ll_combine_last = (None, None), None
 
 
 __all__ = ["Buffer"]

@@ -31,6 +31,17 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream() -> int:
+    """The current CUDA stream of the current device as an integer: torch's raw accessor (no Stream
+    object built per call: the cold-call path is host-bound), else the public API."""
+    if _raw_stream is not None:
+        return _raw_stream(torch.cuda.current_device())
+    return torch.cuda.current_stream().cuda_stream
+
+
 class NvshmemLowLatency:
     name = "nvshmem"
     checks_expert_ids = True  # the send half flags ids outside [-1, E); check() raises them
@@ -61,21 +72,31 @@ class NvshmemLowLatency:
         self.timeout_s = float(cfg.comm.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden)
-        runtime.join(group, heap)
+        runtime.join(group, heap, getattr(cfg.comm, "rdma", None))
         blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
                                        self.timeout_s, blocks)
         self._reported = False
+        # comm.low_latency.output_buffers = N > 0: outputs come from N sets allocated once and used in
+        # turn (a call's outputs stay valid for the next N - 1 calls of its kind); 0: fresh tensors.
+        self.output_buffers = int(getattr(cfg.comm.low_latency, "output_buffers", 0) or 0)
+        self._ring = {}
+        self._turn = {}
 
-    # ------------------------------------------------------------------ dispatch
-    # The send half is launched first, with nothing but pointers: in a cold call the host's work
-    # before the first launch is on the critical path, the allocations after it overlap the send.
-    def dispatch(self, x, topk_idx, *, use_fp8: bool, round_scale: bool, recv_stats, hook: bool):
-        T, K = topk_idx.shape
-        rt = self._rt
-        rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, int(use_fp8), int(round_scale), SEND,
-                    0, 0, 0, 0, 0, 0, 0, torch.cuda.current_stream().cuda_stream)
-        EL, WM, H, dev = self.local_experts, self.world * self.max_tokens, self.hidden, x.device
+    def _dispatch_outputs(self, use_fp8: bool, dev):
+        """(recv_x, recv_count, src_info, layout_range, row_slot, pointers): fresh, or the next set."""
+        n = self.output_buffers
+        if n:
+            sets = self._ring.get(use_fp8)
+            if sets is None:
+                sets = self._ring[use_fp8] = [self._new_dispatch_outputs(use_fp8, dev) for _ in range(n)]
+            i = self._turn.get(use_fp8, 0)
+            self._turn[use_fp8] = (i + 1) % n
+            return sets[i]
+        return self._new_dispatch_outputs(use_fp8, dev)
+
+    def _new_dispatch_outputs(self, use_fp8: bool, dev):
+        EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
         if use_fp8:
             data = torch.empty((EL, WM, H), dtype=torch.float8_e4m3fn, device=dev)
             scales = torch.empty((EL, H // FP8_BLOCK, WM), dtype=torch.float32, device=dev).transpose(1, 2)
@@ -87,21 +108,46 @@ class NvshmemLowLatency:
         src_info = torch.empty((EL, WM), dtype=torch.int32, device=dev)
         layout_range = torch.empty((EL, self.world), dtype=torch.int64, device=dev)
         row_slot = torch.empty((EL, WM), dtype=torch.int32, device=dev)
+        ptrs = (data.data_ptr(), _ptr(scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                row_slot.data_ptr())
+        return recv_x, recv_count, src_info, layout_range, row_slot, ptrs
+
+    def _combine_output(self, T: int, dev):
+        n = self.output_buffers
+        if not n:
+            return torch.empty((T, self.hidden), dtype=torch.bfloat16, device=dev)
+        sets = self._ring.get("y")
+        if sets is None:
+            sets = self._ring["y"] = [torch.empty((self.max_tokens, self.hidden), dtype=torch.bfloat16, device=dev)
+                                      for _ in range(n)]
+        i = self._turn.get("y", 0)
+        self._turn["y"] = (i + 1) % n
+        return sets[i][:T]
+
+    # ------------------------------------------------------------------ dispatch
+    # The send half is launched first, with nothing but pointers: in a cold call the host's work
+    # before the first launch is on the critical path, the allocations after it overlap the send.
+    def dispatch(self, x, topk_idx, *, use_fp8: bool, round_scale: bool, recv_stats, hook: bool):
+        T, K = topk_idx.shape
+        rt = self._rt
+        stream = _current_stream()
+        rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, int(use_fp8), int(round_scale), SEND,
+                    0, 0, 0, 0, 0, 0, 0, stream)
+        recv_x, recv_count, src_info, layout_range, row_slot, ptrs = self._dispatch_outputs(use_fp8, x.device)
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
-                                  max_tokens=self.max_tokens, hidden=H, num_experts=self.num_experts, topk=K,
-                                  use_fp8=use_fp8, backend=self.name,
+                                  max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
+                                  topk=K, use_fp8=use_fp8, backend=self.name,
                                   state={"row_slot": row_slot, "recv_count": recv_count})
-        outs = (data.data_ptr(), _ptr(scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-                row_slot.data_ptr(), _ptr(recv_stats))
+        outs = ptrs + (_ptr(recv_stats),)
         # the receive half reads no input: x and topk_idx may go once the send half is queued
         keep = [recv_stats]
 
-        def recv():
-            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, torch.cuda.current_stream().cuda_stream)
+        def recv(on=None):  # on: the stream, else the one current when the hook runs
+            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, on or _current_stream())
             keep.clear()
 
         if not hook:
-            recv()
+            recv(stream)
             return recv_x, recv_count, handle, None
         return recv_x, recv_count, handle, recv
 
@@ -109,18 +155,19 @@ class NvshmemLowLatency:
     def combine(self, x, topk_idx, topk_weights, handle, *, out, hook: bool):
         T, K = topk_idx.shape
         rt, state = self._rt, handle.state
+        stream = _current_stream()
         rt.combine(x.data_ptr(), state["row_slot"].data_ptr(), state["recv_count"].data_ptr(), 0, 0, T, K, SEND, 0,
-                   torch.cuda.current_stream().cuda_stream)
-        y = out if out is not None else torch.empty((T, self.hidden), dtype=torch.bfloat16, device=x.device)
+                   stream)
+        y = out if out is not None else self._combine_output(T, x.device)
         keep = [topk_idx, topk_weights]  # read by the receive half
 
-        def recv():
+        def recv(on=None):
             rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
-                       torch.cuda.current_stream().cuda_stream)
+                       on or _current_stream())
             keep.clear()
 
         if not hook:
-            recv()
+            recv(stream)
             return y, None
         return y, recv
 
