@@ -25,7 +25,6 @@ at --timeout) keeps the rows measured before it.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import socket
 import sys
@@ -50,7 +49,7 @@ except ImportError:
     expert_major = None
 from bench_inputs import (CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, ep_config, ll_engine,  # noqa: E402
                           make_inputs)
-from bench_launch import run_world  # noqa: E402
+from bench_launch import init_rank, run_world  # noqa: E402
 from deepep_rows import LL_OPS, NORMAL_OPS, DeepEP  # noqa: E402
 from protocols import (_short, failed, kernel_breakdown, ll_op_names, measure, measure_low_latency,  # noqa: E402
                        Protocols)
@@ -473,14 +472,8 @@ class RankBench:
 
 
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     try:
-        torch.cuda.set_device(rank)
-        kw = {}
-        if "device_id" in inspect.signature(dist.init_process_group).parameters:
-            kw["device_id"] = torch.device("cuda", rank)  # binds NCCL (and its barrier) to this GPU
-        dist.init_process_group("nccl", rank=rank, world_size=world, **kw)
+        init_rank(rank, world, port)
         RankBench(rank, world, args, q).run()
         dist.barrier()
         dist.destroy_process_group()

@@ -61,3 +61,21 @@ def run_world(target, world: int, args, on_partial):
             p.kill()
             p.join(5)
     return last, complete
+
+
+def init_rank(rank: int, world: int, port: int) -> None:
+    """A spawned rank's NCCL group on GPU `rank` (device_id binds NCCL, and its barrier, to that GPU
+    where torch takes it)."""
+    import inspect
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    kw = {}
+    if "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, **kw)

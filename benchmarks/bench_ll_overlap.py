@@ -23,7 +23,6 @@ Needs 2 CUDA GPUs.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import socket
 import statistics
@@ -44,7 +43,7 @@ except ImportError:
 
 import bench_report as report  # noqa: E402
 from bench_inputs import E, H, K, ep_config, ll_engine, make_routing  # noqa: E402
-from bench_launch import run_world  # noqa: E402
+from bench_launch import init_rank, run_world  # noqa: E402
 from protocols import FLUSH_BYTES, _short  # noqa: E402
 
 SCHEMA = "ep_plugin.bench_ll_overlap/1"
@@ -254,14 +253,8 @@ def format_table(doc: Dict) -> str:
 
 
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     try:
-        torch.cuda.set_device(rank)
-        kw = {}
-        if "device_id" in inspect.signature(dist.init_process_group).parameters:
-            kw["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, **kw)
+        init_rank(rank, world, port)
         out, err = None, None
         try:
             bench = OverlapBench(rank, args)

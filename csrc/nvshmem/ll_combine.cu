@@ -46,20 +46,6 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
   }
 }
 
-__device__ void signal_all(const Ctx& c, int p, int epoch) {
-  __threadfence_system();
-  __syncthreads();
-  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
-    if (left_out(c, d)) continue;
-    if (c.peer[d] != nullptr) {
-      st_release_sys(flag_word(c.peer[d], c.comb_flag[p], c.rank), epoch + 1);
-    } else {
-      nvshmem_fence();
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + c.comb_flag[p] + 8ll * c.rank),
-                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
-    }
-  }
-}
 
 __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
                               int4* y) {
@@ -135,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     send_rows(c, p, x, row_slot, recv_count, smem, &any_rdma);
     if (any_rdma) nvshmem_quiet();
     if (last_block(ticket(c, kTicketCombSend))) {
-      signal_all(c, p, epoch);
+      signal_ranks(c, c.comb_flag[p], epoch);
       __syncthreads();
       if (threadIdx.x == 0) c.state[kCombSendEpoch] = epoch + 1;
     }

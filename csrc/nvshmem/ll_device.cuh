@@ -11,6 +11,9 @@
 // comb_stage[EL*W*M] rows: NVSHMEM puts need a symmetric source.
 #pragma once
 #include <cuda_bf16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
 #include <cstdint>
 
 #include "common/ptx.cuh"
@@ -130,6 +133,22 @@ __device__ inline bool wait_signal(const Ctx& c, long long flag_off, int r, int 
   const int got = wait_geq(flag_word(c.heap, flag_off, r), target, deadline, c.aborted);
   if (got == kTimedOut) record_timeout(c, r, kernel_id);
   return got == kArrived;
+}
+
+// Sets this rank's signal word (at flag_off, index rank) on every rank not left out to epoch + 1: a
+// release store over P2P, or an NVSHMEM signal behind a fence where a rank has no P2P path. Called by
+// one block after every block's rows are out (last_block's fences order them before it).
+__device__ inline void signal_ranks(const Ctx& c, long long flag_off, int epoch) {
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
+    if (left_out(c, d)) continue;
+    if (c.peer[d] != nullptr) {
+      st_release_sys(flag_word(c.peer[d], flag_off, c.rank), epoch + 1);
+    } else {
+      nvshmem_fence();
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + flag_off + 8ll * c.rank),
+                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
+    }
+  }
 }
 
 }  // namespace ll

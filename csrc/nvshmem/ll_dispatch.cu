@@ -168,19 +168,6 @@ __device__ void send_counts(const Ctx& c, int p, const int* s_topk, int TK, int*
   __syncthreads();
 }
 
-// The last sender block, after every block's rows and counts are out: one signal per rank.
-__device__ void signal_all(const Ctx& c, int p, int epoch) {
-  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
-    if (left_out(c, d)) continue;
-    if (c.peer[d] != nullptr) {
-      st_release_sys(flag_word(c.peer[d], c.disp_flag[p], c.rank), epoch + 1);
-    } else {
-      nvshmem_fence();
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + c.disp_flag[p] + 8ll * c.rank),
-                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
-    }
-  }
-}
 
 // The receive half: wait for every source, then pack each expert's rows (source order, then slot
 // order = token order) into out; block 0 writes counts, layout ranges and the statistics.
@@ -269,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     send_tokens<kFp8>(c, p, x, s_topk, T, K, round_scale, &any_rdma);
     if (any_rdma && threadIdx.x == 0) nvshmem_quiet();
     if (last_block(ticket(c, kTicketDispSend))) {
-      signal_all(c, p, epoch);
+      signal_ranks(c, c.disp_flag[p], epoch);
       __syncthreads();
       if (threadIdx.x == 0) c.state[kDispSendEpoch] = epoch + 1;
     }
