@@ -51,7 +51,7 @@ from bench_inputs import (CASES, E, GROUP_TOPK, H, K, NUM_GROUPS, Inputs, ep_con
                           make_inputs)
 from bench_launch import init_rank, run_world  # noqa: E402
 from deepep_rows import LL_OPS, NORMAL_OPS, DeepEP  # noqa: E402
-from protocols import (_short, failed, kernel_breakdown, ll_op_names, measure, measure_low_latency,  # noqa: E402
+from protocols import (LL_KINDS, _short, failed, kernel_breakdown, ll_op_names, measure, measure_low_latency,  # noqa: E402
                        Protocols)
 
 NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16",
@@ -59,9 +59,12 @@ NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_ca
               "nvlink.combine_expert_bf16", "nvlink.dispatch_expert_fp8", "nvlink.dispatch_then_permute",
               "nvlink.unpermute_then_combine")
 EP_LL_OPS = ll_op_names("ep_ll")
-# the same calls with comm.low_latency.output_buffers: 2 (outputs from two sets used in turn)
+# the same calls with comm.low_latency.output_buffers: 2 (outputs from two sets used in turn): the
+# full calls only (the rows the table shows)
 EP_LL_RING = 2
-EP_LL_RING_OPS = ll_op_names("ep_ll_ring")
+EP_LL_RING_KINDS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
+EP_LL_RING_OPS = tuple(f"ep_ll_ring.{k}" for k in EP_LL_RING_KINDS)
+EP_LL_ALL = EP_LL_OPS + EP_LL_RING_OPS
 
 
 # ---------------------------------------------------------------------------------- ranks
@@ -260,11 +263,7 @@ class RankBench:
         n = [int(t.numel()) for t in want_src]
         checks: Dict[str, bool] = {}
 
-        def dispatch(fp8=False, hook=False):
-            return buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
-
-        def combine(rows, handle, hook=False):
-            return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
+        dispatch, combine = ll_calls(buf, inp)
 
         def rows_ok(recv, count, handle):
             ok = count.tolist() == n and all(torch.equal(recv[e, :n[e]], want_rows[e]) for e in range(EL))
@@ -317,12 +316,12 @@ class RankBench:
         comm.low_latency.output_buffers: EP_LL_RING (outputs from sets used in turn, no allocation per call)."""
         if not hasattr(ep_plugin.EPBuffer, "low_latency_dispatch"):
             rec["ops"].update({op: failed(f"n/a: this ep_plugin ({ep_plugin.__file__}) has no "
-                                          "EPBuffer.low_latency_dispatch") for op in EP_LL_OPS + EP_LL_RING_OPS})
+                                          "EPBuffer.low_latency_dispatch") for op in EP_LL_ALL})
             return
-        self.ours_ll_rows(inp, rec, "ep_ll", EP_LL_OPS, 0)
-        self.ours_ll_rows(inp, rec, "ep_ll_ring", EP_LL_RING_OPS, EP_LL_RING)
+        self.ours_ll_rows(inp, rec, "ep_ll", EP_LL_OPS, 0, LL_KINDS)
+        self.ours_ll_rows(inp, rec, "ep_ll_ring", EP_LL_RING_OPS, EP_LL_RING, EP_LL_RING_KINDS)
 
-    def ours_ll_rows(self, inp: Inputs, rec: Dict, prefix: str, names, output_buffers: int) -> None:
+    def ours_ll_rows(self, inp: Inputs, rec: Dict, prefix: str, names, output_buffers: int, kinds) -> None:
         cfg = ep_config("nvlink", self.args.num_sms, ll_max_tokens=inp.T, ll_output_buffers=output_buffers)
         buf, err = attempt(f"EPBuffer(comm.low_latency: max_tokens_per_rank, output_buffers {output_buffers})",
                            lambda: ep_plugin.EPBuffer(None, cfg, hidden=H))
@@ -344,15 +343,8 @@ class RankBench:
             rec["checks"][f"{prefix}_info"] = [e[1] for e in every]
             self.say(f"{inp.case}: ep_plugin low-latency engine {rec['ll_engine']} (output_buffers {output_buffers}); "
                      f"checks {[sorted(k for k, v in c.items() if not v) or 'all OK' for c in rec['checks'][prefix]]}")
-            x, idx, w = inp.x, inp.idx, inp.w
-
-            def dispatch(fp8, hook):
-                return buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
-
-            def combine(rows, handle, hook):
-                return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
-
-            ops = measure_low_latency(self.proto, prefix, dispatch, combine, mine["expert_out"])
+            dispatch, combine = ll_calls(buf, inp)
+            ops = measure_low_latency(self.proto, prefix, dispatch, combine, mine["expert_out"], kinds)
             rec["ops"].update(ops)
             self.report_ops(inp.case, ops)
         finally:
@@ -404,15 +396,15 @@ class RankBench:
         self.put("partial")
         ll_rec = self.records.get("latency")
         if ll_rec is not None and args.ep_ll == "off":
-            ll_rec["ops"].update({op: failed("n/a: skipped (--ep-ll off)") for op in EP_LL_OPS + EP_LL_RING_OPS})
+            ll_rec["ops"].update({op: failed("n/a: skipped (--ep-ll off)") for op in EP_LL_ALL})
         elif ll_rec is not None and args.ep_ll == "first":
-            ll_rec["ops"].update(pending(EP_LL_OPS, "ep_plugin's low-latency calls"))
+            ll_rec["ops"].update(pending(EP_LL_ALL, "ep_plugin's low-latency calls"))
             self.put("partial")
             self.say("phase 1b: ep_plugin low-latency calls")
             self.ours_ll(inputs["latency"], ll_rec)
             self.put("partial")
         elif ll_rec is not None:  # last: after DeepEP's phases, their buffers closed
-            ll_rec["ops"].update(pending(EP_LL_OPS, "DeepEP's kernels (ep_plugin's low-latency rows run last)"))
+            ll_rec["ops"].update(pending(EP_LL_ALL, "DeepEP's kernels (ep_plugin's low-latency rows run last)"))
 
         # until a phase ends its ops read "did not finish", so a rank that dies in DeepEP leaves a reason
         run_ll = "latency" in cases and not args.no_deepep_ll
@@ -460,7 +452,7 @@ class RankBench:
             self.deepep_info.update(ll_error=dep.ll_error, **dep.info)
         if ll_rec is not None and args.ep_ll == "last":
             dep.close()
-            ll_rec["ops"].update(pending(EP_LL_OPS, "ep_plugin's low-latency calls"))
+            ll_rec["ops"].update(pending(EP_LL_ALL, "ep_plugin's low-latency calls"))
             self.put("partial")
             self.say("phase 4: ep_plugin low-latency calls")
             self.ours_ll(inputs["latency"], ll_rec)
@@ -469,6 +461,19 @@ class RankBench:
         for b in bufs.values():
             if not isinstance(b, str) and hasattr(b, "close"):
                 b.close()
+
+
+def ll_calls(buf, inp: Inputs):
+    """The low-latency dispatch(fp8, hook) and combine(rows, handle, hook) of one buffer on the case's inputs."""
+    x, idx, w = inp.x, inp.idx, inp.w
+
+    def dispatch(fp8=False, hook=False):
+        return buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+
+    def combine(rows, handle, hook=False):
+        return buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
+
+    return dispatch, combine
 
 
 def rank_main(rank: int, world: int, port: int, args, q) -> None:

@@ -126,7 +126,8 @@ def ll_op_names(prefix: str):
     return tuple(f"{prefix}.{k}" for k in LL_KINDS)
 
 
-def measure_low_latency(proto: Protocols, prefix: str, dispatch: Callable, combine: Callable, expert_out) -> Dict:
+def measure_low_latency(proto: Protocols, prefix: str, dispatch: Callable, combine: Callable, expert_out,
+                        kinds=LL_KINDS) -> Dict:
     """Every op of ll_op_names(prefix), each as `measure` records it, the calls alternating dispatch,
     combine, dispatch, ... on every rank (untimed partners in before/after) and every receive hook run
     before the next call of its kind.
@@ -164,14 +165,14 @@ def measure_low_latency(proto: Protocols, prefix: str, dispatch: Callable, combi
         d()
         c(True)
 
-    n = prefix + "."
-    return {n + "dispatch_bf16": measure(proto, d, after=c),
-            n + "dispatch_fp8": measure(proto, lambda: d(True), after=c),
-            n + "combine_bf16": measure(proto, c, before=d),
-            n + "dispatch_send_bf16": measure(proto, d_hook, after=recv_d_then_c),
-            n + "dispatch_recv_bf16": measure(proto, recv_d, before=d_hook, after=c),
-            n + "combine_send_bf16": measure(proto, c_hook, before=d, after=recv_c),
-            n + "combine_recv_bf16": measure(proto, recv_c, before=d_then_c_hook)}
+    timed = {"dispatch_bf16": lambda: measure(proto, d, after=c),
+             "dispatch_fp8": lambda: measure(proto, lambda: d(True), after=c),
+             "combine_bf16": lambda: measure(proto, c, before=d),
+             "dispatch_send_bf16": lambda: measure(proto, d_hook, after=recv_d_then_c),
+             "dispatch_recv_bf16": lambda: measure(proto, recv_d, before=d_hook, after=c),
+             "combine_send_bf16": lambda: measure(proto, c_hook, before=d, after=recv_c),
+             "combine_recv_bf16": lambda: measure(proto, recv_c, before=d_then_c_hook)}
+    return {f"{prefix}.{k}": timed[k]() for k in kinds}
 
 
 def failed(error: str, protocols=("cold", "queued")) -> Dict:

@@ -39,7 +39,8 @@ LOW_LATENCY_MAX_TOPK = 32  # the largest top-k the low-latency calls take (an en
 _buffer_ids = itertools.count(1)  # tells the low-latency handles of one buffer from another's
 
 
-def _need(cond: bool, exc, msg: str):
+def need(cond: bool, exc, msg: str):
+    """Raise exc(msg) unless cond (the argument checks of EPBuffer and ep_plugin.deep_ep)."""
     if not cond:
         raise exc(msg)
 
@@ -83,15 +84,16 @@ class _IndexCheck:
                          "treated as routed nowhere")
 
 
-def _form(*args):
+def call_form(*args):
     """What the low-latency checks depend on, for tensors (dtype, shape, device, contiguity) and plain
-    values; None when an argument is not of a checkable kind (then the full checks run and raise)."""
+    values (ints, bools, None; typed, so True and 1 differ); None when an argument is of another kind
+    (then the full checks run and raise). The current CUDA device counts too, for a CUDA first argument."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append((a.dtype, a.shape, a.device, a.is_contiguous()))
-        elif a is None or isinstance(a, bool):
-            out.append(a)
+        elif a is None or isinstance(a, int):
+            out.append((type(a), a))
         else:
             return None
     if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
@@ -131,9 +133,9 @@ class EPBuffer:
     def __init__(self, group=None, cfg=None, hidden: int = None, *, num_experts: Optional[int] = None):
         from .config import load_config
 
-        _need(dist.is_available() and dist.is_initialized(), RuntimeError,
+        need(dist.is_available() and dist.is_initialized(), RuntimeError,
               "torch.distributed must be initialized before creating an EPBuffer")
-        _need(isinstance(hidden, int) and hidden > 0, ValueError, f"hidden must be a positive int, got {hidden!r}")
+        need(isinstance(hidden, int) and hidden > 0, ValueError, f"hidden must be a positive int, got {hidden!r}")
         self.group = group if group is not None else dist.group.WORLD
         self.cfg = load_config(cfg, {"moe.num_experts": num_experts} if num_experts is not None else None)
         self.world = dist.get_world_size(self.group)
@@ -155,7 +157,6 @@ class EPBuffer:
         # The form (dtypes, shapes, devices, strides, flags) of the last low-latency calls that passed
         # every check: a call of the same form skips them (cold calls are host-bound at 128 tokens).
         self._ll_dispatch_form = self._ll_combine_form = None
-        self._ll_max_tokens = self.cfg.comm.low_latency.max_tokens_per_rank
         self._low_latency_mask: tuple = ()
         self._closed = False
 
@@ -178,53 +179,53 @@ class EPBuffer:
     def _check_rows(self, x: XInput):
         caps, name = self._caps, self._backend.name
         if isinstance(x, (tuple, list)):
-            _need(len(x) == 2, TypeError, "x must be a tensor or a (x_fp8, scales) pair")
+            need(len(x) == 2, TypeError, "x must be a tensor or a (x_fp8, scales) pair")
             data, scales = x
-            _need(isinstance(data, torch.Tensor) and data.dtype in FP8_DTYPES, TypeError,
+            need(isinstance(data, torch.Tensor) and data.dtype in FP8_DTYPES, TypeError,
                   f"x[0] (FP8 data) must be a float8 tensor, got {getattr(data, 'dtype', type(data))}")
-            _need(caps.fp8, TypeError, f"the {name} backend does not take FP8 rows")
-            _need(isinstance(scales, torch.Tensor) and scales.dtype == torch.float32, TypeError,
+            need(caps.fp8, TypeError, f"the {name} backend does not take FP8 rows")
+            need(isinstance(scales, torch.Tensor) and scales.dtype == torch.float32, TypeError,
                   f"x[1] (FP8 scales) must be a float32 tensor, got {getattr(scales, 'dtype', type(scales))}")
-            _need(self.hidden % FP8_BLOCK == 0, ValueError,
+            need(self.hidden % FP8_BLOCK == 0, ValueError,
                   f"FP8 dispatch needs hidden divisible by {FP8_BLOCK}, got hidden={self.hidden}")
-            _need(scales.dim() == 2 and scales.shape == (data.shape[0], self.hidden // FP8_BLOCK), ValueError,
+            need(scales.dim() == 2 and scales.shape == (data.shape[0], self.hidden // FP8_BLOCK), ValueError,
                   f"x[1] (FP8 scales) must have shape [{data.shape[0]}, {self.hidden // FP8_BLOCK}], got {tuple(scales.shape)}")
-            _need(scales.is_contiguous(), ValueError, "x[1] (FP8 scales) must be contiguous")
-            _need(scales.device == data.device, ValueError, "x[1] (FP8 scales) must be on x's device")
+            need(scales.is_contiguous(), ValueError, "x[1] (FP8 scales) must be contiguous")
+            need(scales.device == data.device, ValueError, "x[1] (FP8 scales) must be on x's device")
         else:
             data, scales = x, None
-            _need(isinstance(data, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(data).__name__}")
-            _need(data.dtype in ROW_DTYPES, TypeError,
+            need(isinstance(data, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(data).__name__}")
+            need(data.dtype in ROW_DTYPES, TypeError,
                   f"x must be float32, bfloat16 or float16 (or an FP8 (data, scales) pair), got {data.dtype}")
-            _need(data.dtype in caps.row_dtypes, TypeError,
+            need(data.dtype in caps.row_dtypes, TypeError,
                   f"the {name} backend moves rows of {_names(caps.row_dtypes)} (or FP8 pairs), got {data.dtype}: "
                   "cast x, or use comm.backend: torch for other dtypes")
-        _need(data.dim() == 2 and data.shape[1] == self.hidden, ValueError,
+        need(data.dim() == 2 and data.shape[1] == self.hidden, ValueError,
               f"x must have shape [num_tokens, {self.hidden}], got {tuple(data.shape)}")
-        _need(data.is_contiguous(), ValueError, "x must be contiguous")
-        _need(data.shape[0] <= self.cfg.comm.max_tokens_per_rank, ValueError,
+        need(data.is_contiguous(), ValueError, "x must be contiguous")
+        need(data.shape[0] <= self.cfg.comm.max_tokens_per_rank, ValueError,
               f"x has {data.shape[0]} tokens, more than comm.max_tokens_per_rank={self.cfg.comm.max_tokens_per_rank} "
               "the buffer was sized for")
         return data, scales
 
     def _check_routing(self, data, topk_idx, topk_weights):
         T = data.shape[0]
-        _need(isinstance(topk_idx, torch.Tensor), TypeError, "topk_idx must be a torch.Tensor")
-        _need(topk_idx.dtype == torch.int64, TypeError, f"topk_idx must be int64, got {topk_idx.dtype}")
-        _need(topk_idx.dim() == 2 and topk_idx.shape[0] == T, ValueError,
+        need(isinstance(topk_idx, torch.Tensor), TypeError, "topk_idx must be a torch.Tensor")
+        need(topk_idx.dtype == torch.int64, TypeError, f"topk_idx must be int64, got {topk_idx.dtype}")
+        need(topk_idx.dim() == 2 and topk_idx.shape[0] == T, ValueError,
               f"topk_idx must have shape [{T}, K], got {tuple(topk_idx.shape)}")
-        _need(topk_idx.device == data.device, ValueError, f"topk_idx is on {topk_idx.device}, x on {data.device}")
-        _need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
+        need(topk_idx.device == data.device, ValueError, f"topk_idx is on {topk_idx.device}, x on {data.device}")
+        need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
         K = topk_idx.shape[1]
-        _need(self._caps.max_topk is None or K <= self._caps.max_topk, ValueError,
+        need(self._caps.max_topk is None or K <= self._caps.max_topk, ValueError,
               f"the {self._backend.name} backend supports topk <= {self._caps.max_topk}, got {K}")
         if topk_weights is not None:
-            _need(isinstance(topk_weights, torch.Tensor), TypeError, "topk_weights must be a torch.Tensor")
-            _need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
-            _need(topk_weights.shape == topk_idx.shape, ValueError,
+            need(isinstance(topk_weights, torch.Tensor), TypeError, "topk_weights must be a torch.Tensor")
+            need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
+            need(topk_weights.shape == topk_idx.shape, ValueError,
                   f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
-            _need(topk_weights.device == data.device, ValueError, "topk_weights must be on x's device")
-            _need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+            need(topk_weights.device == data.device, ValueError, "topk_weights must be on x's device")
+            need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
         self._check_expert_ids(topk_idx, self._caps.checks_expert_ids)
 
     def _check_expert_ids(self, topk_idx: torch.Tensor, checked_by_engine: bool) -> None:
@@ -232,21 +233,21 @@ class EPBuffer:
         (on CPU: raised now) unless the engine checks them itself."""
         if self._full_validation and topk_idx.numel():
             lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # opt-in: one host sync
-            _need(lo >= -1 and hi < self.num_experts, ValueError,
+            need(lo >= -1 and hi < self.num_experts, ValueError,
                   f"topk_idx values must lie in [-1, {self.num_experts}), got min {lo}, max {hi}")
         elif not checked_by_engine:
             self._index_check.record(topk_idx)
 
     def _check_handle(self, handle, num_tokens=None, num_rows=None):
-        _need(isinstance(handle, Handle), TypeError, f"handle must be a Handle from dispatch, got {type(handle).__name__}")
-        _need(handle.backend == self._backend.name, TypeError,
+        need(isinstance(handle, Handle), TypeError, f"handle must be a Handle from dispatch, got {type(handle).__name__}")
+        need(handle.backend == self._backend.name, TypeError,
               f"handle was made by the {handle.backend} backend, this buffer uses {self._backend.name}")
-        _need(handle.num_experts == self.num_experts, ValueError, "handle comes from a buffer with another expert count")
+        need(handle.num_experts == self.num_experts, ValueError, "handle comes from a buffer with another expert count")
         if num_tokens is not None:
-            _need(handle.num_tokens == num_tokens, ValueError,
+            need(handle.num_tokens == num_tokens, ValueError,
                   f"handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
         if num_rows is not None:
-            _need(handle.num_recv == num_rows, ValueError,
+            need(handle.num_recv == num_rows, ValueError,
                   f"x must have the {handle.num_recv} rows that dispatch delivered, got {num_rows}")
 
     def _async(self, async_op):
@@ -272,23 +273,23 @@ class EPBuffer:
             self._check_handle(handle, num_tokens=data.shape[0])
             topk_idx = handle.topk_idx if topk_idx is None else topk_idx
             made = "expert" if handle.expert is not None else "rank"
-            _need(layout in (None, made), ValueError,
+            need(layout in (None, made), ValueError,
                   f"the handle comes from a {made}-major dispatch; a cached dispatch keeps its layout, got layout={layout!r}")
             layout = made
         layout = layout or "rank"
-        _need(layout in LAYOUTS, ValueError, f"layout must be one of {LAYOUTS}, got {layout!r}")
-        _need(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
+        need(layout in LAYOUTS, ValueError, f"layout must be one of {LAYOUTS}, got {layout!r}")
+        need(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
               f"expert_alignment must be a positive int, got {expert_alignment!r}")
         alignment = None
         if layout == "expert":
             alignment = handle.expert.alignment if cached else expert_alignment
-        _need(topk_idx is not None, ValueError, "topk_idx is required unless a handle is given")
+        need(topk_idx is not None, ValueError, "topk_idx is required unless a handle is given")
         if not cached:
             self._check_routing(data, topk_idx, topk_weights)
         async_op = self._async(async_op)
         grad = torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad))
         if grad:
-            _need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
+            need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
             rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op, alignment)
         else:
             with torch.no_grad():
@@ -320,37 +321,37 @@ class EPBuffer:
         A rank-major x may also be cut to the valid rows of a worst-case-sized dispatch (at least
         sum(handle.recv_counts): that host count is read, waiting for its pinned copy only)."""
         self._raise_pending()
-        _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
-        _need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
-        _need(x.dtype in self._caps.combine_dtypes, TypeError,
+        need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
+        need(x.dtype in self._caps.combine_dtypes, TypeError,
               f"the {self._backend.name} backend combines rows of {_names(self._caps.combine_dtypes)}, got {x.dtype}: "
               "cast the expert output, or use comm.backend: torch")
-        _need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
+        need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
               f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
-        _need(x.is_contiguous(), ValueError, "x must be contiguous")
+        need(x.is_contiguous(), ValueError, "x must be contiguous")
         expert = handle.expert is not None if isinstance(handle, Handle) else False
         self._check_handle(handle)
         if not expert and x.shape[0] != handle.num_recv:
             used = sum(handle.recv_counts) if not handle.exact else handle.num_recv
-            _need(used <= x.shape[0] <= handle.num_recv, ValueError,
+            need(used <= x.shape[0] <= handle.num_recv, ValueError,
                   f"x must have the {handle.num_recv} rows that dispatch delivered (or at least the {used} valid "
                   f"ones), got {x.shape[0]}")
         if expert and x.shape[0] != handle.expert.num_rows:
             # rows may be cut to the segments in use (a worst-case-sized dispatch): never fewer, as the
             # kernels read every segment row (the host counts: waits for their pinned copy only)
             used = sum(padded(handle.tokens_per_expert, handle.expert.alignment))
-            _need(used <= x.shape[0] <= handle.expert.num_rows, ValueError,
+            need(used <= x.shape[0] <= handle.expert.num_rows, ValueError,
                   f"x must have the {handle.expert.num_rows} expert-major rows that dispatch delivered (or at "
                   f"least the {used} its expert segments use), got {x.shape[0]}")
-        _need(handle.is_token_in_rank.device == x.device, ValueError,
+        need(handle.is_token_in_rank.device == x.device, ValueError,
               f"x is on {x.device} but the handle's dispatch ran on {handle.is_token_in_rank.device}")
         if topk_weights is not None:
-            _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
+            need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
                   "combine's topk_weights must be a float32 tensor")
             want = (x.shape[0],) if expert else (x.shape[0], handle.recv_topk_idx.shape[1])
-            _need(tuple(topk_weights.shape) == want, ValueError,
+            need(tuple(topk_weights.shape) == want, ValueError,
                   f"combine's topk_weights must have shape {want}, got {tuple(topk_weights.shape)}")
-            _need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
+            need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
         is_async = self._async(async_op)
         if torch.is_grad_enabled() and x.requires_grad:
             y, event = CombineFn.apply(self._backend, x, handle, is_async)
@@ -365,7 +366,7 @@ class EPBuffer:
                 event = None
             with torch.no_grad():
                 if expert:
-                    _need(weights_local_only, ValueError,
+                    need(weights_local_only, ValueError,
                           "weights_local_only=False takes rank-major weights; an expert-major row has one weight")
                     weights, event = self._backend.combine_weights_expert(topk_weights, handle, is_async)
                 else:
@@ -398,18 +399,18 @@ class EPBuffer:
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
         self._raise_pending_low_latency()
-        form = _form(x, topk_idx, recv_stats, use_fp8, round_scale)
+        form = call_form(x, topk_idx, recv_stats, use_fp8, round_scale)
         hook = self._recv_hook_wanted(return_recv_hook)
-        _need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
+        need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
         engine = self._low_latency_engine()
         if form is None or form != self._ll_dispatch_form:  # the full checks run once per form of call
             self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
-            limit = getattr(engine, "max_topk", None)  # an engine sized for a top-k when it was built
-            _need(limit is None or topk_idx.shape[1] <= limit, ValueError,
+            limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
+            need(limit is None or topk_idx.shape[1] <= limit, ValueError,
                   f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
                   f"got {topk_idx.shape[1]}")
             self._ll_dispatch_form = form
-        self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
+        self._check_expert_ids(topk_idx, engine.checks_expert_ids)
         with _no_grad_if(x.requires_grad):
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
@@ -428,15 +429,15 @@ class EPBuffer:
         to BF16 at the end; ids -1 and left-out ranks contribute nothing. return_recv_hook and
         async_op as for low_latency_dispatch."""
         self._raise_pending_low_latency()
-        form = _form(x, topk_idx, topk_weights, out)
+        form = call_form(x, topk_idx, topk_weights, out)
         # the handle is checked on every call; the tensors' checks once per form of call
         if form is None or form != self._ll_combine_form or not self._same_low_latency_handle(handle, topk_idx):
             self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
             self._ll_combine_form = form
         hook = self._recv_hook_wanted(return_recv_hook)
-        _need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
+        need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
         engine = self._low_latency
-        self._check_expert_ids(topk_idx, getattr(engine, "checks_expert_ids", False))
+        self._check_expert_ids(topk_idx, engine.checks_expert_ids)
         with _no_grad_if(x.requires_grad):
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         return y, self._low_latency_event(async_op, x), self._wrap_hook(recv, hook, "low_latency_combine")
@@ -445,22 +446,22 @@ class EPBuffer:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the
         mask. A left-out rank neither receives from nor is waited for by the others, and rows to it
         count as routed nowhere (docs/LOW_LATENCY.md). Local to this rank: no collective."""
-        _need(not isinstance(ranks, (str, bytes)) and hasattr(ranks, "__iter__"), TypeError,
+        need(not isinstance(ranks, (str, bytes)) and hasattr(ranks, "__iter__"), TypeError,
               f"ranks must be a list of ints, got {type(ranks).__name__}")
         ranks = list(ranks)
         for r in ranks:
-            _need(isinstance(r, int) and not isinstance(r, bool), TypeError,
+            need(isinstance(r, int) and not isinstance(r, bool), TypeError,
                   f"ranks must be ints (ranks of the EP group), got {r!r}")
-            _need(0 <= r < self.world, ValueError, f"ranks must lie in [0, {self.world}), got {r}")
+            need(0 <= r < self.world, ValueError, f"ranks must lie in [0, {self.world}), got {r}")
         self._low_latency_mask = tuple(sorted(set(ranks)))
         if self._low_latency is not None:
             self._low_latency.set_mask(list(self._low_latency_mask))
 
     def _same_low_latency_handle(self, handle, topk_idx) -> bool:
         """The handle checks of _check_low_latency_combine, for a call whose tensors kept their form."""
-        return (type(handle) is LowLatencyHandle and handle.buffer_id == self._id and self._low_latency is not None
-                and handle.backend == self._low_latency.name and handle.num_tokens == topk_idx.shape[0]
-                and handle.topk == topk_idx.shape[1] and handle.max_tokens == self._ll_max_tokens)
+        # one engine per buffer: a handle of this buffer has its engine, hidden, experts and M
+        return (type(handle) is LowLatencyHandle and handle.buffer_id == self._id
+                and handle.num_tokens == topk_idx.shape[0] and handle.topk == topk_idx.shape[1])
 
     def _low_latency_engine(self):
         if self._low_latency is None:
@@ -470,7 +471,7 @@ class EPBuffer:
         return self._low_latency
 
     def _raise_pending_low_latency(self) -> None:
-        _need(not self._closed, RuntimeError, "this EPBuffer is closed")
+        need(not self._closed, RuntimeError, "this EPBuffer is closed")
         if self._low_latency is not None:
             self._low_latency.check()
         self._index_check.raise_if_seen()
@@ -478,7 +479,7 @@ class EPBuffer:
     def _recv_hook_wanted(self, return_recv_hook) -> bool:
         if return_recv_hook is None:
             return bool(self.cfg.overlap.recv_hook)
-        _need(isinstance(return_recv_hook, bool), TypeError,
+        need(isinstance(return_recv_hook, bool), TypeError,
               f"return_recv_hook must be a bool or None, got {return_recv_hook!r}")
         return return_recv_hook
 
@@ -503,86 +504,83 @@ class EPBuffer:
     def _check_low_latency_device(self, x: torch.Tensor) -> None:
         pg = dist.get_backend(self.group)
         if x.is_cuda:
-            _need("nccl" in pg, ValueError, f"x is on {x.device}, but the group's backend {pg!r} moves CPU tensors")
-            _need(x.device.index == torch.cuda.current_device(), ValueError,
+            need("nccl" in pg, ValueError, f"x is on {x.device}, but the group's backend {pg!r} moves CPU tensors")
+            need(x.device.index == torch.cuda.current_device(), ValueError,
                   f"x is on {x.device}, but the current CUDA device is cuda:{torch.cuda.current_device()}")
         else:
-            _need(x.device.type == "cpu" and pg != "nccl", ValueError,
+            need(x.device.type == "cpu" and pg != "nccl", ValueError,
                   f"x is on {x.device}, but the group's backend {pg!r} moves "
                   f"{'CUDA tensors of the current device' if pg == 'nccl' else 'CPU tensors'}")
 
     def _check_low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale, recv_stats) -> None:
         M, H = self.cfg.comm.low_latency.max_tokens_per_rank, self.hidden
-        _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
-        _need(x.dtype == torch.bfloat16, TypeError,
+        need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        need(x.dtype == torch.bfloat16, TypeError,
               f"low_latency_dispatch takes BF16 x, got {x.dtype} (FP8 is cast inside: use_fp8=True)")
-        _need(x.dim() == 2 and x.shape[1] == H, ValueError, f"x must have shape [num_tokens, {H}], got {tuple(x.shape)}")
-        _need(x.is_contiguous(), ValueError, "x must be contiguous")
-        _need(x.shape[0] <= M, ValueError,
+        need(x.dim() == 2 and x.shape[1] == H, ValueError, f"x must have shape [num_tokens, {H}], got {tuple(x.shape)}")
+        need(x.is_contiguous(), ValueError, "x must be contiguous")
+        need(x.shape[0] <= M, ValueError,
               f"x has {x.shape[0]} tokens, more than comm.low_latency.max_tokens_per_rank={M}")
-        _need(H % 8 == 0, ValueError,
+        need(H % 8 == 0, ValueError,
               f"the low-latency calls need rows of a multiple of 16 bytes (hidden % 8 == 0), got hidden={H}")
-        _need(isinstance(use_fp8, bool), TypeError, f"use_fp8 must be a bool, got {use_fp8!r}")
-        _need(isinstance(round_scale, bool), TypeError, f"round_scale must be a bool, got {round_scale!r}")
-        _need(not use_fp8 or H % FP8_BLOCK == 0, ValueError,
+        need(isinstance(use_fp8, bool), TypeError, f"use_fp8 must be a bool, got {use_fp8!r}")
+        need(isinstance(round_scale, bool), TypeError, f"round_scale must be a bool, got {round_scale!r}")
+        need(not use_fp8 or H % FP8_BLOCK == 0, ValueError,
               f"use_fp8 needs hidden divisible by {FP8_BLOCK} (one scale per {FP8_BLOCK} channels), got "
               f"hidden={H}: pass use_fp8=False")
-        _need(use_fp8 or not round_scale, ValueError, "round_scale applies to the FP8 cast: it needs use_fp8=True")
+        need(use_fp8 or not round_scale, ValueError, "round_scale applies to the FP8 cast: it needs use_fp8=True")
         self._check_low_latency_device(x)
         self._check_low_latency_topk(topk_idx, x.shape[0], None, x.device)
         if recv_stats is not None:
             E_l = self.num_local_experts
-            _need(isinstance(recv_stats, torch.Tensor), TypeError,
+            need(isinstance(recv_stats, torch.Tensor), TypeError,
                   f"recv_stats must be a torch.Tensor, got {type(recv_stats).__name__}")
-            _need(recv_stats.dtype == torch.int32, TypeError, f"recv_stats must be int32, got {recv_stats.dtype}")
-            _need(tuple(recv_stats.shape) == (E_l,), ValueError,
+            need(recv_stats.dtype == torch.int32, TypeError, f"recv_stats must be int32, got {recv_stats.dtype}")
+            need(tuple(recv_stats.shape) == (E_l,), ValueError,
                   f"recv_stats must have shape [{E_l}] (the local experts), got {tuple(recv_stats.shape)}")
-            _need(recv_stats.device == x.device, ValueError, f"recv_stats is on {recv_stats.device}, x on {x.device}")
+            need(recv_stats.device == x.device, ValueError, f"recv_stats is on {recv_stats.device}, x on {x.device}")
+            need(recv_stats.is_contiguous(), ValueError, "recv_stats must be contiguous")
 
     def _check_low_latency_topk(self, topk_idx, T: int, K: Optional[int], device) -> None:
-        _need(isinstance(topk_idx, torch.Tensor), TypeError,
+        need(isinstance(topk_idx, torch.Tensor), TypeError,
               f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
-        _need(topk_idx.dtype == torch.int64, TypeError, f"topk_idx must be int64, got {topk_idx.dtype}")
-        _need(topk_idx.dim() == 2 and topk_idx.shape[0] == T and (K is None or topk_idx.shape[1] == K),
+        need(topk_idx.dtype == torch.int64, TypeError, f"topk_idx must be int64, got {topk_idx.dtype}")
+        need(topk_idx.dim() == 2 and topk_idx.shape[0] == T and (K is None or topk_idx.shape[1] == K),
               ValueError, f"topk_idx must have shape [{T}, {'K' if K is None else K}], got {tuple(topk_idx.shape)}")
-        _need(1 <= topk_idx.shape[1] <= LOW_LATENCY_MAX_TOPK, ValueError,
+        need(1 <= topk_idx.shape[1] <= LOW_LATENCY_MAX_TOPK, ValueError,
               f"the low-latency calls take 1 <= topk <= {LOW_LATENCY_MAX_TOPK}, got {topk_idx.shape[1]}")
-        _need(topk_idx.device == device, ValueError, f"topk_idx is on {topk_idx.device}, x on {device}")
-        _need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
+        need(topk_idx.device == device, ValueError, f"topk_idx is on {topk_idx.device}, x on {device}")
+        need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
 
     def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, out) -> None:
-        _need(isinstance(handle, LowLatencyHandle), TypeError,
+        need(isinstance(handle, LowLatencyHandle), TypeError,
               f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle).__name__}")
-        _need(handle.buffer_id == self._id and self._low_latency is not None, ValueError,
+        # one engine per buffer: a handle of this buffer has its engine, hidden, experts and M
+        need(handle.buffer_id == self._id, ValueError,
               "handle comes from another EPBuffer's low_latency_dispatch: combine on the buffer that dispatched")
-        _need(handle.backend == self._low_latency.name, TypeError,
-              f"handle was made by the {handle.backend} low-latency engine, this buffer uses {self._low_latency.name}")
-        _need((handle.hidden, handle.num_experts) == (self.hidden, self.num_experts), ValueError,
-              f"handle is for hidden={handle.hidden}, {handle.num_experts} experts; this buffer has "
-              f"hidden={self.hidden}, {self.num_experts} experts")
         E_l, W, M, H, T = self.num_local_experts, self.world, handle.max_tokens, self.hidden, handle.num_tokens
         device = handle.src_info.device
-        _need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
-        _need(x.dtype == torch.bfloat16, TypeError, f"low_latency_combine takes BF16 x, got {x.dtype}")
-        _need(tuple(x.shape) == (E_l, W * M, H), ValueError,
+        need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        need(x.dtype == torch.bfloat16, TypeError, f"low_latency_combine takes BF16 x, got {x.dtype}")
+        need(tuple(x.shape) == (E_l, W * M, H), ValueError,
               f"x must have the dispatch's shape [{E_l}, {W * M}, {H}] (local experts, ranks * max tokens, "
               f"hidden), got {tuple(x.shape)}")
-        _need(x.is_contiguous(), ValueError, "x must be contiguous")
-        _need(x.device == device, ValueError, f"x is on {x.device}, but the handle's dispatch ran on {device}")
+        need(x.is_contiguous(), ValueError, "x must be contiguous")
+        need(x.device == device, ValueError, f"x is on {x.device}, but the handle's dispatch ran on {device}")
         self._check_low_latency_topk(topk_idx, T, handle.topk, device)
-        _need(isinstance(topk_weights, torch.Tensor), TypeError,
+        need(isinstance(topk_weights, torch.Tensor), TypeError,
               f"topk_weights must be a torch.Tensor, got {type(topk_weights).__name__}")
-        _need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
-        _need(tuple(topk_weights.shape) == (T, handle.topk), ValueError,
+        need(topk_weights.dtype == torch.float32, TypeError, f"topk_weights must be float32, got {topk_weights.dtype}")
+        need(tuple(topk_weights.shape) == (T, handle.topk), ValueError,
               f"topk_weights must have shape [{T}, {handle.topk}], got {tuple(topk_weights.shape)}")
-        _need(topk_weights.device == device, ValueError, f"topk_weights is on {topk_weights.device}, x on {device}")
-        _need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+        need(topk_weights.device == device, ValueError, f"topk_weights is on {topk_weights.device}, x on {device}")
+        need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
         if out is not None:
-            _need(isinstance(out, torch.Tensor), TypeError, f"out must be a torch.Tensor, got {type(out).__name__}")
-            _need(out.dtype == torch.bfloat16, TypeError, f"out must be BF16, got {out.dtype}")
-            _need(tuple(out.shape) == (T, H), ValueError, f"out must have shape [{T}, {H}], got {tuple(out.shape)}")
-            _need(out.device == device, ValueError, f"out is on {out.device}, x on {device}")
-            _need(out.is_contiguous(), ValueError, "out must be contiguous")
+            need(isinstance(out, torch.Tensor), TypeError, f"out must be a torch.Tensor, got {type(out).__name__}")
+            need(out.dtype == torch.bfloat16, TypeError, f"out must be BF16, got {out.dtype}")
+            need(tuple(out.shape) == (T, H), ValueError, f"out must have shape [{T}, {H}], got {tuple(out.shape)}")
+            need(out.device == device, ValueError, f"out is on {out.device}, x on {device}")
+            need(out.is_contiguous(), ValueError, "out must be contiguous")
 
     def stats(self, reset: bool = False) -> dict:
         """What this buffer's exchanges cost and moved since the last reset (comm.stats: true): per op
@@ -590,7 +588,7 @@ class EPBuffer:
         per domain (local = to itself, remote = to other ranks), rows per destination rank and per
         local expert with their max/mean imbalance, and timeouts. Waits for the exchanges still in
         flight, so call it at report time, not per step. See ep_plugin.telemetry."""
-        _need(self._stats is not None, RuntimeError,
+        need(self._stats is not None, RuntimeError,
               "stats are off for this buffer: set comm.stats: true in its config")
         return self._stats.summary(reset=reset)
 
@@ -610,9 +608,8 @@ class EPBuffer:
     def check(self) -> None:
         """Wait for this rank's queued work on the current stream, then raise what it reported."""
         self._backend.wait_pending()
-        wait = getattr(self._low_latency, "wait_pending", None)  # an engine whose exchanges the stream waits for
-        if wait is not None:
-            wait()
+        if self._low_latency is not None:
+            self._low_latency.wait_pending()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
         self.check_finished()

@@ -72,7 +72,7 @@ from torch import Tensor
 
 from .expert_major import capacity
 
-__all__ = ["register", "register_factory", "buffer_of", "live_handles", "dispatch", "combine", "OpHandle",
+__all__ = ["register", "register_factory", "live_handles", "dispatch", "combine", "OpHandle",
            "RankDispatch", "ExpertDispatch", "output_rows"]
 
 
@@ -175,10 +175,6 @@ def _slot(bid: int) -> _Slot:
             "EPBuffer.dispatch/combine outside the compiled region")
     return slot
 
-
-def buffer_of(bid: int):
-    """The EPBuffer behind an id (built now if it is a factory's and not built yet)."""
-    return _slot(bid).get()
 
 
 # ---------------------------------------------------------------------------------------- handles

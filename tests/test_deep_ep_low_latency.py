@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin.deep_ep as deep_ep
+from ep_plugin.backends.torch_ref.low_latency import cast_fp8  # the contract's cast (tested in test_low_latency)
 from ep_plugin.deep_ep.low_latency import _pack_ue8m0, _ue8m0_target, low_latency_size_hint
 from tests._dist import spawn
 
@@ -30,21 +31,6 @@ def cast_back(data, scales):
         scales = (exps << 23).view(torch.float32)
     v = data.float().view(N, H // 128, 128) * scales.reshape(N, H // 128, 1)
     return v.view(N, H).to(torch.bfloat16)
-
-
-def cast_fp8(x, round_scale):
-    """The contract's per-128-channel cast of BF16 rows [N, H]: (data, scales [N, H/128])."""
-    N, H = x.shape
-    v = x.float().view(N, H // 128, 128)
-    amax = v.abs().amax(-1).clamp(min=1e-4)
-    r = float(torch.tensor(1 / 448, dtype=torch.float32))  # float32(1/448), as torch on CUDA divides
-    if round_scale:
-        scales = torch.pow(2.0, torch.ceil(torch.log2(amax * r)))
-        data = v * torch.reciprocal(scales).unsqueeze(-1)
-    else:
-        scales = amax * r
-        data = v * (torch.reciprocal(amax) * 448.0).unsqueeze(-1)
-    return data.view(N, H).to(torch.float8_e4m3fn), scales
 
 
 def gather_padded(t, M, fill):
@@ -306,5 +292,10 @@ def test_size_hint_formula():
     slot = 16 + 2 * H  # a multiple of 16 here, as every term
     half = 2 * 8 * W + 4 * E + E * M * slot + 2 * H * M * 16  # the NVSHMEM engine's layout (ll_runtime.cu)
     assert deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, W, E) == 2 * half
+    import ep_plugin._ext as ext
+    if ext.has_c() and ext.get_c().HAS_NVSHMEM:  # what the engine allocates (16 top-k slots, as the hint assumes)
+        for M, H, W, E in ((128, 7168, 8, 288), (32, 1032, 3, 12), (1, 256, 2, 4)):
+            assert deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, W, E) == \
+                ext.get_c().LowLatencyRuntime.heap_bytes(W, E, M, 16, H), (M, H, W, E)
     with pytest.raises(ValueError, match="divisible"):
         deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, W, E + 1)

@@ -355,12 +355,18 @@ def test_dispatch_refuses_bad_recv_stats(buf):
            lambda: buf.low_latency_dispatch(x, idx, recv_stats=torch.zeros(E + 1, dtype=torch.int32)))
     raises(ValueError, "recv_stats is on meta",
            lambda: buf.low_latency_dispatch(x, idx, recv_stats=torch.zeros(E, dtype=torch.int32, device="meta")))
+    # the kernels add to recv_stats through its pointer: a strided view would get the wrong elements
+    raises(ValueError, "recv_stats must be contiguous",
+           lambda: buf.low_latency_dispatch(x, idx, recv_stats=torch.zeros(2 * E, dtype=torch.int32)[::2]))
 
 
 def test_combine_refuses_bad_handles(buf, solo):
     x, idx, w = inputs()
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
     raises(TypeError, "LowLatencyHandle", lambda: buf.low_latency_combine(recv_x, idx, w, "handle"))
+    buf.low_latency_combine(recv_x, idx, w, handle)  # a good call: its form is cached, the handles below still fail
+    _, _, short, _, _ = buf.low_latency_dispatch(x[:4].contiguous(), idx[:4].contiguous(), use_fp8=False)
+    raises(ValueError, "topk_idx must have shape [4, 3]", lambda: buf.low_latency_combine(recv_x, idx, w, short))
     other = make_buffer(1, E, H)
     _, _, foreign, _, _ = other.low_latency_dispatch(x, idx, use_fp8=False)
     raises(ValueError, "another EPBuffer", lambda: buf.low_latency_combine(recv_x, idx, w, foreign))

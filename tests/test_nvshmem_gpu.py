@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ep_plugin.backends.torch_ref.low_latency import cast_fp8  # the contract's cast (tested in test_low_latency)
 from tests._dist import spawn
 
 pytestmark = pytest.mark.gpu
@@ -23,22 +24,8 @@ def _need_nvshmem(world=2):
 
 def _cfg(M, K, timeout_s=20.0, output_buffers=0):
     ll = SimpleNamespace(max_tokens_per_rank=M, output_buffers=output_buffers)
-    return SimpleNamespace(comm=SimpleNamespace(low_latency=ll, timeout_s=timeout_s), moe=SimpleNamespace(topk=K))
-
-
-def _cast_fp8(x, round_scale):
-    """The contract's cast (docs/LOW_LATENCY.md), in torch."""
-    T, H = x.shape
-    v = x.float().view(T, H // 128, 128)
-    amax = v.abs().amax(-1).clamp(min=1e-4)
-    inv448 = torch.tensor(1.0, dtype=torch.float32) / 448.0  # float32 1/448, as the kernel's constant
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(amax * inv448.item())))
-        q = (v * torch.reciprocal(scale).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    else:
-        scale = amax * inv448.item()
-        q = (v * (torch.reciprocal(amax) * 448.0).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.view(T, H), scale
+    return SimpleNamespace(comm=SimpleNamespace(low_latency=ll, timeout_s=timeout_s, rdma=None),
+                           moe=SimpleNamespace(topk=K))
 
 
 def _gather(t, world):
@@ -60,8 +47,8 @@ def _check_case(eng, rank, world, E, H, T, K, seed, use_fp8, round_scale, hook, 
         idx[T // 2:, K - 1] = -1
     idx = idx.cuda()
     w = torch.rand(T, K, generator=g).cuda()
-    EL, M = E // world, eng.max_tokens
-    xs, idxs, ws = _gather(x, world), _gather(idx, world), _gather(w, world)
+    EL = E // world
+    xs, idxs = _gather(x, world), _gather(idx, world)
     recv_x, count, handle, recv = eng.dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=None,
                                                hook=hook)
     if hook:
@@ -84,7 +71,7 @@ def _check_case(eng, rank, world, E, H, T, K, seed, use_fp8, round_scale, hook, 
         assert handle.src_info[el, :n].cpu().tolist() == [t for _, t in rows], ctx
         want = torch.stack([xs[s][t] for s, t in rows])
         if use_fp8:
-            q, sc = _cast_fp8(want, round_scale)
+            q, sc = cast_fp8(want, round_scale)
             got_q, got_s = recv_x[0][el, :n], recv_x[1][el, :n]
             if not torch.equal(got_s, sc):
                 bad = (got_s != sc).nonzero()[:4].tolist()
@@ -109,7 +96,7 @@ def _check_case(eng, rank, world, E, H, T, K, seed, use_fp8, round_scale, hook, 
     eng.check()
     xe = x if not use_fp8 else None
     if use_fp8:
-        q, sc = _cast_fp8(x, round_scale) if T else (x, None)
+        q, sc = cast_fp8(x, round_scale) if T else (x, None)
         xe = (q.float().view(T, H // 128, 128) * sc.unsqueeze(-1)).view(T, H).to(torch.bfloat16) if T else x
     acc = torch.zeros(T, H, dtype=torch.float32, device="cuda")
     for k in range(K):
@@ -155,11 +142,19 @@ def _output_ring(rank, world):
         _check_case(eng, rank, world, 16, 1024, 32 - rank, 4, 100 + seed, fp8, False, hook, skew=seed == 2)
     x = torch.randn(8, 1024, device="cuda").to(torch.bfloat16)
     idx = torch.randint(0, 16, (8, 4), device="cuda")
-    first, count, _, _ = eng.dispatch(x, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
-    kept, kept_count = first.clone(), count.clone()
-    second, _, _, _ = eng.dispatch(x * 2, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    w = torch.rand(8, 4, device="cuda")
+    first, count, h1, _ = eng.dispatch(x, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    y1, _ = eng.combine(first, idx, w, h1, out=None, hook=False)
+    kept, kept_count, kept_y = first.clone(), count.clone(), y1.clone()
+    second, _, h2, _ = eng.dispatch(x * 2, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    y2, _ = eng.combine(second, idx, w, h2, out=None, hook=False)
+    third, _, h3, _ = eng.dispatch(x, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
+    eng.combine(third, idx, w, h3, out=None, hook=False)  # calls alternate (docs/LOW_LATENCY.md)
     torch.cuda.synchronize()
-    assert second.data_ptr() != first.data_ptr() and torch.equal(first, kept) and torch.equal(count, kept_count)
+    # the next call of a kind takes the other set; the one after wraps around to the first
+    assert second.data_ptr() != first.data_ptr() and y2.data_ptr() != y1.data_ptr()
+    assert torch.equal(first, kept) and torch.equal(count, kept_count) and torch.equal(y1, kept_y)
+    assert third.data_ptr() == first.data_ptr()
     eng.close()
 
 

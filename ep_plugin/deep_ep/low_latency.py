@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..buffer import EPBuffer
+from ..buffer import EPBuffer, call_form, need
 from ..config import load_config
 from .events import EventOverlap
 from .handle import DeepEPLowLatencyHandle
@@ -83,25 +83,6 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
     half = 2 * _align16(8 * W) + _align16(4 * E) + _align16(E * M * slot) + _align16(2 * H * M * int(topk))
     return 2 * half
 
-
-def _need(cond: bool, exc, msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
-
-def _call_form(*args):
-    """What the checks of a call depend on (tensors' dtype, shape, device, contiguity; plain values);
-    None when an argument is of another kind (then every check runs and raises)."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.shape, a.device, a.is_contiguous()))
-        elif a is None or isinstance(a, (bool, int)):
-            out.append((type(a), a))
-        else:
-            return None
-    return tuple(out)
 
 class _ThenEvent:
     """An async dispatch's EPEvent followed by work enqueued after it on the same stream (the UE8M0
@@ -152,7 +133,7 @@ class LowLatencyMixin:
         self._ll_masked: Set[int] = set()
         self._ll_staging: Dict[Tuple[int, int, int], List[Optional[torch.Tensor]]] = {}
         self._ll_next: Dict[Tuple[int, int, int], int] = {}
-        # the form of the last calls that passed every check (see _call_form), and the dispatch's buffer
+        # the form of the last calls that passed every check (see ep_plugin.buffer.call_form), and the dispatch's buffer
         self._ll_dispatch_last: Tuple = (None, None)
         self._ll_combine_last: Optional[Tuple] = None
 
@@ -164,7 +145,7 @@ class LowLatencyMixin:
 
     def _ll_shape(self, M, E) -> Tuple[int, int]:
         M, E = _positive_int("num_max_dispatch_tokens_per_rank", M), _positive_int("num_experts", E)
-        _need(E % self.group_size == 0, ValueError,
+        need(E % self.group_size == 0, ValueError,
               f"num_experts ({E}) must be divisible by the number of ranks ({self.group_size})")
         return M, E
 
@@ -218,7 +199,7 @@ class LowLatencyMixin:
         name = "low_latency_dispatch"
         self._ll_mode(name)
         stats = cumulative_local_expert_recv_stats
-        form = _call_form(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
+        form = call_form(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
                           num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         if form is not None and form == self._ll_dispatch_last[0]:  # checked already: straight to the buffer
             buf, M, E = self._ll_dispatch_last[1]
@@ -228,25 +209,25 @@ class LowLatencyMixin:
             raise NotImplementedError(_UNSUPPORTED.format(
                 name="dispatch_wait_recv_cost_stats", why="it has no per-rank wait timers"))
         M, E = self._ll_shape(num_max_dispatch_tokens_per_rank, num_experts)
-        _need(isinstance(x, torch.Tensor) and x.dim() == 2, ValueError,
+        need(isinstance(x, torch.Tensor) and x.dim() == 2, ValueError,
               f"x must be a [num_tokens, hidden] tensor, got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        _need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
+        need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
         T, H = x.shape
-        _need(T <= M, ValueError, f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
-        _need(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[0] == T,
+        need(T <= M, ValueError, f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
+        need(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[0] == T,
               ValueError, f"topk_idx must have shape [{T}, num_topk], got {tuple(getattr(topk_idx, 'shape', ()))}")
-        _need(not (async_finish and return_recv_hook), ValueError,
+        need(not (async_finish and return_recv_hook), ValueError,
               "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
               "current stream")
         ue8m0 = bool(use_fp8 and use_ue8m0)
         if ue8m0:
-            _need(round_scale, ValueError, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two)")
-            _need(H % 512 == 0, ValueError, f"use_ue8m0=True needs hidden divisible by 512, got {H}")
+            need(round_scale, ValueError, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two)")
+            need(H % 512 == 0, ValueError, f"use_ue8m0=True needs hidden divisible by 512, got {H}")
         if stats is not None:
             E_l = E // self.group_size
-            _need(stats.dtype == torch.int32, TypeError,
+            need(stats.dtype == torch.int32, TypeError,
                   f"cumulative_local_expert_recv_stats must be torch.int, got {stats.dtype}")
-            _need(stats.dim() == 1 and stats.shape[0] == E_l and stats.is_contiguous(), ValueError,
+            need(stats.dim() == 1 and stats.shape[0] == E_l and stats.is_contiguous(), ValueError,
                   f"cumulative_local_expert_recv_stats must be a contiguous [{E_l}] tensor, got {tuple(stats.shape)}")
         buf = self._ll_buffer(H, E, M, topk_idx.shape[1])
         out = self._ll_dispatch_run(buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
@@ -307,7 +288,7 @@ class LowLatencyMixin:
         """
         name = "low_latency_combine"
         self._ll_mode(name)
-        form = _call_form(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
+        form = call_form(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
                           async_finish, return_recv_hook)
         if (form is not None and form == self._ll_combine_last and type(handle) is DeepEPLowLatencyHandle
                 and handle.buffer in self._ll_buffers.values()):  # checked already: straight to the buffer
@@ -323,24 +304,24 @@ class LowLatencyMixin:
         _, _, M, H, E = h
         E_l, W = E // self.group_size, self.group_size
         shape = (E_l, W * M, H)
-        _need(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, ValueError,
+        need(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, ValueError,
               f"x must have shape {list(shape)} (num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, "
               f"hidden), got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        _need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
-        _need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
+        need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
+        need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
               f"topk_weights must be a float32 tensor, got {getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
-        _need(isinstance(topk_idx, torch.Tensor) and topk_weights.shape == topk_idx.shape, ValueError,
+        need(isinstance(topk_idx, torch.Tensor) and topk_weights.shape == topk_idx.shape, ValueError,
               f"topk_weights must have topk_idx's shape {tuple(getattr(topk_idx, 'shape', ()))}, "
               f"got {tuple(topk_weights.shape)}")
-        _need(topk_idx.dim() == 2 and topk_idx.shape[0] <= M, ValueError,
+        need(topk_idx.dim() == 2 and topk_idx.shape[0] <= M, ValueError,
               f"topk_idx must be [num_tokens <= {M}, num_topk], got {tuple(topk_idx.shape)}")
         if out is not None:
             T = topk_idx.shape[0]
-            _need(isinstance(out, torch.Tensor) and tuple(out.shape) == (T, H) and out.dtype == torch.bfloat16
+            need(isinstance(out, torch.Tensor) and tuple(out.shape) == (T, H) and out.dtype == torch.bfloat16
                   and out.is_contiguous(), ValueError,
                   f"out must be a contiguous bfloat16 [{T}, {H}] tensor, got "
                   f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
-        _need(not (async_finish and return_recv_hook), ValueError,
+        need(not (async_finish and return_recv_hook), ValueError,
               "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
               "current stream")
         result = self._ll_combine_run(h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out)
@@ -402,7 +383,7 @@ class LowLatencyMixin:
         now and when later ones are built. A left-out rank neither receives from nor is waited for by
         the others, and rows routed to it count as routed nowhere."""
         self._ll_mode("low_latency_update_mask_buffer")
-        _need(isinstance(rank_to_mask, int) and 0 <= rank_to_mask < self.group_size, ValueError,
+        need(isinstance(rank_to_mask, int) and 0 <= rank_to_mask < self.group_size, ValueError,
               f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
         if mask:
             self._ll_masked.add(rank_to_mask)
@@ -415,7 +396,7 @@ class LowLatencyMixin:
         after v1.2.1). Only ranks left out through low_latency_update_mask_buffer: ep_plugin does not
         leave out a rank that timed out by itself, it raises EPTimeoutError naming it at the next call."""
         self._ll_mode("low_latency_query_mask_buffer")
-        _need(isinstance(mask_status, torch.Tensor) and mask_status.dtype == torch.int32
+        need(isinstance(mask_status, torch.Tensor) and mask_status.dtype == torch.int32
               and tuple(mask_status.shape) == (self.group_size,), ValueError,
               f"mask_status must be a [{self.group_size}] torch.int tensor")
         status = torch.zeros(self.group_size, dtype=torch.int32)
@@ -440,7 +421,7 @@ def _positive_int(name: str, v) -> int:
         n = operator.index(v)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
-    _need(n > 0, ValueError, f"{name} must be positive, got {n}")
+    need(n > 0, ValueError, f"{name} must be positive, got {n}")
     return n
 
 

@@ -4,8 +4,9 @@ The kernels (csrc/nvshmem/ll_*.cu) write each (token, expert) row straight into 
 symmetric slot over NVLink P2P (NVSHMEM puts where a peer has no P2P path: the RDMA path, compiled
 but not run on the GPU machines here), signal with epoch counters kept on the device, and pack rows
 into the caller's tensors in the receive half. No host sync, fixed shapes, so a dispatch/combine
-pair captures into a CUDA graph. With a hook the send half is launched now and the receive half when
-the hook is called; without, one kernel does both.
+pair captures into a CUDA graph. The send half is launched first; the receive half right after it, or
+when the hook is called. (The kernels also take both halves in one launch, phases SEND | RECV: worth
+it once the outputs are known before the launch, with output_buffers; not used yet.)
 
 A wait past comm.timeout_s records the missing rank in host-mapped memory; check() raises it as
 EPTimeoutError (once), and set_mask() lets the others go on without that rank.
@@ -72,7 +73,7 @@ class NvshmemLowLatency:
         self.timeout_s = float(cfg.comm.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden)
-        runtime.join(group, heap, getattr(cfg.comm, "rdma", None))
+        runtime.join(group, heap, cfg.comm.rdma)
         blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
                                        self.timeout_s, blocks)
@@ -138,17 +139,15 @@ class NvshmemLowLatency:
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
                                   topk=K, use_fp8=use_fp8, backend=self.name,
                                   state={"row_slot": row_slot, "recv_count": recv_count})
+        # the receive half reads no input (x and topk_idx may go once the send half is queued)
         outs = ptrs + (_ptr(recv_stats),)
-        # the receive half reads no input: x and topk_idx may go once the send half is queued
-        keep = [recv_stats]
-
-        def recv(on=None):  # on: the stream, else the one current when the hook runs
-            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, on or _current_stream())
-            keep.clear()
-
         if not hook:
-            recv(stream)
+            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, stream)
             return recv_x, recv_count, handle, None
+
+        def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
+            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, _current_stream())
+
         return recv_x, recv_count, handle, recv
 
     # ------------------------------------------------------------------ combine
@@ -159,19 +158,20 @@ class NvshmemLowLatency:
         rt.combine(x.data_ptr(), state["row_slot"].data_ptr(), state["recv_count"].data_ptr(), 0, 0, T, K, SEND, 0,
                    stream)
         y = out if out is not None else self._combine_output(T, x.device)
-        keep = [topk_idx, topk_weights]  # read by the receive half
-
-        def recv(on=None):
-            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
-                       on or _current_stream())
-            keep.clear()
-
         if not hook:
-            recv(stream)
+            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream)
             return y, None
+
+        def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
+            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
+                       _current_stream())
+
         return y, recv
 
     # ------------------------------------------------------------------ faults
+    def wait_pending(self) -> None:
+        """Nothing in flight outside the stream: every wait is inside the kernels, with a deadline."""
+
     def set_mask(self, ranks: Sequence[int]) -> None:
         self._rt.set_mask(list(ranks))
         self._reported = False

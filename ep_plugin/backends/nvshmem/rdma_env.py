@@ -69,36 +69,13 @@ def nvshmem_bool(text: str) -> bool:
     return not (text[:1] in ("0", "N", "n", "F", "f"))
 
 
-# The defaults of config.schema.RdmaConfig (backends do not import the config layer; a test checks
-# that the two agree), used for keys a plain dict leaves out.
-DEFAULTS: Dict[str, Any] = {"qps_per_peer": AUTO, "traffic_class": 0, "service_level": 0, "ibgda": AUTO,
-                            "nic": AUTO, "gid_index": AUTO, "roce_version": AUTO}
-
-
-def _get(cfg: Any, key: str):
-    if isinstance(cfg, Mapping):
-        unknown = set(cfg) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"comm.rdma: unknown key(s) {sorted(unknown)}; allowed keys: {', '.join(DEFAULTS)}")
-        return cfg.get(key, DEFAULTS[key])
-    return getattr(cfg, key, DEFAULTS[key])
-
-
-def _int_in(cfg: Any, key: str, lo: int, hi: int) -> int:
-    value = _get(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"comm.rdma.{key}: an int {lo}..{hi}, got {value!r}")
-    return value
-
-
 def ibgda_in_effect(rdma_cfg: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether NVSHMEM will load the IBGDA transport: the user's NVSHMEM_IB_ENABLE_IBGDA if set,
     else ``ibgda`` if true/false, else NVSHMEM's default (off)."""
     environ = os.environ if environ is None else environ
     if ENABLE_IBGDA in environ:
         return nvshmem_bool(environ[ENABLE_IBGDA])
-    ibgda = _get(rdma_cfg, "ibgda") if rdma_cfg is not None else AUTO
-    return ibgda is True
+    return rdma_cfg is not None and rdma_cfg.ibgda is True
 
 
 def nic_for_rank(nic: Any, local_rank: int) -> Optional[str]:
@@ -129,7 +106,7 @@ def check_local_ranks(rdma_cfg: Any, local_world: int) -> None:
     rather than only the ranks past the end of a list failing in the middle of a collective."""
     if rdma_cfg is not None:
         for local_rank in range(local_world):
-            nic_for_rank(_get(rdma_cfg, "nic"), local_rank)
+            nic_for_rank(rdma_cfg.nic, local_rank)
 
 
 def rdma_settings(rdma_cfg: Any, local_rank: int, world: int, *, auto_qps: Optional[int] = None,
@@ -144,30 +121,24 @@ def rdma_settings(rdma_cfg: Any, local_rank: int, world: int, *, auto_qps: Optio
         return {}
     env: Dict[str, str] = {}
 
-    qps = _get(rdma_cfg, "qps_per_peer")
+    # rdma_cfg is a validated comm.rdma section (config.schema.RdmaConfig): its values are in range
+    qps = rdma_cfg.qps_per_peer
     if qps == AUTO and auto_qps is not None:
         qps = int(auto_qps)  # derived: resolved by the backend from its channel count
     if qps != AUTO:
-        if isinstance(qps, bool) or not isinstance(qps, int) or qps < 1:
-            raise ValueError(f"comm.rdma.qps_per_peer: a positive int or auto, got {qps!r}")
         env[QPS_IBGDA if ibgda_in_effect(rdma_cfg, environ) else QPS_PROXY] = str(qps)
-
-    env[TRAFFIC_CLASS] = str(_int_in(rdma_cfg, "traffic_class", 0, 255))
-    env[SERVICE_LEVEL] = str(_int_in(rdma_cfg, "service_level", 0, 15))
-
-    ibgda = _get(rdma_cfg, "ibgda")
-    if ibgda is True or ibgda is False:
-        env[ENABLE_IBGDA] = "1" if ibgda else "0"
-
-    hca = nic_for_rank(_get(rdma_cfg, "nic"), local_rank)
+    env[TRAFFIC_CLASS] = str(rdma_cfg.traffic_class)
+    env[SERVICE_LEVEL] = str(rdma_cfg.service_level)
+    if rdma_cfg.ibgda is True or rdma_cfg.ibgda is False:
+        env[ENABLE_IBGDA] = "1" if rdma_cfg.ibgda else "0"
+    hca = nic_for_rank(rdma_cfg.nic, local_rank)
     if hca is not None:
         env[HCA_LIST] = hca
         env[NIC_PE_MAPPING] = "1"  # derived: NVSHMEM documents HCA_LIST as effective only with it
-
-    if _get(rdma_cfg, "gid_index") != AUTO:
-        env[GID_INDEX] = str(_int_in(rdma_cfg, "gid_index", 0, 1 << 16))
-    if _get(rdma_cfg, "roce_version") != AUTO:
-        env[ROCE_VERSION] = str(_int_in(rdma_cfg, "roce_version", 1, 2))
+    if rdma_cfg.gid_index != AUTO:
+        env[GID_INDEX] = str(rdma_cfg.gid_index)
+    if rdma_cfg.roce_version != AUTO:
+        env[ROCE_VERSION] = str(rdma_cfg.roce_version)
     return env
 
 

@@ -20,7 +20,7 @@ import atexit
 import logging
 import os
 import socket
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,11 @@ logger = logging.getLogger("ep_plugin.nvshmem")
 
 HEADROOM = 256 << 20  # symmetric heap beyond the first engine's need (NVSHMEM's own allocations, a second engine)
 
-_job = {"ranks": None, "faulted": False, "env": {}}
+_job = {"ranks": None, "faulted": False}
 
 
 def _group_ranks(group) -> List[int]:
-    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] if group is not None \
-        else list(range(dist.get_world_size()))
+    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def _host_layout(group) -> Tuple[bool, int, int]:
@@ -89,9 +88,7 @@ def join(group, heap_bytes: int, rdma_cfg: Any = None) -> None:
     if not one_host and rdma_cfg is not None:
         for var, (mine, user) in shadowed(rdma_cfg, local_rank, len(ranks)).items():
             logger.info("ep_plugin.nvshmem: %s=%s from the environment wins over comm.rdma's %s", var, user, mine)
-    os.environ.update(env)
-    if os.environ.get("NVSHMEM_DISABLE_NVLS") != "1":
-        os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    os.environ.update(env)  # NVSHMEM_DISABLE_NVLS=1 included, whatever was set before
     torch.cuda.init()
     torch.cuda.current_device()  # the rank's GPU current, with a context, before NVSHMEM starts
     rank = dist.get_rank(group)
@@ -99,7 +96,6 @@ def join(group, heap_bytes: int, rdma_cfg: Any = None) -> None:
     dist.broadcast_object_list(uid, src=ranks[0], group=group)
     C.nvshmem_init(rank, len(ranks), uid[0])
     _job["ranks"] = ranks
-    _job["env"] = env
     atexit.register(_finalize_at_exit)
 
 
@@ -110,10 +106,6 @@ def mark_fault() -> None:
 
 def faulted() -> bool:
     return _job["faulted"]
-
-
-def job_ranks() -> Optional[List[int]]:
-    return _job["ranks"]
 
 
 def _finalize_at_exit() -> None:

@@ -77,6 +77,8 @@ class TorchLowLatency:
     group's members (it builds the engine's own bounded process group)."""
 
     name = "torch"
+    checks_expert_ids = False  # EPBuffer checks them (on the device, or on the host with validate: full)
+    max_topk = None            # no per-top-k sizing
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         self.group = group
