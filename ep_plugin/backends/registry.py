@@ -5,7 +5,8 @@ kernel backends need ep_plugin._C). A backend that cannot serve a group or row w
 `check_group` (a ValueError or BackendUnavailableError with the reason); the chooser asks it once,
 before the buffer is built, and never afterwards.
 
-auto: nvshmem when the group spans nodes and it is built; nvlink when all ranks share a node with
+auto: nvshmem when the group spans nodes (counted from the hosts, or comm.ranks_per_node virtual
+nodes) and it is built; nvlink when all ranks share a node with
 peer access and nvlink takes the row width; torch otherwise (`auto_choice`, which `ep_plugin doctor`
 asks too). The choice and its reason are logged once.
 
@@ -28,9 +29,11 @@ from ..errors import BackendUnavailableError
 
 BACKEND_NAMES = ("auto", "torch", "nvlink", "nvshmem")
 _PACKAGES = {"torch": ("torch_ref", "TorchBackend"), "nvlink": ("nvlink", "NvlinkBackend"),
-             "nvshmem": ("nvshmem", "NvshmemBackend")}
+             "nvshmem": ("hierarchical", "NvshmemBackend")}
 _KERNEL_BACKENDS = ("nvlink", "nvshmem")
 # low-latency engines: name -> (module under backends/, class)
+# the internode hop of the hierarchical backends: name -> (module under backends/, class)
+_RAIL = {"torch": ("torch_ref.rail", "TorchRail"), "nvshmem": ("nvshmem.rail", "NvshmemRail")}
 _LOW_LATENCY = {"torch": ("torch_ref.low_latency", "TorchLowLatency"),
                 "nvshmem": ("nvshmem.low_latency", "NvshmemLowLatency")}
 
@@ -107,8 +110,9 @@ def auto_choice(pg_backend: str, cuda: bool, built: bool, world: int, num_nodes:
     return "nvlink", f"all {world} ranks share one node with peer access"
 
 
-def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
-    """Returns (name, reason). Raises BackendUnavailableError for a backend that cannot run here."""
+def choose_backend(group, requested: str, hidden: int, ranks_per_node="auto") -> Tuple[str, str]:
+    """Returns (name, reason). Raises BackendUnavailableError for a backend that cannot run here.
+    `ranks_per_node` (comm.ranks_per_node) other than auto makes the group W / ranks_per_node nodes."""
     if requested not in BACKEND_NAMES:
         raise ValueError(f"comm.backend must be one of {BACKEND_NAMES}, got {requested!r}")
     pg_backend = dist.get_backend(group)
@@ -122,6 +126,8 @@ def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
         return requested, f"comm.backend: {requested}"
 
     def num_nodes() -> int:
+        if ranks_per_node != "auto":
+            return max(1, dist.get_world_size(group) // int(ranks_per_node))
         hosts = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         return len(set(hosts))
@@ -138,10 +144,25 @@ def choose_backend(group, requested: str, hidden: int) -> Tuple[str, str]:
 
 
 def make_backend(group, cfg, hidden: int, num_experts: int):
-    name, reason = choose_backend(group, cfg.comm.backend, hidden)
+    name, reason = choose_backend(group, cfg.comm.backend, hidden, cfg.comm.ranks_per_node)
     if dist.get_rank(group) == 0:
         _say_once(f"ep_plugin: using the {name} backend ({reason})")
     return backend_class(name)(group, cfg, hidden, num_experts)
+
+
+def rail_class(name: str) -> Type:
+    """The rail engine (the internode hop of a hierarchical backend) registered under `name`."""
+    module, cls = _RAIL[name]
+    try:
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the {name} rail could not be imported ({exc})") from exc
+
+
+def make_rail(name: str, group, cfg, hidden: int, num_experts: int, ranks_per_node: int, max_tokens: int,
+              fp8: bool):
+    """Build a rail engine: collective over the group (the NVSHMEM one allocates symmetric memory)."""
+    return rail_class(name)(group, cfg, hidden, num_experts, ranks_per_node, max_tokens, fp8)
 
 
 def _low_latency_class(name: str) -> Type:

@@ -82,6 +82,10 @@ class CommConfig:
     # bf16 only; the kernel backends' combine takes BF16 rows.
     combine_dtype: str = "bf16"  # one of COMBINE_DTYPES
     max_tokens_per_rank: int = 4096
+    # GPUs per node, for the internode backend (nvshmem): auto = counted from the group's hosts; a
+    # number splits the group into nodes of that many ranks (on one host: virtual nodes, whose
+    # "RDMA" half then runs over NVLink through NVSHMEM's P2P transport).
+    ranks_per_node: Union[int, str] = AUTO
     timeout_s: float = 60.0
     # False (default): dispatch never waits on the host; its outputs are sized for the worst case that
     # max_tokens_per_rank allows and the counts come back as device tensors plus a lazy pinned copy.

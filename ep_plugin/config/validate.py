@@ -57,6 +57,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
     "comm": {
         "backend": ("enum", BACKEND_NAMES),
         "num_sms": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),
+        "ranks_per_node": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),
         "dispatch_dtype": ("enum", DISPATCH_DTYPES),
         "combine_dtype": ("enum", COMBINE_DTYPES),
         "max_tokens_per_rank": _POS_INT,

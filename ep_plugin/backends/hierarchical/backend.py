@@ -1,0 +1,271 @@
+"""HierarchicalBackend: dispatch/combine across nodes in two hops (DESIGN.md, the nvshmem backend).
+
+Dispatch: a token crosses the slow link once per node it selects an expert on -- to the rank with
+the same local index there, its rail peer (the "rail": backends/*/rail.py) -- and that rank forwards
+it over NVLink to the ranks of its node that own the experts (the "inner" backend over the node's
+group, nvlink on GPUs). Combine runs the other way: the inner combine sums a token's rows inside
+each node first, then one row per node goes back over the rail, where the origin sums them in
+ascending node order.
+
+The parts come from the registry by name (no backend imports another): NvshmemBackend is the
+NVSHMEM rail with the nvlink backend inside nodes; tests build the same composition from torch
+parts. A node of one rank needs no inner exchange (local.LocalNode packs the rail's slots).
+
+Order: the inner exchange delivers rows by forwarder, then slot (source node, position); the
+contract wants them by source rank (node, local index), then position. With several ranks per node
+a permutation computed on the device from the per-source counts (one small all-to-all) puts them in
+the contract's order; with one rank per node the two orders agree.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts, PinnedRing,
+                      counts_from_lists)
+from ..base import Backend, Capabilities
+from .local import LocalNode
+from .nodes import node_groups, resolve_ranks_per_node
+
+
+@dataclass
+class HierarchicalState(BackendState):
+    slot_valid: torch.Tensor          # [N*M] bool: the rail slots this rank forwarded (combine sends them back)
+    inner: Optional[Handle]           # the inner backend's handle (None for a one-rank node)
+    order: Optional[torch.Tensor]     # one-rank node: slot of each received row
+    to_contract: Optional[torch.Tensor]  # several ranks per node: contract position of each inner row
+
+
+def _in_rank(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """[T, W] bool: the token selects an expert on rank w."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    rank = torch.where(valid, topk_idx // (num_experts // world), world)
+    out = torch.zeros((topk_idx.shape[0], world + 1), dtype=torch.bool, device=topk_idx.device)
+    out.scatter_(1, rank, True)
+    return out[:, :world]
+
+
+def contract_positions(recv_counts: torch.Tensor, nodes: int, per_node: int, rows: int) -> torch.Tensor:
+    """[rows] int64: where each row of the inner order (forwarder l, source node s, position) goes in
+    the contract's order (source rank s*P + l, position). Rows past the valid ones stay in place."""
+    P, N = per_node, nodes
+    c = recv_counts.long()
+    inner = c.view(N, P).t().reshape(-1)             # block sizes in inner order: (l, s)
+    inner_end = inner.cumsum(0)
+    inner_start = inner_end - inner
+    contract_start = (c.cumsum(0) - c).view(N, P).t().reshape(-1)
+    i = torch.arange(rows, device=c.device)
+    b = torch.searchsorted(inner_end, i, right=True)
+    valid = b < N * P
+    bc = b.clamp(max=N * P - 1)
+    return torch.where(valid, contract_start[bc] + i - inner_start[bc], i)
+
+
+class HierarchicalBackend(Backend):
+    name = "hierarchical"
+    capabilities = Capabilities(row_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,))
+    rail_engine = "torch"
+    inner_backend = "torch"
+
+    def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
+        from .. import registry  # the parts are named, never imported
+
+        super().__init__(group, cfg, hidden, num_experts)
+        if ranks_per_node is None:
+            ranks_per_node, _ = resolve_ranks_per_node(group, cfg.comm.ranks_per_node)
+        self.P = P = int(ranks_per_node)
+        self.N = N = self.world // P
+        if num_experts % self.world:
+            raise ValueError(f"{num_experts} experts do not split evenly over {self.world} ranks")
+        self.M = int(cfg.comm.max_tokens_per_rank)
+        self.fp8 = cfg.comm.dispatch_dtype == "fp8"
+        self.rail = registry.make_rail(self.rail_engine, group, cfg, hidden, num_experts, P, self.M, self.fp8)
+        self.local = LocalNode(self.experts_per_rank) if P == 1 else None
+        self.inner = None
+        if P > 1:
+            node_group, _ = node_groups(group, P)
+            # the forwarder's slots are the inner backend's tokens: N*M of them, the node's experts
+            inner_cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, max_tokens_per_rank=N * self.M,
+                                                                          backend=self.inner_backend))
+            self.inner = registry.backend_class(self.inner_backend)(node_group, inner_cfg, hidden, num_experts // N)
+        self.worst_case = not cfg.comm.host_sync
+        self._ring = None
+        self._comm_stream = None
+
+    # ------------------------------------------------------------------ helpers
+    def _counts(self, is_in: torch.Tensor, recv_counts: torch.Tensor, tpe: torch.Tensor, exact: bool):
+        send = is_in.sum(0)
+        if exact or not tpe.is_cuda:
+            return counts_from_lists(send.tolist(), recv_counts.tolist(), tpe.tolist())
+        if self._ring is None:
+            self._ring = PinnedRing({"send_counts": ((self.world,), torch.int64),
+                                     "recv_counts": ((self.world,), torch.int64),
+                                     "tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
+        return HostCounts(device={"send_counts": send, "recv_counts": recv_counts.long(),
+                                  "tokens_per_expert": tpe.long()}, ring=self._ring)
+
+    def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
+        """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes,
+        else one all-to-all of the send counts (on the stream, no host wait)."""
+        if self.P == 1:
+            got = torch.zeros(self.world, dtype=torch.int64, device=slot_valid.device)
+            got[self.rail.peers] = slot_valid.view(self.N, self.M).sum(1)
+            return got
+        send = is_in.sum(0).long()
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=self.group)
+        return got
+
+    def _stream(self, async_op: bool):
+        if not async_op or not torch.cuda.is_available():
+            return None
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream()
+        self._comm_stream.wait_stream(torch.cuda.current_stream())
+        return self._comm_stream
+
+    def _event(self, s, tensors):
+        if s is None:
+            return None
+        for t in tensors:
+            if t is not None and t.numel():
+                t.record_stream(s)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        return EPEvent(cuda_event=ev, check=self.check)
+
+    def _state(self, handle: Handle) -> HierarchicalState:
+        if not isinstance(handle.state, HierarchicalState):
+            raise TypeError(f"this handle was made by the {handle.backend} backend; a {self.name} buffer takes "
+                            "handles of its own dispatches only")
+        return handle.state
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
+        self.check()
+        if handle is not None:
+            self._state(handle)
+            topk_idx = handle.topk_idx
+        if x.shape[0] > self.M:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than comm.max_tokens_per_rank={self.M}")
+        s = self._stream(async_op)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            out = self._dispatch(x, scales, topk_idx, topk_weights, handle)
+        out.event = self._event(s, (x, scales, topk_idx, topk_weights, out.x, out.scales, out.topk_idx,
+                                    out.topk_weights)) if async_op else None
+        if async_op and out.event is None:
+            out.event = EPEvent()
+        return out
+
+    def _dispatch(self, x, scales, topk_idx, topk_weights, handle):
+        T = x.shape[0]
+        xf, sf, topk_f, wf = self.rail.dispatch(x, scales, topk_idx, topk_weights)
+        slot_valid = (topk_f >= 0).any(1)
+        if handle is not None:
+            return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
+        is_in = _in_rank(topk_idx, self.num_experts, self.world)
+        recv_counts = self._recv_counts(is_in, slot_valid)
+        if self.P == 1:
+            order, num_recv, tpe = self.local.order(topk_f)
+            rows = order
+            exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
+            if exact:
+                n = int(num_recv)  # host_sync: true asked for this wait
+                rows = order[:n]
+            out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
+            out_idx, out_w = LocalNode.gather(topk_f, rows), LocalNode.gather(wf, rows)
+            state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None)
+        else:
+            res = self.inner.dispatch(xf, sf, topk_f, wf)
+            if res.event is not None:
+                res.event.current_stream_wait()
+            ih = res.handle
+            exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
+            to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
+            out_x, out_s, out_idx, out_w = (self._to_contract(t, to_contract)
+                                            for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
+            state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract)
+        handle = Handle(backend=self.name, num_tokens=T, num_recv=out_x.shape[0], num_experts=self.num_experts,
+                        is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
+                        num_recv_device=num_recv, num_tokens_per_expert=tpe.long(),
+                        counts=self._counts(is_in, recv_counts, tpe, exact), state=state, exact=exact)
+        return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle)
+
+    @staticmethod
+    def _to_contract(t, to_contract):
+        if t is None:
+            return None
+        out = torch.empty_like(t)
+        if t.element_size() == 1:  # index_copy_ has no FP8 kernels: move the bytes
+            out.view(torch.uint8).index_copy_(0, to_contract, t.view(torch.uint8))
+            return out
+        return out.index_copy_(0, to_contract, t)
+
+    def _forward_cached(self, xf, sf, topk_f, wf, handle, st):
+        """Cached dispatch: the rail moves the rows again (its slots are fixed), the inner hop reuses
+        its layout. The routing is the handle's, so the valid slots are the same as then."""
+        if self.P == 1:
+            rows = st.order[:handle.num_recv]
+            out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
+            out_w = LocalNode.gather(wf, rows)
+        else:
+            inner = dataclasses.replace(st.inner, topk_idx=topk_f)  # the rail's view of the slots is reused
+            res = self.inner.dispatch(xf, sf, topk_f, wf, handle=inner)
+            if res.event is not None:
+                res.event.current_stream_wait()
+            out_x, out_s, out_w = (self._to_contract(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
+        return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
+                              handle=handle)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, handle, async_op=False):
+        self.check()
+        st = self._state(handle)
+        s = self._stream(async_op)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            if self.P == 1:
+                y_f = torch.empty((self.N * self.M, x.shape[1]), dtype=x.dtype, device=x.device)
+                y_f.index_copy_(0, st.order[:x.shape[0]], x)
+            else:
+                rows = x.index_select(0, st.to_contract)  # back to the inner order
+                y_f, ev = self.inner.combine(rows, st.inner)
+                if ev is not None:
+                    ev.current_stream_wait()
+            y = self.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+        event = self._event(s, (x, y)) if async_op else None
+        return y, (event if event is not None or not async_op else EPEvent())
+
+    # ------------------------------------------------------------------ faults
+    def check(self) -> None:
+        self.rail.check()
+        if self.inner is not None:
+            self.inner.check()
+
+    def wait_pending(self) -> None:
+        if self.inner is not None:
+            self.inner.wait_pending()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        self.rail.close()
+
+
+class NvshmemBackend(HierarchicalBackend):
+    """comm.backend: nvshmem -- the NVSHMEM rail (RDMA across nodes, P2P between virtual nodes) and the
+    nvlink backend inside each node."""
+
+    name = "nvshmem"
+    rail_engine = "nvshmem"
+    inner_backend = "nvlink"
+
+    @staticmethod
+    def check_group(group, hidden: int) -> None:
+        from .. import registry
+
+        registry.rail_class("nvshmem").check_available(group, hidden)

@@ -1,0 +1,33 @@
+"""The NVLink half of a hierarchical dispatch when a node has one rank: no exchange, only the
+contract's packing (valid rows first, in slot order) of the rail's slots, with no host sync.
+
+The slots already come in the contract's order (by source node = source rank, then position), so a
+stable sort on "not valid" is all it takes; combine puts each row back in its slot.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class LocalNode:
+    def __init__(self, local_experts: int):
+        self.local_experts = local_experts
+
+    def order(self, topk_f: torch.Tensor):
+        """(order [S] int64: slots, valid ones first; num_recv [] int64; tokens_per_expert [E_l] int64)."""
+        valid = (topk_f >= 0).any(1)
+        order = torch.sort((~valid).to(torch.int8), stable=True).indices
+        per_expert = torch.zeros(self.local_experts + 1, dtype=torch.int64, device=topk_f.device)
+        per_expert.scatter_add_(0, (topk_f + 1).clamp_(min=0).view(-1), torch.ones_like(topk_f).view(-1))
+        return order, valid.sum(), per_expert[1:]
+
+    @staticmethod
+    def gather(t, order):
+        return None if t is None else t.index_select(0, order)
+
+    @staticmethod
+    def scatter(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Rows in packed order back to their slots (slots no row came from are left undefined)."""
+        out = torch.empty_like(rows)
+        out.index_copy_(0, order, rows)
+        return out

@@ -1,0 +1,182 @@
+"""The hierarchical (internode) backend against the single-process reference and the torch backend.
+
+On CPU (gloo) the composition runs with torch parts -- TorchRail across nodes, the torch backend
+inside them, LocalNode for one-rank nodes -- on 2, 4 and 6 ranks split into nodes of 1, 2 and 3:
+the routing, slot, order and count logic that the NVSHMEM backend shares. The same checks run on
+2 GPUs with comm.backend: nvshmem as 2 virtual nodes (tests/test_rail_gpu.py has the kernels'
+own comparison with TorchRail).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.backends.hierarchical.backend import contract_positions
+from ep_plugin.backends.hierarchical.nodes import ranks_per_node_of
+from tests._dist import spawn
+from tests.reference import make_inputs, reference_combine, reference_dispatch
+
+E, K = 24, 4
+
+
+def _cfg(backend, max_tokens, host_sync, **comm):
+    return {"moe": {"num_experts": E, "topk": K},
+            "comm": {"backend": backend, "max_tokens_per_rank": max_tokens, "timeout_s": 30.0,
+                     "host_sync": host_sync, **comm}}
+
+
+def hierarchical_buffer(hidden, P, max_tokens, host_sync=False):
+    """An EPBuffer whose backend is the torch-parts composition with P ranks per node."""
+    import ep_plugin.buffer as B
+
+    orig = B.make_backend
+    B.make_backend = lambda g, c, h, e: HierarchicalBackend(g, c, h, e, ranks_per_node=P)
+    try:
+        return ep_plugin.EPBuffer(None, _cfg("torch", max_tokens, host_sync), hidden=hidden)
+    finally:
+        B.make_backend = orig
+
+
+def check_against_reference(buf, rank, world, hidden, tokens, seed, mode, device, fp8=False):
+    xs, idxs, ws = make_inputs(world, tokens, hidden, E, K, seed, torch.bfloat16, mode)
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    ctx = f"rank {rank}/{world} hidden {hidden} tokens {tokens} mode {mode} seed {seed} fp8 {fp8}"
+    rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
+    if fp8:
+        scales = torch.rand(x.shape[0], hidden // 128, device=device) + 0.5
+        res = buf.dispatch((x.to(torch.float8_e4m3fn), scales), idx, w)
+        data, got_scales = res.x
+        n = rx.shape[0]
+        assert torch.equal(data[:n].float().cpu(), rx.to(torch.float8_e4m3fn).float()), ctx
+        assert got_scales.shape[0] == data.shape[0], ctx
+        return res
+    res = buf.dispatch(x, idx, w)
+    n = rx.shape[0]
+    assert res.x.shape[0] >= n and res.topk_idx.shape[0] == res.x.shape[0], ctx
+    assert torch.equal(res.x[:n].cpu(), rx), ctx
+    assert torch.equal(res.topk_idx[:n].cpu(), ridx), ctx
+    assert bool((res.topk_idx[n:] == -1).all()), ctx
+    assert torch.equal(res.topk_weights[:n].cpu(), rw), ctx
+    assert list(res.tokens_per_expert) == tpe, ctx
+    assert int(res.handle.num_recv_device) == n, ctx
+    assert sum(res.handle.recv_counts) == n and sum(res.handle.send_counts) == int(
+        res.handle.is_token_in_rank.sum()), ctx
+    # combine: each rank sends back its rows scaled by (rank + 1); the reference sums them per token
+    rows = (res.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
+    y = buf.combine(rows, res.handle)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows[:n].cpu())
+    want = reference_combine(everyone, idxs, rank, E)
+    torch.testing.assert_close(y.float().cpu(), want, atol=3e-2, rtol=1e-2, msg=ctx)
+    # cached dispatch: new rows through the handle's layout
+    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+    again = buf.dispatch(x2, handle=res.handle)
+    rx2, _, _, _ = reference_dispatch([(t.float() * 0.5 - 1).to(torch.bfloat16) for t in xs], idxs, ws, rank, E)
+    assert torch.equal(again.x[:n].cpu(), rx2), ctx
+    return res
+
+
+def body_torch_parts(rank, world, P):
+    torch.manual_seed(0)
+    seed = 10
+    for host_sync in (False, True):
+        for hidden in (256, 136):  # 136: not a multiple of 128
+            buf = hierarchical_buffer(hidden, P, max_tokens=40, host_sync=host_sync)
+            assert buf.backend_name == "hierarchical"
+            for mode in ("random", "skew", "nowhere", "starve_last"):
+                for tokens in (13, [0] + [7] * (world - 1), 40):
+                    seed += 1
+                    check_against_reference(buf, rank, world, hidden, tokens, seed, mode, "cpu")
+            buf.close()
+    buf = hierarchical_buffer(256, P, max_tokens=40)
+    check_against_reference(buf, rank, world, 256, 29, 3, "random", "cpu", fp8=True)
+    # async calls return events; outputs equal the synchronous ones
+    xs, idxs, ws = make_inputs(world, 21, 256, E, K, 4, torch.bfloat16)
+    res = buf.dispatch(xs[rank], idxs[rank], ws[rank], async_op=True)
+    res.event.current_stream_wait()
+    base = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    assert torch.equal(res.x, base.x) and torch.equal(res.topk_idx, base.topk_idx)
+    # expert-major (built from the rank-major rows by the base class) and its combine
+    ex = buf.dispatch(xs[rank], idxs[rank], ws[rank], layout="expert")
+    y = buf.combine(ex.x, ex.handle)
+    assert y.shape == xs[rank].shape
+    # autograd: dispatch's backward is a combine
+    xg = xs[rank].clone().requires_grad_(True)
+    out = buf.dispatch(xg, idxs[rank], ws[rank])
+    out.x.float().sum().backward()
+    reached = out.handle.is_token_in_rank.sum(1).to(torch.bfloat16)
+    torch.testing.assert_close(xg.grad, reached.unsqueeze(1).expand_as(xg).to(xg.grad.dtype))
+    buf.close()
+
+
+@pytest.mark.parametrize("world,P", [(2, 1), (4, 2), (4, 1), (6, 3), (6, 2)])
+def test_torch_parts_match_reference(world, P):
+    spawn(body_torch_parts, world, P, timeout=600)
+
+
+def test_contract_positions_reorders_forwarder_blocks():
+    # 2 nodes x 2 ranks; counts received from global ranks 0..3: 2, 1, 0, 3 (inner order: l=0: s=0 (2),
+    # s=1 (0); l=1: s=0 (1), s=1 (3)); contract order: g0 (2), g1 (1), g2 (0), g3 (3)
+    c = torch.tensor([2, 1, 0, 3])
+    pos = contract_positions(c, nodes=2, per_node=2, rows=8)
+    # inner rows: [g0 a, g0 b, g1 a, g3 a, g3 b, g3 c] -> contract positions 0, 1, 2, 3, 4, 5; row 6, 7 stay
+    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    c = torch.tensor([1, 2, 3, 0])  # inner: l0: s0 (1), s1 (3); l1: s0 (2), s1 (0)
+    pos = contract_positions(c, nodes=2, per_node=2, rows=7)
+    # contract: g0 at 0, g1 at 1..2, g2 at 3..5; inner rows: g0, g2, g2, g2, g1, g1, (tail)
+    assert pos.tolist() == [0, 3, 4, 5, 1, 2, 6]
+
+
+def test_ranks_per_node_from_hosts():
+    assert ranks_per_node_of(["a", "a", "b", "b"]) == 2
+    assert ranks_per_node_of(["a", "b", "c"]) == 1
+    with pytest.raises(ValueError, match="contiguous"):
+        ranks_per_node_of(["a", "b", "a", "b"])
+    with pytest.raises(ValueError, match="contiguous"):
+        ranks_per_node_of(["a", "a", "a", "b"])
+
+
+def test_auto_counts_virtual_nodes():
+    from ep_plugin.backends.registry import auto_choice
+
+    def unavailable(name):
+        return None
+
+    name, why = auto_choice("nccl", True, True, 2, lambda: 2, lambda: True, unavailable)
+    assert name == "nvshmem" and "2 nodes" in why
+    name, _ = auto_choice("nccl", True, True, 2, lambda: 1, lambda: True, unavailable)
+    assert name == "nvlink"
+
+
+def test_ranks_per_node_is_validated():
+    cfg = ep_plugin.load_config({"comm": {"ranks_per_node": 2}})
+    assert cfg.comm.ranks_per_node == 2
+    with pytest.raises(ep_plugin.ConfigError, match="ranks_per_node"):
+        ep_plugin.load_config({"comm": {"ranks_per_node": 0}})
+
+
+# ---------------------------------------------------------------------------- GPUs
+def body_nvshmem(rank, world):
+    torch.cuda.set_device(rank)
+    seed = 50
+    for host_sync in (False, True):
+        cfg = _cfg("nvshmem", 512, host_sync, ranks_per_node=1)
+        buf = ep_plugin.EPBuffer(None, cfg, hidden=7168)
+        assert buf.backend_name == "nvshmem"
+        for mode in ("random", "skew", "nowhere", "starve_last"):
+            for tokens in (17, [0] + [9] * (world - 1), 300, 512):
+                seed += 1
+                check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")
+        check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
+        buf.close()
+
+
+@pytest.mark.gpu
+def test_nvshmem_two_virtual_nodes():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    import ep_plugin._ext as ext
+    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
+        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    spawn(body_nvshmem, 2, backend="nccl", timeout=400)
