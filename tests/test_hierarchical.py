@@ -169,7 +169,30 @@ def body_nvshmem(rank, world):
                 seed += 1
                 check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")
         check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
+        if not host_sync:
+            check_graph(buf, rank, world)
         buf.close()
+
+
+def check_graph(buf, rank, world):
+    """A dispatch + combine captured in a CUDA graph replays to the eager results (no host sync inside)."""
+    xs, idxs, ws = make_inputs(world, 64, 7168, E, K, 77, torch.bfloat16)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    eager = buf.dispatch(x, idx, w)
+    y_eager = buf.combine(eager.x, eager.handle)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            res = buf.dispatch(x, idx, w)
+            y = buf.combine(res.x, res.handle)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    n = int(eager.handle.num_recv_device)
+    assert torch.equal(res.x[:n], eager.x[:n]) and torch.equal(y, y_eager)
 
 
 @pytest.mark.gpu
@@ -180,3 +203,56 @@ def test_nvshmem_two_virtual_nodes():
     if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
         pytest.skip("ep_plugin._C is built without NVSHMEM")
     spawn(body_nvshmem, 2, backend="nccl", timeout=400)
+
+
+def test_traffic_per_domain():
+    from ep_plugin.plan.traffic import hierarchical_rows
+
+    # 2 nodes x 2 ranks, 8 experts (2 per rank, 4 per node). Rank 0's token: experts 1 (rank 0), 3
+    # (rank 1), 5 (rank 2) -> RDMA once to rank 2 (its rail peer), which keeps it (expert 5 is its
+    # own); NVLink: rank 0 -> rank 1. Flat: one RDMA row to rank 2. Rank 3's token: experts 0, 2 (ranks
+    # 0 and 1 on node 0) -> one RDMA row to rank 1, which forwards one NVLink row to rank 0.
+    idx = [torch.tensor([[1, 3, 5]]), torch.empty(0, 3, dtype=torch.long), torch.empty(0, 3, dtype=torch.long),
+           torch.tensor([[0, 2, -1]])]
+    t = hierarchical_rows(idx, 8, 2)
+    assert t["rdma_sent"] == [1, 0, 0, 1] and t["rdma_recv"] == [0, 1, 1, 0]
+    assert t["nvlink_sent"] == [1, 1, 0, 0] and t["local"] == [1, 1, 1, 0]
+    assert t["flat_rdma_sent"] == [1, 0, 0, 2]
+
+
+def test_node_limited_gating_cuts_rdma_rows():
+    from ep_plugin.plan.traffic import hierarchical_rows
+    from ep_plugin.routing import group_limited_topk
+
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(512, 64, generator=g) for _ in range(4)]
+    uniform = [s.topk(8, dim=1).indices for s in scores]
+    limited = [group_limited_topk(s, 8, num_groups=2, group_topk=1)[1] for s in scores]  # 2 groups = 2 nodes
+    u, lim = hierarchical_rows(uniform, 64, 2), hierarchical_rows(limited, 64, 2)
+    assert sum(lim["rdma_sent"]) < 0.6 * sum(u["rdma_sent"])
+    assert sum(u["rdma_sent"]) < sum(u["flat_rdma_sent"])  # a row crosses once per node, not per rank
+
+
+def body_nvshmem_timeout(rank, world):
+    torch.cuda.set_device(rank)
+    buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 64, False, ranks_per_node=1, timeout_s=2.0), hidden=1024)
+    xs, idxs, ws = make_inputs(world, 32, 1024, E, K, 9, torch.bfloat16)
+    dist.barrier()
+    if rank == 1:
+        return  # never dispatches: rank 0's rail waits for it until comm.timeout_s
+    buf.dispatch(xs[0].cuda(), idxs[0].cuda(), ws[0].cuda())
+    torch.cuda.synchronize()
+    from ep_plugin.errors import EPTimeoutError
+    with pytest.raises(EPTimeoutError) as info:
+        buf.check()
+    assert tuple(info.value.missing_ranks) == (1,)
+
+
+@pytest.mark.gpu
+def test_nvshmem_timeout_names_the_missing_rank():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    import ep_plugin._ext as ext
+    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
+        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    spawn(body_nvshmem_timeout, 2, backend="nccl", abandon=True, timeout=120)

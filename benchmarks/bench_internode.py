@@ -1,0 +1,162 @@
+"""The internode backend (comm.backend: nvshmem) on one host split into virtual nodes, beside the flat
+nvlink backend and the torch backend (NCCL) in the same run, with the rows each rank moves per domain.
+
+    python benchmarks/bench_internode.py --world 2 --ranks-per-node 1 --out benchmarks/results --label 2x_h200
+
+Cases: 4096 tokens/rank, hidden 7168, 256 experts, top-8; uniform routing, and group-limited with
+num_groups = the node count and group_topk 1 (each token stays on one node: RDMA rows fall, the
+point of DeepSeek-V3's node-limited gating). Both timing protocols of DESIGN.md (protocols.py),
+slowest rank's median. On one host the "RDMA" hop runs over NVLink through NVSHMEM's P2P transport:
+correct, not RDMA speed; the per-domain rows (ep_plugin/plan/traffic.py) are what a real fabric
+would carry. DeepEP's internode kernels need 2+ real nodes of 8 GPUs (its NUM_MAX_NVL_PEERS layout),
+so no DeepEP row here; ep_plugin/plan/cost_model.py compares with its published figures instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import ep_plugin  # noqa: E402
+from bench_inputs import E, H, K, group_limited_topk, quantize_fp8  # noqa: E402
+from bench_launch import init_rank, run_world  # noqa: E402
+from ep_plugin.plan.traffic import hierarchical_rows  # noqa: E402
+from protocols import Protocols, measure  # noqa: E402
+
+T = 4096
+
+
+def routing(kind: str, nodes: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(100 * world + rank + (0 if kind == "uniform" else 7))
+    scores = torch.rand(T, E, generator=g)
+    if kind == "uniform":
+        idx = scores.topk(K, dim=1).indices
+    else:
+        idx = group_limited_topk(scores, K, nodes, 1)
+    return idx.long(), torch.rand(T, K, generator=g)
+
+
+def buffer(backend: str, args, **comm):
+    cfg = {"moe": {"num_experts": E, "topk": K},
+           "comm": {"backend": backend, "max_tokens_per_rank": T, "timeout_s": 20.0, "num_sms": args.num_sms, **comm}}
+    return ep_plugin.EPBuffer(None, cfg, hidden=H)
+
+
+def rank_main(rank: int, world: int, port: int, args, q) -> None:
+    try:
+        init_rank(rank, world, port)
+        P = args.ranks_per_node
+        nodes = world // P
+        proto = Protocols(args.warmup, args.iters)
+        bufs = {"nvshmem": buffer("nvshmem", args, ranks_per_node=P), "nvlink": buffer("nvlink", args),
+                "torch": buffer("torch", args)}
+        rows = []
+        for kind in ("uniform", "node_limited"):
+            idx, w = routing(kind, nodes, rank, world)
+            every = [None] * world
+            dist.all_gather_object(every, idx)
+            traffic = hierarchical_rows(every, E, P)
+            idx, w = idx.cuda(), w.cuda()
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            xf8 = quantize_fp8(x)
+            ref = bufs["torch"].dispatch(x, idx, w)
+            ok = {}
+            for name in ("nvshmem", "nvlink"):
+                got = bufs[name].dispatch(x, idx, w)
+                n = ref.x.shape[0]
+                ok[name] = bool(torch.equal(got.x[:n], ref.x) and torch.equal(got.topk_idx[:n], ref.topk_idx))
+                yr = bufs["torch"].combine(ref.x, ref.handle)
+                yg = bufs[name].combine(got.x, got.handle)
+                ok[name] &= bool(torch.allclose(yg.float(), yr.float(), atol=3e-2, rtol=1e-2))
+            ops = {}
+            for name, buf in bufs.items():
+                a = buf.dispatch(x, idx, w)
+                ops[f"{name}.dispatch_bf16"] = measure(proto, lambda: buf.dispatch(x, idx, w))
+                if name != "torch":
+                    ops[f"{name}.dispatch_fp8"] = measure(proto, lambda: buf.dispatch(xf8, idx, w))
+                ops[f"{name}.dispatch_cached"] = measure(proto, lambda: buf.dispatch(x, handle=a.handle))
+                ops[f"{name}.combine_bf16"] = measure(proto, lambda: buf.combine(a.x, a.handle))
+            rows.append({"case": kind, "checks": ok, "rows_per_rank": traffic,
+                         "row_bytes_bf16": H * 2, "ops": ops})
+            if rank == 0:
+                q.put(("partial", {"rows": rows}))
+        for b in bufs.values():
+            b.close()
+        if rank == 0:
+            q.put(("done", {"rows": rows}))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        q.put(("err", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def table(rows, world, P) -> str:
+    out = [f"EP{world} as {world // P} virtual nodes x {P}: slowest rank's median, us (cold / queued)"]
+    for r in rows:
+        t = r["rows_per_rank"]
+        mb = r["row_bytes_bf16"] / 1e6
+        out.append(f"[{r['case']}] checks vs torch backend: {r['checks']}; per rank MB over RDMA (hierarchical "
+                   f"{[round(v * mb, 1) for v in t['rdma_sent']]}, flat {[round(v * mb, 1) for v in t['flat_rdma_sent']]}),"
+                   f" NVLink forwarding {[round(v * mb, 1) for v in t['nvlink_sent']]}")
+        for op, m in r["ops"].items():
+            if m.get("error"):
+                out.append(f"  {op:28s} failed: {m['error']}")
+            else:
+                out.append(f"  {op:28s} {max(m['cold_us']):9.1f} / {max(m['queued_us']):9.1f}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--num-sms", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--label", default="run")
+    args = ap.parse_args(argv)
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    t0 = time.time()
+    rep, complete = run_world(rank_main, args.world, args, on_partial=lambda body: None)
+    if rep is None:
+        print("nothing measured", flush=True)
+        return 2
+    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "ranks_per_node": args.ranks_per_node,
+            "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "complete": complete, "wall_s": round(time.time() - t0, 1),
+            "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}
+    try:
+        import subprocess
+        meta["commit"] = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_internode_{args.label}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rep["rows"]}, f, indent=1)
+    print(table(rep["rows"], args.world, args.ranks_per_node), flush=True)
+    print(f"json: {path}", flush=True)
+    bad = [r["case"] for r in rep["rows"] if not all(r["checks"].values())]
+    if bad:
+        print(f"FAILED: differs from the torch backend in {bad}", flush=True)
+    return 1 if bad or not complete else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
