@@ -18,6 +18,7 @@
 
 #include "common/ptx.cuh"
 #include "common/wait.cuh"
+#include "nvshmem/shmem_device.cuh"
 
 namespace ep {
 namespace ll {
@@ -65,12 +66,6 @@ __device__ __forceinline__ long long comb_row_offset(const Ctx& c, int p, int to
   return c.comb_rows[p] + (static_cast<long long>(token) * c.max_topk + k) * c.hidden * 2;
 }
 
-// The 32-bit half of a u64 signal word that P2P stores and waits use (little endian: the low word;
-// an RDMA signal_op SET of a value below 2^31 leaves the high word 0).
-__device__ __forceinline__ int* flag_word(char* base, long long off, int r) {
-  return reinterpret_cast<int*>(base + off + 8ll * r);
-}
-
 // Exclusive scan of n ints in shared memory into off[0..n] (off[n] = total), by the whole block.
 __device__ inline void block_exclusive_scan(const int* in, int* off, int n) {
   __syncthreads();
@@ -106,49 +101,13 @@ __device__ __forceinline__ int find_segment(const int* off, int n, int i) {
   return lo;
 }
 
-// How many warps share one row's copy: with fewer rows than warps (128 tokens, 2 ranks: ~1000 rows
-// for ~2000 warps) a warp per row leaves half the warps idle and each copy latency-bound.
-__device__ __forceinline__ int parts_per_row(int rows, int warps) {
-  const int p = rows > 0 ? warps / rows : 1;
-  return p < 1 ? 1 : (p > 8 ? 8 : p);
-}
-
-// A warp copies 16-byte units [begin, end) of a row, U loads in flight per lane before the stores.
-template <int U>
-__device__ __forceinline__ void warp_copy_units(const int4* src, int4* dst, int begin, int end, int lane) {
-  for (int u0 = begin; u0 < end; u0 += 32 * U) {
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u0 + u * 32 + lane < end) v[u] = ld_nc_v4(src + u0 + u * 32 + lane);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u0 + u * 32 + lane < end) st_na_v4(dst + u0 + u * 32 + lane, v[u]);
-  }
-}
-
-// Waits for source r's signal of this call; records a timeout. True if it arrived.
-__device__ inline bool wait_signal(const Ctx& c, long long flag_off, int r, int target, int kernel_id) {
-  const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  const int got = wait_geq(flag_word(c.heap, flag_off, r), target, deadline, c.aborted);
-  if (got == kTimedOut) record_timeout(c, r, kernel_id);
-  return got == kArrived;
-}
-
 // Sets this rank's signal word (at flag_off, index rank) on every rank not left out to epoch + 1: a
-// release store over P2P, or an NVSHMEM signal behind a fence where a rank has no P2P path. Called by
+// release store over P2P, or an NVSHMEM signal behind a fence where a rank has no P2P path (signal_peer
+// in shmem_device.cuh, with the flag waits and copy loops the two kernel families share). Called by
 // one block after every block's rows are out (last_block's fences order them before it).
 __device__ inline void signal_ranks(const Ctx& c, long long flag_off, int epoch) {
-  for (int d = threadIdx.x; d < c.world; d += blockDim.x) {
-    if (left_out(c, d)) continue;
-    if (c.peer[d] != nullptr) {
-      st_release_sys(flag_word(c.peer[d], flag_off, c.rank), epoch + 1);
-    } else {
-      nvshmem_fence();
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.heap + flag_off + 8ll * c.rank),
-                         static_cast<uint64_t>(static_cast<unsigned>(epoch + 1)), NVSHMEM_SIGNAL_SET, d);
-    }
-  }
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x)
+    if (!left_out(c, d)) signal_peer(c.peer[d], c.heap, flag_off, c.rank, d, epoch + 1);
 }
 
 }  // namespace ll

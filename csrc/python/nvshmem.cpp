@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "nvshmem/low_latency.h"
+#include "nvshmem/rail.h"
 #include "nvshmem/runtime.h"
 #include "python/bindings.h"
 
@@ -51,6 +52,36 @@ void bind_nvshmem(py::module_& m) {
       .def_property_readonly("all_p2p", &LL::all_p2p)
       .def_property_readonly("bytes", &LL::bytes)
       .def("destroy", &LL::destroy, py::arg("collective") = true);
+
+  using Rail = rail::Runtime;
+  py::class_<Rail>(m, "RailRuntime",
+                   "The rail (internode RDMA) kernels' buffers and launches (csrc/nvshmem/rail.h); collective to build")
+      .def(py::init<int, int, int, int, int, int, int, int, double, int, int>(), py::arg("rank"), py::arg("world"),
+           py::arg("ranks_per_node"), py::arg("num_experts"), py::arg("max_tokens"), py::arg("max_topk"),
+           py::arg("hidden"), py::arg("fp8"), py::arg("timeout_s"), py::arg("num_blocks"), py::arg("force_puts") = 0)
+      .def_static("heap_bytes", &Rail::heap_bytes, py::arg("world"), py::arg("ranks_per_node"), py::arg("num_experts"),
+                  py::arg("max_tokens"), py::arg("max_topk"), py::arg("hidden"), py::arg("fp8"), py::arg("stage"))
+      .def("dispatch", &Rail::dispatch, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"),
+           py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("stream"))
+      .def("combine", &Rail::combine, py::arg("y_f"), py::arg("slot_valid"), py::arg("topk_idx"), py::arg("T"),
+           py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"))
+      .def(
+          "buffers",
+          [](const Rail& r, int parity) {
+            const rail::Buffers b = r.buffers(parity);
+            return py::make_tuple(b.xf, b.sf, b.topk_f, b.wf);
+          },
+          py::arg("parity"), "(xf, sf, topk_f, wf) addresses of parity's dispatch outputs (sf 0 unless FP8)")
+      .def("next_dispatch_parity", &Rail::next_dispatch_parity,
+           "The parity whose buffers the next dispatch's receive half completes")
+      .def("set_mask", &Rail::set_mask, py::arg("left_out"))
+      .def("error", &Rail::error)
+      .def("error_kernel", &Rail::error_kernel)
+      .def("missing_ranks", &Rail::missing_ranks)
+      .def("take_bad_expert_ids", &Rail::take_bad_expert_ids)
+      .def_property_readonly("all_p2p", &Rail::all_p2p)
+      .def_property_readonly("bytes", &Rail::bytes)
+      .def("destroy", &Rail::destroy, py::arg("collective") = true);
 }
 
 }  // namespace ep

@@ -1,0 +1,225 @@
+"""NvshmemRail: the internode hop ("rail") of the hierarchical backend on NVSHMEM kernels.
+
+Same constructor, methods and results as the reference ``backends/torch_ref/rail.py`` (TorchRail,
+whose docstring defines them) and equal to it bit for bit. The kernels (csrc/nvshmem/rail_*.cu,
+protocol in rail.h) write each token's row once to each rail peer whose node it selects: st.global
+over NVLink P2P where ``nvshmem_ptr`` maps the peer (virtual nodes on one host), NVSHMEM puts from a
+staging copy where it does not (RDMA: compiled, not run on the GPU machines here; ``force_puts`` runs
+that path over P2P). Each call launches its send half, then its receive half, on the current stream;
+no host sync, fixed shapes, so the calls capture into a CUDA graph.
+
+Dispatch returns views of the symmetric receive buffers, no copy: ``xf [N*M, H]``, ``sf [N*M, H/128]``,
+``topk_f [N*M, K]``, ``wf [N*M, K]`` of the call's parity (calls alternate between two sets). They
+are valid for work enqueued on this rank before its next dispatch; after that, until the peers'
+dispatch after next, which in a MoE step (dispatch k, [dispatch k+1], combine k, ...) follows their
+combine k, itself waiting for this rank's combine k. Copy what must live longer. They are never valid
+after close(). All ranks must call with the same K.
+
+A wait past comm.timeout_s records the missing rail peer in host-mapped memory; check() raises it as
+EPTimeoutError naming its group rank (once), and set_mask() lets the others go on without it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..._ext import get_c
+from ...errors import BackendUnavailableError, EPTimeoutError
+from ...types import FP8_BLOCK
+from . import runtime
+from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream, ptr as _ptr
+
+MAX_NODES = 128   # rail_device.cuh kMaxNodes
+MAX_TOPK = 32     # one lane per k
+AUTO_BLOCKS = 24  # comm.num_sms: auto
+
+
+class _CudaBytes:
+    """A device address range as __cuda_array_interface__ (the fallback of _device_bytes)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3}
+
+
+def _device_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """uint8 [nbytes] over memory torch does not own (the NVSHMEM heap): valid while the Runtime lives."""
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is not None:
+        storage = make(ptr, device, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    return torch.as_tensor(_CudaBytes(ptr, nbytes), device=device)
+
+
+class NvshmemRail:
+    name = "nvshmem"
+
+    @staticmethod
+    def check_available(group, hidden: int) -> None:
+        C = get_c()
+        if not getattr(C, "HAS_NVSHMEM", False):
+            raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM")
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the NVSHMEM rail kernels need CUDA GPUs")
+        if hidden % 8:
+            raise ValueError(f"the NVSHMEM rail kernels need hidden % 8 == 0 (16-byte rows), got {hidden}")
+
+    def __init__(self, group, cfg, hidden: int, num_experts: int, ranks_per_node: int, max_tokens: int,
+                 fp8: bool, *, force_puts: bool = False):
+        """force_puts (tests): NVSHMEM puts from staging buffers to every peer, as across nodes."""
+        C = get_c()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        P = int(ranks_per_node)
+        if P < 1 or self.world % P:
+            raise ValueError(f"comm.ranks_per_node={ranks_per_node} does not divide the group's {self.world} ranks")
+        self.P, self.N = P, self.world // P
+        if self.N > MAX_NODES:
+            raise ValueError(f"the NVSHMEM rail supports at most {MAX_NODES} nodes, got {self.N}")
+        if num_experts % self.N:
+            raise ValueError(f"{num_experts} experts do not split evenly over {self.N} nodes")
+        self.node, self.local = divmod(self.rank, P)
+        self.peers = [m * P + self.local for m in range(self.N)]
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.M = int(max_tokens)
+        self.fp8 = bool(fp8)
+        if hidden % (FP8_BLOCK if self.fp8 else 8):
+            raise ValueError(f"the NVSHMEM rail needs hidden % {FP8_BLOCK if self.fp8 else 8} == 0 for "
+                             f"{'FP8' if self.fp8 else 'BF16'} rows, got {hidden}")
+        self.max_topk = min(max(int(cfg.moe.topk), MIN_TOPK_CAPACITY), MAX_TOPK)
+        self.timeout_s = float(cfg.comm.timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        num_sms = cfg.comm.num_sms
+        self.num_blocks = min(AUTO_BLOCKS if num_sms == "auto" else int(num_sms), sms)
+        one_host = runtime._host_layout(group)[0]  # collective; across hosts the puts need staging areas
+        heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8),
+                                        int(force_puts or not one_host))
+        runtime.join(group, heap, cfg.comm.rdma)
+        self._rt = C.RailRuntime(self.rank, self.world, P, num_experts, self.M, self.max_topk, hidden,
+                                 int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
+        self._views = [self._parity_views(p) for p in (0, 1)]
+        self._reported = False
+
+    def _parity_views(self, parity: int):
+        """(xf, sf or None, topk_f flat, wf flat) over one parity's symmetric buffers."""
+        xf_ptr, sf_ptr, ids_ptr, w_ptr = self._rt.buffers(parity)
+        NM, H, cap = self.N * self.M, self.hidden, self.max_topk
+        dev = self.device
+        row = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        xf = _device_bytes(xf_ptr, NM * H * row.itemsize, dev).view(row).view(NM, H)
+        sf = (_device_bytes(sf_ptr, NM * (H // FP8_BLOCK) * 4, dev).view(torch.float32).view(NM, H // FP8_BLOCK)
+              if self.fp8 else None)
+        ids = _device_bytes(ids_ptr, NM * cap * 8, dev).view(torch.int64)
+        w = _device_bytes(w_ptr, NM * cap * 4, dev).view(torch.float32)
+        return xf, sf, ids, w
+
+    def _check_rows(self, x, scales, topk_idx, topk_weights):
+        T, K = topk_idx.shape
+        if T > self.M:
+            raise ValueError(f"{T} tokens exceed the rail's max_tokens={self.M}")
+        if not 1 <= K <= self.max_topk:
+            raise ValueError(f"topk_idx has {K} columns; the NVSHMEM rail was sized for 1..{self.max_topk}")
+        if topk_idx.dtype != torch.int64 or not topk_idx.is_contiguous():
+            raise TypeError(f"topk_idx must be contiguous int64, got {topk_idx.dtype}")
+        want = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        if x.dtype != want or tuple(x.shape) != (T, self.hidden) or not x.is_contiguous():
+            raise TypeError(f"x must be contiguous {want} [{T}, {self.hidden}] for this rail "
+                            f"(fp8={self.fp8}), got {x.dtype} {list(x.shape)}")
+        if self.fp8 != (scales is not None):
+            raise TypeError(f"this rail moves {'FP8 rows: scales are required' if self.fp8 else 'BF16 rows: no scales'}")
+        if scales is not None and (scales.dtype != torch.float32 or not scales.is_contiguous()
+                                   or tuple(scales.shape) != (T, self.hidden // FP8_BLOCK)):
+            raise TypeError(f"scales must be contiguous float32 [{T}, {self.hidden // FP8_BLOCK}], got "
+                            f"{scales.dtype} {list(scales.shape)}")
+        if topk_weights is not None and (topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous()
+                                         or tuple(topk_weights.shape) != (T, K)):
+            raise TypeError(f"topk_weights must be contiguous float32 [{T}, {K}], got "
+                            f"{topk_weights.dtype} {list(topk_weights.shape)}")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                 topk_weights: Optional[torch.Tensor]):
+        """-> (xf, sf, topk_f, wf): views of this call's receive buffers (see the module docstring)."""
+        self._check_rows(x, scales, topk_idx, topk_weights)
+        T, K = topk_idx.shape
+        rt = self._rt
+        parity = rt.next_dispatch_parity()
+        stream = _current_stream()
+        rt.dispatch(x.data_ptr(), _ptr(scales), topk_idx.data_ptr(), _ptr(topk_weights), T, K, SEND, stream)
+        rt.dispatch(0, 0, 0, 0, T, K, RECV, stream)
+        xf, sf, ids, w = self._views[parity]
+        n = self.N * self.M * K
+        return xf, sf, ids[:n].view(-1, K), (w[:n].view(-1, K) if topk_weights is not None else None)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y_f: torch.Tensor, slot_valid: torch.Tensor, topk_idx: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:
+        """y_f [N*M, H] bf16 (a row per slot this rank forwarded), slot_valid [N*M] bool/uint8, topk_idx
+        [T, K] this rank's dispatch ids -> y [T, H] bf16 (a new tensor)."""
+        NM, H = self.N * self.M, self.hidden
+        T, K = topk_idx.shape
+        if T != num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} but topk_idx has {T} rows")
+        if y_f.dtype != torch.bfloat16 or tuple(y_f.shape) != (NM, H) or not y_f.is_contiguous():
+            raise TypeError(f"y_f must be contiguous bfloat16 [{NM}, {H}], got {y_f.dtype} {list(y_f.shape)}")
+        if slot_valid.dtype not in (torch.bool, torch.uint8) or slot_valid.numel() != NM \
+                or not slot_valid.is_contiguous():
+            raise TypeError(f"slot_valid must be contiguous bool or uint8 with {NM} entries, got "
+                            f"{slot_valid.dtype} {list(slot_valid.shape)}")
+        if topk_idx.dtype != torch.int64 or not topk_idx.is_contiguous():
+            raise TypeError(f"topk_idx must be contiguous int64, got {topk_idx.dtype}")
+        if T > self.M or not 1 <= K <= self.max_topk:
+            raise ValueError(f"topk_idx [{T}, {K}] exceeds the rail's max_tokens={self.M} or topk 1..{self.max_topk}")
+        y = torch.empty((T, H), dtype=torch.bfloat16, device=y_f.device)
+        rt = self._rt
+        stream = _current_stream()
+        rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream)
+        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
+        return y
+
+    # ------------------------------------------------------------------ faults
+    def take_bad_expert_ids(self) -> bool:
+        return self._rt is not None and bool(self._rt.take_bad_expert_ids())
+
+    def set_mask(self, ranks: Sequence[int]) -> None:
+        """Group ranks to leave out (an empty list clears it); only this rank's rail peers matter."""
+        self._rt.set_mask(list(ranks))
+        self._reported = False
+
+    def check(self) -> None:
+        if self._rt is None:
+            return
+        if self._rt.take_bad_expert_ids():
+            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated as "
+                             "routed nowhere by a rail dispatch")
+        if self._reported or not self._rt.error():
+            return
+        self._reported = True
+        runtime.mark_fault()
+        missing = tuple(self._rt.missing_ranks())
+        where = {20: "rail dispatch", 21: "rail combine"}.get(self._rt.error_kernel(), "?")
+        raise EPTimeoutError(
+            f"nvshmem rail: rank(s) {list(missing)} did not arrive within comm.timeout_s={self.timeout_s}s "
+            f"({where}); their rows are missing from that call. Leave them out with set_mask(ranks) to go on "
+            "without them", missing)
+
+    def close(self) -> None:
+        if self._rt is None:
+            return
+        rt, self._rt = self._rt, None
+        self._views = None  # views of the heap: freed below
+        torch.cuda.synchronize(self.device)
+        # nvshmem_free is collective: after a fault a peer may never join it
+        rt.destroy(collective=not runtime.faulted() and not rt.error())
+
+    def __del__(self):
+        if getattr(self, "_rt", None) is not None:
+            try:
+                self._rt.destroy(collective=False)
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
