@@ -18,8 +18,6 @@ validates their arguments the same way before the engine sees them.
 """
 from __future__ import annotations
 
-import contextlib
-
 import itertools
 from typing import Optional, Sequence
 
@@ -84,27 +82,26 @@ class _IndexCheck:
                          "treated as routed nowhere")
 
 
+# torch.cuda.current_device() minus its lazy-init check: a CUDA tensor in hand means CUDA is initialised
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
+
 def call_form(*args):
     """What the low-latency checks depend on, for tensors (dtype, shape, device, contiguity) and plain
     values (ints, bools, None; typed, so True and 1 differ); None when an argument is of another kind
     (then the full checks run and raise). The current CUDA device counts too, for a CUDA first argument."""
     out = []
+    append = out.append
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.shape, a.device, a.is_contiguous()))
+            append((a.dtype, a.shape, a.device, a.is_contiguous()))
         elif a is None or isinstance(a, int):
-            out.append((type(a), a))
+            append((type(a), a))
         else:
             return None
     if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
-        out.append(torch.cuda.current_device())
+        append(_cuda_device())
     return tuple(out)
-
-
-def _no_grad_if(flag: bool):
-    """torch.no_grad() where an input tracks gradients (the engines' outputs never do); a free
-    context otherwise, which saves its cost on the hot path."""
-    return torch.no_grad() if flag else contextlib.nullcontext()
 
 
 class _RecvHook:
@@ -400,9 +397,13 @@ class EPBuffer:
         low-latency call of a buffer builds its engine: a collective over the group."""
         self._raise_pending_low_latency()
         form = call_form(x, topk_idx, recv_stats, use_fp8, round_scale)
-        hook = self._recv_hook_wanted(return_recv_hook)
-        need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
-        engine = self._low_latency_engine()
+        # bool is final: `type(v) is bool` is isinstance, without a call on the hot path
+        hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
+        if type(async_op) is not bool:
+            raise TypeError("async_op must be a bool")
+        engine = self._low_latency
+        if engine is None:
+            engine = self._low_latency_engine()
         if form is None or form != self._ll_dispatch_form:  # the full checks run once per form of call
             self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
             limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
@@ -410,12 +411,24 @@ class EPBuffer:
                   f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
                   f"got {topk_idx.shape[1]}")
             self._ll_dispatch_form = form
-        self._check_expert_ids(topk_idx, engine.checks_expert_ids)
-        with _no_grad_if(x.requires_grad):
+        return self._ll_dispatch_run(engine, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
+
+    def _ll_dispatch_run(self, engine, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool,
+                         recv_stats):
+        """low_latency_dispatch after its argument checks. ep_plugin.deep_ep calls it directly for a call of a
+        form that passed them, after _raise_pending_low_latency: its own form covers every input the checks
+        read, so checking again would only cost host time."""
+        if self._full_validation or not engine.checks_expert_ids:
+            self._check_expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:  # the engines' outputs never track gradients
+            with torch.no_grad():
+                recv_x, recv_count, handle, recv = engine.dispatch(
+                    x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        else:
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
-        return (recv_x, recv_count, handle, self._low_latency_event(async_op, x),
+        return (recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None,
                 self._wrap_hook(recv, hook, "low_latency_dispatch"))
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -434,13 +447,21 @@ class EPBuffer:
         if form is None or form != self._ll_combine_form or not self._same_low_latency_handle(handle, topk_idx):
             self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
             self._ll_combine_form = form
-        hook = self._recv_hook_wanted(return_recv_hook)
-        need(isinstance(async_op, bool), TypeError, "async_op must be a bool")
-        engine = self._low_latency
-        self._check_expert_ids(topk_idx, engine.checks_expert_ids)
-        with _no_grad_if(x.requires_grad):
+        hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
+        if type(async_op) is not bool:
+            raise TypeError("async_op must be a bool")
+        return self._ll_combine_run(self._low_latency, x, topk_idx, topk_weights, handle, out, async_op, hook)
+
+    def _ll_combine_run(self, engine, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
+        """low_latency_combine after its argument checks (the handle's included); see _ll_dispatch_run."""
+        if self._full_validation or not engine.checks_expert_ids:
+            self._check_expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:
+            with torch.no_grad():
+                y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        return y, self._low_latency_event(async_op, x), self._wrap_hook(recv, hook, "low_latency_combine")
+        return y, self._low_latency_event(x) if async_op else None, self._wrap_hook(recv, hook, "low_latency_combine")
 
     def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the
@@ -460,8 +481,10 @@ class EPBuffer:
     def _same_low_latency_handle(self, handle, topk_idx) -> bool:
         """The handle checks of _check_low_latency_combine, for a call whose tensors kept their form."""
         # one engine per buffer: a handle of this buffer has its engine, hidden, experts and M
-        return (type(handle) is LowLatencyHandle and handle.buffer_id == self._id
-                and handle.num_tokens == topk_idx.shape[0] and handle.topk == topk_idx.shape[1])
+        if type(handle) is not LowLatencyHandle or handle.buffer_id != self._id:
+            return False
+        T, K = topk_idx.shape
+        return handle.num_tokens == T and handle.topk == K
 
     def _low_latency_engine(self):
         if self._low_latency is None:
@@ -471,7 +494,8 @@ class EPBuffer:
         return self._low_latency
 
     def _raise_pending_low_latency(self) -> None:
-        need(not self._closed, RuntimeError, "this EPBuffer is closed")
+        if self._closed:
+            raise RuntimeError("this EPBuffer is closed")
         if self._low_latency is not None:
             self._low_latency.check()
         self._index_check.raise_if_seen()
@@ -483,10 +507,8 @@ class EPBuffer:
               f"return_recv_hook must be a bool or None, got {return_recv_hook!r}")
         return return_recv_hook
 
-    def _low_latency_event(self, async_op: bool, like: torch.Tensor) -> Optional[EPEvent]:
+    def _low_latency_event(self, like: torch.Tensor) -> EPEvent:
         """The event of an async_op call: recorded on the current stream after the call's work."""
-        if not async_op:
-            return None
         event = None
         if like.is_cuda:
             event = torch.cuda.Event()

@@ -134,6 +134,28 @@ void Runtime::destroy(bool collective) {
   ctx_ = nullptr;
 }
 
+// Both halves in one launch: a block's receive half waits for this rank's own signal, which the
+// last block to finish sending gives, so every block must be resident at once. A cooperative
+// launch guarantees it (or fails at launch) instead of leaving it to whatever else holds SMs.
+template <typename Kernel, typename... Args>
+static void launch(Kernel kernel, int num_blocks, int phases, size_t smem, cudaStream_t s, Args... args) {
+  if (phases != (kSend | kRecv)) {
+    kernel<<<num_blocks, kThreads, smem, s>>>(args...);
+    return;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(num_blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  EP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 void Runtime::check_call(int T, int K) const {
   EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "LowLatencyRuntime: used after destroy()");
   EP_CHECK_ARG(T >= 0 && T <= max_tokens_, "low-latency call: %d tokens, the buffer holds at most %d", T, max_tokens_);
@@ -152,14 +174,12 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
                 reinterpret_cast<int*>(row_slot), reinterpret_cast<int*>(recv_stats)};
   const size_t smem = smem_bytes(T, K, c.num_experts);
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int4* in = reinterpret_cast<const int4*>(x);
+  const int64_t* idx = reinterpret_cast<const int64_t*>(topk_idx);
   if (use_fp8)
-    ::ep::ll::dispatch<true><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
-                                                          reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
-                                                          round_scale, o);
+    launch(::ep::ll::dispatch<true>, num_blocks_, phases, smem, s, c, in, idx, T, K, phases, round_scale, o);
   else
-    ::ep::ll::dispatch<false><<<num_blocks_, kThreads, smem, s>>>(c, reinterpret_cast<const int4*>(x),
-                                                           reinterpret_cast<const int64_t*>(topk_idx), T, K, phases,
-                                                           round_scale, o);
+    launch(::ep::ll::dispatch<false>, num_blocks_, phases, smem, s, c, in, idx, T, K, phases, round_scale, o);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -169,10 +189,10 @@ void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uin
   EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency combine: phases must be 1, 2 or 3, got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const size_t smem = smem_bytes(0, 0, c.num_experts);
-  ::ep::ll::combine<<<num_blocks_, kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
-      c, reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
-      reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
-      reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y));
+  launch(::ep::ll::combine, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,
+         reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
+         reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
+         reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y));
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

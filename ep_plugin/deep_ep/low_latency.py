@@ -133,9 +133,10 @@ class LowLatencyMixin:
         self._ll_masked: Set[int] = set()
         self._ll_staging: Dict[Tuple[int, int, int], List[Optional[torch.Tensor]]] = {}
         self._ll_next: Dict[Tuple[int, int, int], int] = {}
-        # the form of the last calls that passed every check (see ep_plugin.buffer.call_form), and the dispatch's buffer
+        # the form of the last calls that passed every check (see ep_plugin.buffer.call_form), with the
+        # dispatch's (buffer, M, E) and the combine's buffer
         self._ll_dispatch_last: Tuple = (None, None)
-        self._ll_combine_last: Optional[Tuple] = None
+        self._ll_combine_last: Tuple = (None, None)
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -197,14 +198,16 @@ class LowLatencyMixin:
         return_recv_hook the receive half: the outputs are valid once it has run.
         """
         name = "low_latency_dispatch"
-        self._ll_mode(name)
+        if self._destroyed or not self.low_latency_mode:
+            self._ll_mode(name)  # raises
         stats = cumulative_local_expert_recv_stats
         form = call_form(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
                           num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        if form is not None and form == self._ll_dispatch_last[0]:  # checked already: straight to the buffer
-            buf, M, E = self._ll_dispatch_last[1]
+        last_form, last = self._ll_dispatch_last
+        if form is not None and form == last_form:  # checked already, here and by the EPBuffer: straight to the engine
+            buf, M, E = last
             return self._ll_dispatch_run(buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0,
-                                         async_finish, return_recv_hook)
+                                         async_finish, return_recv_hook, checked=True)
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError(_UNSUPPORTED.format(
                 name="dispatch_wait_recv_cost_stats", why="it has no per-rank wait timers"))
@@ -236,13 +239,20 @@ class LowLatencyMixin:
         return out
 
     def _ll_dispatch_run(self, buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
-                         return_recv_hook):
-        H = x.shape[1]
-        ue8m0 = bool(use_fp8 and use_ue8m0)
-        recv_x, recv_count, inner, event, hook = buf.low_latency_dispatch(
-            x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale), async_op=bool(async_finish),
-            return_recv_hook=bool(return_recv_hook), recv_stats=stats)
-        if ue8m0:
+                         return_recv_hook, checked=False):
+        """The call on `buf`. checked: this call's form passed every check of this layer and of
+        buf.low_latency_dispatch before (this form covers every input those read: the tensors, the
+        flags, M and E, hence the buffer), so it goes past them to the engine (host time)."""
+        if checked:
+            buf._raise_pending_low_latency()
+            recv_x, recv_count, inner, event, hook = buf._ll_dispatch_run(
+                buf._low_latency, x, topk_idx, bool(use_fp8), bool(round_scale), bool(async_finish),
+                bool(return_recv_hook), stats)
+        else:
+            recv_x, recv_count, inner, event, hook = buf.low_latency_dispatch(
+                x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale), async_op=bool(async_finish),
+                return_recv_hook=bool(return_recv_hook), recv_stats=stats)
+        if use_fp8 and use_ue8m0:
             data, scales = recv_x
             packed = _ue8m0_target(scales)
             recv_x = (data, packed)
@@ -258,7 +268,7 @@ class LowLatencyMixin:
                 pack()
                 if event is not None:
                     event = _ThenEvent(event, scales.device)
-        handle = DeepEPLowLatencyHandle(inner, buf, M, H, E)
+        handle = DeepEPLowLatencyHandle(inner, buf, M, buf.hidden, E)
         keep = None
         if async_finish:
             rows = recv_x if isinstance(recv_x, tuple) else (recv_x,)
@@ -287,13 +297,18 @@ class LowLatencyMixin:
         tensor get_next_low_latency_combine_buffer(handle) returned (x is only checked).
         """
         name = "low_latency_combine"
-        self._ll_mode(name)
+        if self._destroyed or not self.low_latency_mode:
+            self._ll_mode(name)  # raises
         form = call_form(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
                           async_finish, return_recv_hook)
-        if (form is not None and form == self._ll_combine_last and type(handle) is DeepEPLowLatencyHandle
-                and handle.buffer in self._ll_buffers.values()):  # checked already: straight to the buffer
-            return self._ll_combine_run(handle, x, topk_idx, topk_weights, zero_copy, async_finish,
-                                        return_recv_hook, out)
+        last_form, last_buf = self._ll_combine_last
+        if form is not None and form == last_form and type(handle) is DeepEPLowLatencyHandle:
+            inner = handle.inner
+            T, K = topk_idx.shape
+            # the form fixes x's shape, hence the buffer; the handle is checked on every call, as EPBuffer does
+            if handle.buffer is last_buf and inner.num_tokens == T and inner.topk == K:
+                return self._ll_combine_run(handle, x, topk_idx, topk_weights, zero_copy, async_finish,
+                                            return_recv_hook, out, checked=True)
         if use_logfmt:
             raise NotImplementedError(_UNSUPPORTED.format(
                 name="use_logfmt", why="combine sends BF16 rows; LogFMT-10 is DeepEP's own wire format"))
@@ -325,15 +340,24 @@ class LowLatencyMixin:
               "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
               "current stream")
         result = self._ll_combine_run(h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out)
-        self._ll_combine_last = form
+        self._ll_combine_last = (form, h.buffer)
         return result
 
-    def _ll_combine_run(self, h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out):
+    def _ll_combine_run(self, h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out,
+                        checked=False):
+        """The call on h.buffer; checked: as for _ll_dispatch_run (the staging tensor of zero_copy has one
+        form per buffer)."""
         _, _, M, H, E = h
         rows = self._ll_take_staging((H, E, M)) if zero_copy else x
-        y, event, hook = h.buffer.low_latency_combine(
-            rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
-            return_recv_hook=bool(return_recv_hook), out=out)
+        buf = h.buffer
+        if checked:
+            buf._raise_pending_low_latency()
+            y, event, hook = buf._ll_combine_run(buf._low_latency, rows, topk_idx, topk_weights, h.inner, out,
+                                                 bool(async_finish), bool(return_recv_hook))
+        else:
+            y, event, hook = buf.low_latency_combine(
+                rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
+                return_recv_hook=bool(return_recv_hook), out=out)
         keep = (x, rows, topk_idx, topk_weights, h[0], h[1], y) if async_finish else None
         return y, EventOverlap(event, keep), hook
 

@@ -4,16 +4,30 @@ The kernels (csrc/nvshmem/ll_*.cu) write each (token, expert) row straight into 
 symmetric slot over NVLink P2P (NVSHMEM puts where a peer has no P2P path: the RDMA path, compiled
 but not run on the GPU machines here), signal with epoch counters kept on the device, and pack rows
 into the caller's tensors in the receive half. No host sync, fixed shapes, so a dispatch/combine
-pair captures into a CUDA graph. The send half is launched first; the receive half right after it, or
-when the hook is called. (The kernels also take both halves in one launch, phases SEND | RECV: worth
-it once the outputs are known before the launch, with output_buffers; not used yet.)
+pair captures into a CUDA graph.
+
+Launches. With a receive hook: the send half now, the receive half from the hook. Without one, when
+`fused_launch` is set (the default with comm.low_latency.output_buffers > 0, where the outputs exist
+before the call): one launch with phases SEND | RECV, which saves the host a second launch and the
+GPU the gap between two kernels. Otherwise the send half first, then the receive half: with fresh
+outputs the allocations then overlap the send half instead of delaying it.
+
+The fused launch relies on every block of its grid becoming resident: blocks that finish sending
+wait in the receive half for this rank's own signal, which only the last block to send gives. The
+grid is one 512-thread block per SM and one always fits an SM (launch bounds, shared memory checked
+at build), so this holds unless SMs stay held by something that itself waits on this call (a kernel
+on another stream waiting on another rank, an MPS share of the SMs): there the wait runs into
+comm.timeout_s. Set `fused_launch = False` on such a setup; the split launches need no co-residency.
 
 A wait past comm.timeout_s records the missing rank in host-mapped memory; check() raises it as
 EPTimeoutError (once), and set_mask() lets the others go on without that rank.
+
+The host path is short on purpose (a cold call at 128 tokens is host-bound; benchmarks/bench_ll_host.py
+times it): pointers of reused outputs are computed once, nothing is built that the call does not return.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,25 +36,10 @@ from ..._ext import get_c
 from ...errors import BackendUnavailableError, EPTimeoutError
 from ...types import FP8_BLOCK, LowLatencyHandle
 from . import runtime
+from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream
 
-SEND, RECV = 1, 2
+SEND_RECV = SEND | RECV
 MAX_RANKS = 64
-MIN_TOPK_CAPACITY = 16  # combine slots per token: the config's topk or this, whichever is larger
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream() -> int:
-    """The current CUDA stream of the current device as an integer: torch's raw accessor (no Stream
-    object built per call: the cold-call path is host-bound), else the public API."""
-    if _raw_stream is not None:
-        return _raw_stream(torch.cuda.current_device())
-    return torch.cuda.current_stream().cuda_stream
 
 
 class NvshmemLowLatency:
@@ -81,82 +80,107 @@ class NvshmemLowLatency:
         # comm.low_latency.output_buffers = N > 0: outputs come from N sets allocated once and used in
         # turn (a call's outputs stay valid for the next N - 1 calls of its kind); 0: fresh tensors.
         self.output_buffers = int(getattr(cfg.comm.low_latency, "output_buffers", 0) or 0)
-        self._ring = {}
-        self._turn = {}
+        # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
+        # benchmark can compare both ways on the same engine.
+        self.fused_launch = self.output_buffers > 0
+        self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
+        self._dispatch_turn = [0, 0]
+        self._y_sets = None                 # the N combine outputs [M, H]
+        self._y_views = {}                  # T -> their [:T] views, made once per T
+        self._y_turn = 0
 
     def _dispatch_outputs(self, use_fp8: bool, dev):
-        """(recv_x, recv_count, src_info, layout_range, row_slot, pointers): fresh, or the next set."""
+        """(recv_x, recv_count, src_info, layout_range, state, pointers): fresh, or the next set."""
         n = self.output_buffers
-        if n:
-            sets = self._ring.get(use_fp8)
-            if sets is None:
-                sets = self._ring[use_fp8] = [self._new_dispatch_outputs(use_fp8, dev) for _ in range(n)]
-            i = self._turn.get(use_fp8, 0)
-            self._turn[use_fp8] = (i + 1) % n
-            return sets[i]
-        return self._new_dispatch_outputs(use_fp8, dev)
+        if not n:
+            return self._new_dispatch_outputs(use_fp8, dev)
+        kind = 1 if use_fp8 else 0
+        sets = self._dispatch_sets[kind]
+        if sets is None:
+            sets = self._dispatch_sets[kind] = [self._new_dispatch_outputs(use_fp8, dev) for _ in range(n)]
+        i = self._dispatch_turn[kind]
+        self._dispatch_turn[kind] = i + 1 if i + 1 < n else 0
+        return sets[i]
 
     def _new_dispatch_outputs(self, use_fp8: bool, dev):
         EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
+        # torch.empty(*sizes) parses faster than torch.empty(sizes); each tensor costs ~1-2 us of host
         if use_fp8:
-            data = torch.empty((EL, WM, H), dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty((EL, H // FP8_BLOCK, WM), dtype=torch.float32, device=dev).transpose(1, 2)
+            data = torch.empty(EL, WM, H, dtype=torch.float8_e4m3fn, device=dev)
+            S = H // FP8_BLOCK
+            # the transpose of a contiguous [EL, S, WM] (the contract), made in one call
+            scales = torch.empty_strided((EL, WM, S), (S * WM, 1, WM), dtype=torch.float32, device=dev)
             recv_x = (data, scales)
+            scales_ptr = scales.data_ptr()
         else:
-            data = recv_x = torch.empty((EL, WM, H), dtype=torch.bfloat16, device=dev)
-            scales = None
-        recv_count = torch.empty((EL,), dtype=torch.int32, device=dev)
-        src_info = torch.empty((EL, WM), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((EL, self.world), dtype=torch.int64, device=dev)
-        row_slot = torch.empty((EL, WM), dtype=torch.int32, device=dev)
-        ptrs = (data.data_ptr(), _ptr(scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-                row_slot.data_ptr())
-        return recv_x, recv_count, src_info, layout_range, row_slot, ptrs
+            data = recv_x = torch.empty(EL, WM, H, dtype=torch.bfloat16, device=dev)
+            scales_ptr = 0
+        recv_count = torch.empty(EL, dtype=torch.int32, device=dev)
+        src_info = torch.empty(EL, WM, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
+        row_slot = torch.empty(EL, WM, dtype=torch.int32, device=dev)
+        count_ptr, row_slot_ptr = recv_count.data_ptr(), row_slot.data_ptr()
+        # combine reads the two pointers from the handle's state: no data_ptr() calls there
+        state = {"row_slot": row_slot, "recv_count": recv_count, "ptrs": (row_slot_ptr, count_ptr)}
+        ptrs = (data.data_ptr(), scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
+        return recv_x, recv_count, src_info, layout_range, state, ptrs
 
     def _combine_output(self, T: int, dev):
         n = self.output_buffers
         if not n:
-            return torch.empty((T, self.hidden), dtype=torch.bfloat16, device=dev)
-        sets = self._ring.get("y")
-        if sets is None:
-            sets = self._ring["y"] = [torch.empty((self.max_tokens, self.hidden), dtype=torch.bfloat16, device=dev)
-                                      for _ in range(n)]
-        i = self._turn.get("y", 0)
-        self._turn["y"] = (i + 1) % n
-        return sets[i][:T]
+            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
+        views = self._y_views.get(T)
+        if views is None:
+            if self._y_sets is None:
+                self._y_sets = [torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=dev)
+                                for _ in range(n)]
+            views = self._y_views[T] = [y[:T] for y in self._y_sets]
+        i = self._y_turn
+        self._y_turn = i + 1 if i + 1 < n else 0
+        return views[i]
 
     # ------------------------------------------------------------------ dispatch
-    # The send half is launched first, with nothing but pointers: in a cold call the host's work
-    # before the first launch is on the critical path, the allocations after it overlap the send.
+    # Unfused, the send half is launched first, with nothing but pointers: in a cold call the host's
+    # work before the first launch is on the critical path, the allocations after it overlap the send.
     def dispatch(self, x, topk_idx, *, use_fp8: bool, round_scale: bool, recv_stats, hook: bool):
         T, K = topk_idx.shape
         rt = self._rt
-        stream = _current_stream()
-        rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, int(use_fp8), int(round_scale), SEND,
-                    0, 0, 0, 0, 0, 0, 0, stream)
-        recv_x, recv_count, src_info, layout_range, row_slot, ptrs = self._dispatch_outputs(use_fp8, x.device)
+        fp8 = 1 if use_fp8 else 0
+        stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
+        if self.fused_launch and not hook:
+            recv_x, recv_count, src_info, layout_range, state, ptrs = self._dispatch_outputs(use_fp8, x.device)
+            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV, *ptrs,
+                        stats_ptr, _current_stream())
+            recv = None
+        else:
+            stream = _current_stream()
+            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
+                        0, 0, 0, 0, 0, 0, 0, stream)
+            recv_x, recv_count, src_info, layout_range, state, ptrs = self._dispatch_outputs(use_fp8, x.device)
+            # the receive half reads no input (x and topk_idx may go once the send half is queued)
+            if not hook:
+                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream)
+                recv = None
+            else:
+                def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
+                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream())
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
-                                  topk=K, use_fp8=use_fp8, backend=self.name,
-                                  state={"row_slot": row_slot, "recv_count": recv_count})
-        # the receive half reads no input (x and topk_idx may go once the send half is queued)
-        outs = ptrs + (_ptr(recv_stats),)
-        if not hook:
-            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, stream)
-            return recv_x, recv_count, handle, None
-
-        def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
-            rt.dispatch(0, 0, T, K, int(use_fp8), 0, RECV, *outs, _current_stream())
-
+                                  topk=K, use_fp8=use_fp8, backend=self.name, state=state)
         return recv_x, recv_count, handle, recv
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle, *, out, hook: bool):
         T, K = topk_idx.shape
-        rt, state = self._rt, handle.state
+        rt = self._rt
+        row_slot, count = handle.state["ptrs"]
+        if self.fused_launch and not hook:
+            y = out if out is not None else self._combine_output(T, x.device)
+            rt.combine(x.data_ptr(), row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV,
+                       y.data_ptr(), _current_stream())
+            return y, None
         stream = _current_stream()
-        rt.combine(x.data_ptr(), state["row_slot"].data_ptr(), state["recv_count"].data_ptr(), 0, 0, T, K, SEND, 0,
-                   stream)
+        rt.combine(x.data_ptr(), row_slot, count, 0, 0, T, K, SEND, 0, stream)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
             rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream)
@@ -177,12 +201,13 @@ class NvshmemLowLatency:
         self._reported = False
 
     def check(self) -> None:
-        if self._rt is None:
+        rt = self._rt
+        if rt is None:
             return
-        if self._rt.take_bad_expert_ids():
+        if rt.take_bad_expert_ids():
             raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated as "
                              "routed nowhere by a low-latency dispatch")
-        if self._reported or not self._rt.error():
+        if self._reported or not rt.error():
             return
         self._reported = True
         runtime.mark_fault()

@@ -1,0 +1,276 @@
+"""HOST OVERHEAD ONLY: the Python time of one low-latency call, per layer, on a machine with no GPU.
+
+    python3 benchmarks/bench_ll_host.py                   # every layer, BF16/FP8, output_buffers 0 and 2
+    python3 benchmarks/bench_ll_host.py --profile deep_ep  # cProfile of one layer's dispatch+combine pairs
+    python3 benchmarks/bench_ll_host.py --fused off        # the send and receive halves as two launches
+
+What runs: the NVSHMEM engine's Python (ep_plugin/backends/nvshmem/low_latency.py), EPBuffer's
+low-latency calls and the deep_ep compat layer, exactly as shipped, over stand-ins for what needs a GPU:
+- `_C.LowLatencyRuntime` is FakeRuntime: its dispatch/combine take the same ints and do nothing
+  (a pybind call with ~15 ints and a real kernel launch cost more: several us on the GPU host);
+- tensors live on the meta device (torch.empty there is torch's per-tensor host cost without an
+  allocator behind it; data_ptr() is 0), so the [E_l, W*M, H] outputs cost no CPU memory;
+- torch.cuda.current_device(), the raw-stream accessor and get_device_properties are stubs, and
+  EPBuffer's device check (once per form of call) is skipped: meta is no device it takes.
+A one-rank gloo group stands in for the EP group; E_l = 144 local experts, M = 128 tokens, H = 7168,
+top-8: the 2x H200 case of docs/LOW_LATENCY.md as seen by one rank. Times are
+time.perf_counter_ns around each call, after a warm-up (the first calls check and cache each form);
+reported: median us per call (min of --repeats medians). This measures Python, not the GPU path:
+on the GPU host add the launches and the CUDA allocator.
+
+Layers:
+  engine   NvshmemLowLatency.dispatch/combine(hook=False)
+  EPBuffer EPBuffer.low_latency_dispatch/combine
+  deep_ep  ep_plugin.deep_ep.Buffer.low_latency_dispatch/combine as DeepEP's test bench calls them
+           (use_fp8, cumulative stats, async_finish=False, return_recv_hook=False)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:  # an ep_plugin on PYTHONPATH wins over this tree
+    import ep_plugin
+except ImportError:
+    sys.path.append(os.path.dirname(HERE))
+    import ep_plugin
+
+import ep_plugin.buffer as ep_buffer  # noqa: E402
+from ep_plugin.backends.nvshmem import low_latency as nv_ll  # noqa: E402
+
+E_L, M, H, K = 144, 128, 7168, 8
+SMS = 132
+
+
+class FakeRuntime:
+    """Stands in for ep_plugin._C.LowLatencyRuntime: the same methods, no work. `calls` (when a list)
+    records ("dispatch"|"combine", phases, args) of each launch, for the tests."""
+
+    calls: Optional[list] = None
+
+    def __init__(self, rank, world, num_experts, max_tokens, max_topk, hidden, timeout_s, num_blocks):
+        self.max_tokens, self.max_topk = max_tokens, max_topk
+
+    @staticmethod
+    def heap_bytes(world, num_experts, max_tokens, max_topk, hidden):
+        return 0
+
+    def dispatch(self, x, topk_idx, T, K, use_fp8, round_scale, phases, out_x, out_scales, recv_count, src_info,
+                 layout_range, row_slot, recv_stats, stream):
+        if self.calls is not None:
+            self.calls.append(("dispatch", phases, (x, topk_idx, T, K, use_fp8, round_scale, out_x, out_scales,
+                                                    recv_count, src_info, layout_range, row_slot, recv_stats)))
+
+    def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream):
+        if self.calls is not None:
+            self.calls.append(("combine", phases, (x, row_slot, recv_count, topk_idx, weights, T, K, y)))
+
+    def take_bad_expert_ids(self):
+        return 0
+
+    def error(self):
+        return 0
+
+    def set_mask(self, ranks):
+        pass
+
+    def destroy(self, collective=True):
+        pass
+
+
+@contextlib.contextmanager
+def fake_gpu(device: str = "meta", calls: Optional[list] = None):
+    """Patch what the NVSHMEM engine and EPBuffer need from a GPU (module docstring); EPBuffer's low-latency
+    engine becomes an NvshmemLowLatency over FakeRuntime. Restores everything on exit."""
+    rt_cls = type("FakeRuntimeRec", (FakeRuntime,), {"calls": calls})
+    fake_c = SimpleNamespace(HAS_NVSHMEM=True, LowLatencyRuntime=rt_cls)
+    fake_runtime_mod = SimpleNamespace(join=lambda *a, **k: None, mark_fault=lambda: None, faulted=lambda: False)
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    patch(nv_ll, "get_c", lambda: fake_c)
+    patch(nv_ll, "runtime", fake_runtime_mod)
+    patch(nv_ll, "_current_stream", lambda: 0)  # no CUDA here: the raw stream accessor would fail
+    patch(torch.cuda, "current_device", lambda: 0)
+    patch(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(multi_processor_count=SMS))
+    patch(torch.cuda, "synchronize", lambda d=None: None)
+    patch(ep_buffer, "make_low_latency", lambda group, cfg, hidden, E: nv_ll.NvshmemLowLatency(group, cfg, hidden, E))
+    if device != "cpu":
+        patch(ep_buffer.EPBuffer, "_check_low_latency_device", lambda self, x: None)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def one_rank_group() -> bool:
+    """A one-rank gloo group in this process unless one exists; True if made here."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return True
+
+
+def config(output_buffers: int) -> Dict:
+    return {"moe": {"num_experts": E_L, "topk": K},
+            "comm": {"backend": "torch", "max_tokens_per_rank": M,
+                     "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers}}}
+
+
+def inputs(device: str, T: int = M) -> SimpleNamespace:
+    return SimpleNamespace(
+        x=torch.empty((T, H), dtype=torch.bfloat16, device=device),
+        idx=torch.zeros((T, K), dtype=torch.int64, device=device),
+        w=torch.empty((T, K), dtype=torch.float32, device=device),
+        stats=torch.zeros((E_L,), dtype=torch.int32, device=device),
+        rows=torch.empty((E_L, M, H), dtype=torch.bfloat16, device=device))
+
+
+def layer_calls(layer: str, output_buffers: int, fp8: bool, device: str, fused: Optional[bool]):
+    """(dispatch(), combine(handle), close(), engine) of one layer; dispatch returns the handle combine takes."""
+    inp = inputs(device)
+    if layer == "deep_ep":
+        from ep_plugin.deep_ep import Buffer
+        dbuf = Buffer(dist.group.WORLD, low_latency_mode=True, ep_config=config(output_buffers))
+
+        def dispatch():
+            return dbuf.low_latency_dispatch(inp.x, inp.idx, M, E_L, cumulative_local_expert_recv_stats=inp.stats,
+                                             use_fp8=fp8, async_finish=False, return_recv_hook=False)[2]
+
+        def combine(handle):
+            dbuf.low_latency_combine(inp.rows, inp.idx, inp.w, handle, async_finish=False, return_recv_hook=False)
+
+        dispatch()  # builds the EPBuffer and its engine
+        eng = next(iter(dbuf._ll_buffers.values()))._low_latency
+        _set_fused(eng, fused)
+        return dispatch, combine, dbuf.destroy, eng
+    buf = ep_plugin.EPBuffer(None, config(output_buffers), hidden=H)
+    buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats)  # builds the engine
+    eng = buf._low_latency
+    _set_fused(eng, fused)
+    if layer == "engine":
+        def dispatch():
+            return eng.dispatch(inp.x, inp.idx, use_fp8=fp8, round_scale=False, recv_stats=inp.stats, hook=False)[2]
+
+        def combine(handle):
+            eng.combine(inp.rows, inp.idx, inp.w, handle, out=None, hook=False)
+    else:
+        def dispatch():
+            return buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats)[2]
+
+        def combine(handle):
+            buf.low_latency_combine(inp.rows, inp.idx, inp.w, handle)
+    return dispatch, combine, buf.close, eng
+
+
+def _set_fused(eng, fused: Optional[bool]) -> None:
+    if fused is not None and hasattr(eng, "fused_launch"):
+        eng.fused_launch = fused
+
+
+def time_pairs(dispatch: Callable, combine: Callable, n: int, warmup: int = 200):
+    """Median us per dispatch and per combine over n alternating calls (as the contract orders them)."""
+    clock = time.perf_counter_ns
+    for _ in range(warmup):
+        combine(dispatch())
+    td: List[int] = []
+    tc: List[int] = []
+    for _ in range(n):
+        t0 = clock()
+        h = dispatch()
+        t1 = clock()
+        combine(h)
+        t2 = clock()
+        td.append(t1 - t0)
+        tc.append(t2 - t1)
+    return statistics.median(td) / 1e3, statistics.median(tc) / 1e3
+
+
+def run_table(args) -> None:
+    print(f"ep_plugin from {os.path.dirname(ep_plugin.__file__)}")
+    print(f"HOST OVERHEAD ONLY (Python on {_cpu_name()}, torch {torch.__version__}; fake runtime, "
+          f"{args.device} tensors; no launch, no CUDA allocator). E_l {E_L}, M {M}, H {H}, top-{K}; "
+          f"median of {args.n} calls, best of {args.repeats}.")
+    print(f"{'layer':8} {'rows':5} {'output_buffers':>14} {'fused':>5} {'dispatch us':>12} {'combine us':>11} "
+          f"{'pair us':>8}")
+    fused = {"on": True, "off": False, "default": None}[args.fused]
+    for layer in args.layers:
+        for ob in args.output_buffers:
+            for fp8 in (False, True):
+                d, c, close, eng = layer_calls(layer, ob, fp8, args.device, fused)
+                best = min((time_pairs(d, c, args.n) for _ in range(args.repeats)), key=sum)
+                close()
+                f = {True: "on", False: "off"}.get(getattr(eng, "fused_launch", None), "n/a")
+                print(f"{layer:8} {'fp8' if fp8 else 'bf16':5} {ob:>14} {f:>5} {best[0]:12.2f} {best[1]:11.2f} "
+                      f"{sum(best):8.2f}", flush=True)
+
+
+def run_profile(args) -> None:
+    fused = {"on": True, "off": False, "default": None}[args.fused]
+    layer = args.profile
+    d, c, close, _ = layer_calls(layer, args.output_buffers[-1], True, args.device, fused)
+    time_pairs(d, c, 50)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.n):
+        c(d())
+    prof.disable()
+    close()
+    print(f"HOST OVERHEAD ONLY: cProfile of {args.n} {layer} FP8 dispatch+combine pairs, output_buffers "
+          f"{args.output_buffers[-1]} (cProfile inflates Python calls; use it for the ranking, not the times)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", nargs="+", default=["engine", "EPBuffer", "deep_ep"],
+                    choices=["engine", "EPBuffer", "deep_ep"])
+    ap.add_argument("--output-buffers", nargs="+", type=int, default=[0, 2])
+    ap.add_argument("--fused", choices=["default", "on", "off"], default="default",
+                    help="the engine's fused_launch (one SEND|RECV launch with output_buffers > 0)")
+    ap.add_argument("-n", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", choices=["engine", "EPBuffer", "deep_ep"])
+    args = ap.parse_args(argv)
+    args.device = "meta"  # CPU tensors of these sizes would cost ~30 us of page mapping per output
+    made = one_rank_group()
+    try:
+        with fake_gpu(args.device):
+            if args.profile:
+                run_profile(args)
+            else:
+                run_table(args)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

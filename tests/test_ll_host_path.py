@@ -1,0 +1,222 @@
+"""The NVSHMEM low-latency engine's host path on CPU, over a fake _C.LowLatencyRuntime that records its
+launches (benchmarks/bench_ll_host.py): which phases each call launches (one SEND|RECV launch with
+fused_launch, the default with comm.low_latency.output_buffers > 0; SEND then RECV otherwise and with
+a hook), that every pointer passed is the one of the tensor returned, the FP8 scales' layout, the
+output ring, and that the shortcuts of EPBuffer and ep_plugin.deep_ep for a call of a form already
+checked still raise what a changed handle or a pending engine error should. No GPU, no kernel: the
+contract itself is tested on the torch engine (test_low_latency.py) and on GPUs (test_nvshmem_gpu.py).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from benchmarks import bench_ll_host as bench
+from ep_plugin.backends.nvshmem.low_latency import RECV, SEND, SEND_RECV
+
+E_L, M, H, K = 4, 8, 256, 3
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialized in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def calls(group):
+    """The fake runtime's launches: ("dispatch" | "combine", phases, pointer and size arguments)."""
+    log = []
+    with bench.fake_gpu("cpu", log):
+        yield log
+
+
+def cfg(output_buffers=0):
+    return {"moe": {"num_experts": E_L, "topk": K},
+            "comm": {"backend": "torch",
+                     "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers}}}
+
+
+def inputs(T=6):
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1, -1], [2, 3, 1], [-1, -1, -1], [3, 0, 2], [1, -1, 0], [2, 1, 3], [0, 2, 1],
+                        [3, 1, 0]])[:T].contiguous()
+    return x, idx, torch.rand(T, K)
+
+
+def engine_of(buf):
+    eng = buf._low_latency
+    assert type(eng).__name__ == "NvshmemLowLatency"
+    return eng
+
+
+def dispatch_ptrs(recv_x, recv_count, handle, stats):
+    data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    return (data.data_ptr(), 0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
+            handle.src_info.data_ptr(), handle.layout_range.data_ptr(), handle.state["row_slot"].data_ptr(),
+            0 if stats is None else stats.data_ptr())
+
+
+@pytest.mark.parametrize("output_buffers", [0, 2])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_phases_and_pointers_without_hook(calls, output_buffers, use_fp8):
+    buf = ep_plugin.EPBuffer(None, cfg(output_buffers), hidden=H)
+    x, idx, w = inputs()
+    stats = torch.zeros(E_L, dtype=torch.int32)
+    recv_x, count, handle, event, hook = buf.low_latency_dispatch(x, idx, use_fp8=use_fp8, recv_stats=stats)
+    eng = engine_of(buf)
+    assert eng.fused_launch is (output_buffers > 0) and event is None and hook is None
+    want = dispatch_ptrs(recv_x, count, handle, stats)
+    if output_buffers:  # one launch: both halves
+        (kind, phases, args), = calls
+        assert (kind, phases) == ("dispatch", SEND_RECV)
+        assert args[:6] == (x.data_ptr(), idx.data_ptr(), 6, K, int(use_fp8), 0) and args[6:] == want
+    else:  # the send half with inputs only, then the receive half with outputs only
+        (k1, p1, a1), (k2, p2, a2) = calls
+        assert (k1, p1, k2, p2) == ("dispatch", SEND, "dispatch", RECV)
+        assert a1 == (x.data_ptr(), idx.data_ptr(), 6, K, int(use_fp8), 0) + (0,) * 7
+        assert a2[:2] == (0, 0) and a2[6:] == want
+    calls.clear()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    y, event, hook = buf.low_latency_combine(rows, idx, w, handle)
+    assert tuple(y.shape) == (6, H) and y.dtype == torch.bfloat16 and event is None and hook is None
+    state = handle.state
+    send = (rows.data_ptr(), state["row_slot"].data_ptr(), state["recv_count"].data_ptr())
+    recv = (idx.data_ptr(), w.data_ptr(), 6, K, y.data_ptr())
+    if output_buffers:
+        (kind, phases, args), = calls
+        assert (kind, phases) == ("combine", SEND_RECV) and args == send + recv[:2] + (6, K, y.data_ptr())
+    else:
+        (k1, p1, a1), (k2, p2, a2) = calls
+        assert (k1, p1, k2, p2) == ("combine", SEND, "combine", RECV)
+        assert a1 == send + (0, 0, 6, K, 0) and a2 == (0, 0, 0) + recv
+    buf.close()
+
+
+@pytest.mark.parametrize("output_buffers", [0, 2])
+def test_a_hook_always_splits_the_halves(calls, output_buffers):
+    buf = ep_plugin.EPBuffer(None, cfg(output_buffers), hidden=H)
+    x, idx, w = inputs()
+    recv_x, count, handle, _, hook = buf.low_latency_dispatch(x, idx, use_fp8=False, return_recv_hook=True)
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND)]
+    hook()
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND), ("dispatch", RECV)]
+    assert calls[1][2][6:] == dispatch_ptrs(recv_x, count, handle, None)
+    calls.clear()
+    y, _, hook = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle,
+                                         return_recv_hook=True)
+    assert [(c[0], c[1]) for c in calls] == [("combine", SEND)]
+    hook()
+    assert [(c[0], c[1]) for c in calls] == [("combine", SEND), ("combine", RECV)]
+    assert calls[1][2][-1] == y.data_ptr()
+    buf.close()
+
+
+def test_fused_launch_is_a_switch(calls):
+    """Off with output_buffers: two launches; on with fresh outputs: one (outputs allocated first)."""
+    x, idx, w = inputs()
+    for output_buffers, fused in ((2, False), (0, True)):
+        buf = ep_plugin.EPBuffer(None, cfg(output_buffers), hidden=H)
+        buf.low_latency_dispatch(x, idx, use_fp8=False)  # builds the engine
+        engine_of(buf).fused_launch = fused
+        calls.clear()
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
+        y, _, _ = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
+        phases = [(c[0], c[1]) for c in calls]
+        if fused:
+            assert phases == [("dispatch", SEND_RECV), ("combine", SEND_RECV)]
+            assert calls[0][2][6:] == dispatch_ptrs(recv_x, count, handle, None) and calls[1][2][-1] == y.data_ptr()
+        else:
+            assert phases == [("dispatch", SEND), ("dispatch", RECV), ("combine", SEND), ("combine", RECV)]
+        buf.close()
+
+
+def test_output_layouts_and_ring(calls):
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, w = inputs()
+    (data, scales), count, handle, _, _ = buf.low_latency_dispatch(x, idx)
+    S = H // 128
+    assert data.dtype == torch.float8_e4m3fn and tuple(data.shape) == (E_L, M, H) and data.is_contiguous()
+    # the transpose of a contiguous [E_l, H/128, W*M], as DeepEP returns it
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (E_L, M, S) and scales.stride() == (S * M, 1, M)
+    assert scales.transpose(1, 2).is_contiguous() and scales.storage_offset() == 0
+    assert count.dtype == torch.int32 and tuple(count.shape) == (E_L,)
+    assert handle.src_info.dtype == torch.int32 and tuple(handle.src_info.shape) == (E_L, M)
+    assert handle.layout_range.dtype == torch.int64 and tuple(handle.layout_range.shape) == (E_L, 1)
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    ys = []
+    for T in (6, 6, 6, 4):
+        xt, it, wt = x[:T].contiguous(), idx[:T].contiguous(), w[:T].contiguous()
+        _, _, h, _, _ = buf.low_latency_dispatch(xt, it, use_fp8=False)
+        y, _, _ = buf.low_latency_combine(rows, it, wt, h)
+        assert tuple(y.shape) == (T, H) and y.is_contiguous()
+        ys.append(y.data_ptr())
+    # combine outputs: two [M, H] sets used in turn, whatever T
+    assert ys[0] != ys[1] and ys[2] == ys[0] and ys[3] == ys[1]
+    out = torch.empty(6, H, dtype=torch.bfloat16)
+    _, _, h, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
+    calls.clear()
+    y, _, _ = buf.low_latency_combine(rows, idx, w, h, out=out)
+    assert y is out and calls[0][2][-1] == out.data_ptr()
+    buf.close()
+
+
+def test_cached_forms_still_refuse_a_changed_handle_and_raise_pending_errors(calls):
+    """The deep_ep layer goes past EPBuffer's checks for a form it checked: the per-call handle checks and
+    the engine's pending errors must still apply."""
+    from ep_plugin.deep_ep import Buffer
+    dbuf = Buffer(dist.group.WORLD, low_latency_mode=True, ep_config=cfg(2))
+    x, idx, w = inputs()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    stats = torch.zeros(E_L, dtype=torch.int32)
+
+    def dispatch(T=6):
+        return dbuf.low_latency_dispatch(x[:T].contiguous(), idx[:T].contiguous(), M, E_L,
+                                         cumulative_local_expert_recv_stats=stats, use_fp8=False)
+
+    for _ in range(2):  # the second call of each takes the shortcut
+        _, _, handle, _, _ = dispatch()
+        dbuf.low_latency_combine(rows, idx, w, handle)
+    _, _, short, _, _ = dispatch(4)
+    with pytest.raises(ValueError, match=r"topk_idx must have shape \[4, 3\]"):
+        dbuf.low_latency_combine(rows, idx, w, short)  # same form as the last good combine, other handle
+    eng = engine_of(next(iter(dbuf._ll_buffers.values())))
+    eng._rt.take_bad_expert_ids = lambda: 1  # a send half saw an id outside [-1, E)
+    with pytest.raises(ValueError, match="topk_idx values must lie"):
+        dispatch(4)  # the form of the last good dispatch
+    del eng._rt.take_bad_expert_ids
+    _, _, handle, _, _ = dispatch(4)
+    dbuf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        dbuf.low_latency_combine(rows, idx[:4].contiguous(), w[:4].contiguous(), handle)
+
+
+def test_deep_ep_checks_each_form_once(calls, monkeypatch):
+    """A repeated call of the deep_ep layer goes past EPBuffer's public methods (whose checks its form
+    covers) to the engine, and launches the same as through EPBuffer."""
+    from ep_plugin.deep_ep import Buffer
+    checked = []
+    for name in ("_check_low_latency_dispatch", "_check_low_latency_combine"):
+        orig = getattr(ep_plugin.EPBuffer, name)
+        monkeypatch.setattr(ep_plugin.EPBuffer, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (checked.append(_n), _o(self, *a, **k))[1])
+    dbuf = Buffer(dist.group.WORLD, low_latency_mode=True, ep_config=cfg(2))
+    x, idx, w = inputs()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    for _ in range(3):
+        (data, scales), count, handle, event, hook = dbuf.low_latency_dispatch(x, idx, M, E_L)
+        y, event2, hook2 = dbuf.low_latency_combine(rows, idx, w, handle)
+        assert hook is None and hook2 is None and event.event is None and event2.event is None
+        assert handle[2:] == (M, H, E_L) and handle.inner.buffer_id is not None and tuple(y.shape) == (6, H)
+    assert checked == ["_check_low_latency_dispatch", "_check_low_latency_combine"]
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV), ("combine", SEND_RECV)] * 3
+    dbuf.destroy()
+
+
+def test_bench_runs(group, capsys):
+    bench.main(["-n", "20", "--repeats", "1", "--output-buffers", "2"])
+    out = capsys.readouterr().out
+    assert "HOST OVERHEAD ONLY" in out and out.count(" fp8 ") == 3 and out.count(" bf16 ") == 3
