@@ -86,6 +86,10 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
                     ops[f"{name}.dispatch_fp8"] = measure(proto, lambda: buf.dispatch(xf8, idx, w))
                 ops[f"{name}.dispatch_cached"] = measure(proto, lambda: buf.dispatch(x, handle=a.handle))
                 ops[f"{name}.combine_bf16"] = measure(proto, lambda: buf.combine(a.x, a.handle))
+            if args.profile and rank == 0 and kind == "uniform":
+                print(kernel_profile(bufs["nvshmem"], x, idx, w), flush=True)
+            elif args.profile:
+                kernel_profile(bufs["nvshmem"], x, idx, w)  # the other ranks make the same calls
             rows.append({"case": kind, "checks": ok, "rows_per_rank": traffic,
                          "row_bytes_bf16": H * 2, "ops": ops})
             if rank == 0:
@@ -99,6 +103,22 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
     except BaseException:
         q.put(("err", f"rank {rank}:\n{traceback.format_exc()}"))
         raise
+
+
+def kernel_profile(buf, x, idx, w) -> str:
+    """GPU time per kernel of one nvshmem dispatch + combine (torch profiler), where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = buf.dispatch(x, idx, w)
+    buf.combine(a.x, a.handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a = buf.dispatch(x, idx, w)
+        buf.combine(a.x, a.handle)
+        torch.cuda.synchronize()
+    return "nvshmem dispatch + combine, rank 0, per kernel:\n" + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 
 
 def table(rows, world, P) -> str:
@@ -127,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--label", default="run")
+    ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of one nvshmem call pair")
     args = ap.parse_args(argv)
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)

@@ -39,6 +39,7 @@ class HierarchicalState(BackendState):
     inner: Optional[Handle]           # the inner backend's handle (None for a one-rank node)
     order: Optional[torch.Tensor]     # one-rank node: slot of each received row
     to_contract: Optional[torch.Tensor]  # several ranks per node: contract position of each inner row
+    rail: object = None               # the rail that moved the rows (one per row form)
 
 
 def _in_rank(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
@@ -84,7 +85,12 @@ class HierarchicalBackend(Backend):
             raise ValueError(f"{num_experts} experts do not split evenly over {self.world} ranks")
         self.M = int(cfg.comm.max_tokens_per_rank)
         self.fp8 = cfg.comm.dispatch_dtype == "fp8"
-        self.rail = registry.make_rail(self.rail_engine, group, cfg, hidden, num_experts, P, self.M, self.fp8)
+        # one rail per row form (its buffers hold BF16 rows or FP8 rows + scales); the form the config
+        # names is built now, the other at its first call (collective: every rank makes the same call)
+        self._make_rail = lambda fp8: registry.make_rail(self.rail_engine, group, cfg, hidden, num_experts, P,
+                                                         self.M, fp8)
+        self._rails = {self.fp8: self._make_rail(self.fp8)}
+        self.rail = self._rails[self.fp8]
         self.local = LocalNode(self.experts_per_rank) if P == 1 else None
         self.inner = None
         if P > 1:
@@ -164,7 +170,11 @@ class HierarchicalBackend(Backend):
 
     def _dispatch(self, x, scales, topk_idx, topk_weights, handle):
         T = x.shape[0]
-        xf, sf, topk_f, wf = self.rail.dispatch(x, scales, topk_idx, topk_weights)
+        fp8 = scales is not None
+        rail = self._rails.get(fp8)
+        if rail is None:
+            rail = self._rails[fp8] = self._make_rail(fp8)
+        xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
         slot_valid = (topk_f >= 0).any(1)
         if handle is not None:
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
@@ -179,7 +189,7 @@ class HierarchicalBackend(Backend):
                 rows = order[:n]
             out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
             out_idx, out_w = LocalNode.gather(topk_f, rows), LocalNode.gather(wf, rows)
-            state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None)
+            state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail)
         else:
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
@@ -189,7 +199,7 @@ class HierarchicalBackend(Backend):
             to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
             out_x, out_s, out_idx, out_w = (self._to_contract(t, to_contract)
                                             for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
-            state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract)
+            state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
         handle = Handle(backend=self.name, num_tokens=T, num_recv=out_x.shape[0], num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=num_recv, num_tokens_per_expert=tpe.long(),
@@ -236,13 +246,14 @@ class HierarchicalBackend(Backend):
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
                     ev.current_stream_wait()
-            y = self.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = (st.rail or self.rail).combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
         event = self._event(s, (x, y)) if async_op else None
         return y, (event if event is not None or not async_op else EPEvent())
 
     # ------------------------------------------------------------------ faults
     def check(self) -> None:
-        self.rail.check()
+        for rail in self._rails.values():
+            rail.check()
         if self.inner is not None:
             self.inner.check()
 
@@ -253,7 +264,8 @@ class HierarchicalBackend(Backend):
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
-        self.rail.close()
+        for rail in self._rails.values():
+            rail.close()
 
 
 class NvshmemBackend(HierarchicalBackend):
