@@ -118,10 +118,8 @@ class HierarchicalBackend(Backend):
     def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
         """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes,
         else one all-to-all of the send counts (on the stream, no host wait)."""
-        if self.P == 1:
-            got = torch.zeros(self.world, dtype=torch.int64, device=slot_valid.device)
-            got[self.rail.peers] = slot_valid.view(self.N, self.M).sum(1)
-            return got
+        if self.P == 1:  # every rank is a rail peer: block s of the slots came from rank s
+            return slot_valid.view(self.N, self.M).sum(1)
         send = is_in.sum(0).long()
         got = torch.empty_like(send)
         dist.all_to_all_single(got, send, group=self.group)
