@@ -5,13 +5,23 @@
     torchrun --nproc-per-node 2 benchmarks/megatron_layer.py --device cpu --tiny   # dry run
 
 1. equality: small fp32 layers (plain top-k; group-limited sigmoid + expert bias; shared expert
-   with overlap through the flex backend): max |difference| of output, input gradient and
-   parameter gradients, ours vs alltoall, same weights and inputs.
+   with overlap through the flex backend; EPGroupedMLP experts against TEGroupedMLP's): max
+   |difference| of output, input gradient and parameter gradients, ours vs alltoall, same weights
+   and inputs.
 2. timing: a DeepSeek-like MoE layer forward+backward (hidden 7168, 64 experts per rank, top-8,
    sigmoid routing with 4 groups / top-2, scaling 2.5, expert bias, moe_ffn 2048 SwiGLU, 4096
-   tokens per rank, BF16). Experts: megatron's TEGroupedMLP (non-TE path) with
-   ep_plugin.megatron.GroupedMMLinear (torch grouped_mm) as fc1/fc2, the same for both
-   dispatchers. Median over iterations (CUDA events), plus a forward breakdown: communication
+   tokens per rank, BF16). Rows (fc1/fc2 weights [G, out, in], torch grouped_mm, in all of them):
+     alltoall                     megatron's alltoall + TEGroupedMLP (non-TE path) with
+                                  ep_plugin.megatron.GroupedMMLinear: host counts (tolist) per forward
+     deepep                       megatron's flex dispatcher, moe_flex_dispatcher_backend="deepep", same
+                                  experts: only where DeepEP itself (`deep_ep`, not ep_plugin.deep_ep)
+                                  imports, else the row says n/a and why
+     ep_plugin[B]                 ep_plugin's dispatcher (comm.backend B) + ep_plugin.megatron.EPGroupedMLP:
+                                  counts on the device, rows sized for the worst case (comm.host_sync
+                                  false), no host read in the layer: what ep_plugin runs by default
+     ep_plugin[B]+host_counts     ep_plugin's dispatcher + TEGroupedMLP (host counts, exact rows): the
+                                  host-synced path, for comparison (--host-counts-backends)
+   Median over iterations (CUDA events), plus a forward breakdown: communication
    (token_dispatch + token_combine) and local permutation (pre/post-processing).
    megatron's torch.compile'd router helper runs eagerly for both (no compile time on the clock).
    Memory per dispatcher (GPU): the previous variant freed and its EPBuffers closed, the peak
@@ -51,6 +61,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--backends", default="torch,auto", help="ep_plugin comm.backend values to time")
+    p.add_argument("--host-counts-backends", default="auto",
+                   help="comm.backend values to also time with megatron's TEGroupedMLP (host counts)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "megatron_layer.json"))
@@ -73,24 +85,59 @@ def make_config(world, **kw):
     return TransformerConfig(**base)
 
 
-def moe_layer(cfg, grouped: bool):
+EXPERTS = {
+    "sequential": "SequentialMLP (megatron)",
+    "grouped": "TEGroupedMLP(non-TE) + GroupedMMLinear (torch grouped_mm), host counts",
+    "ep": "EPGroupedMLP (GroupedMMLinear, torch grouped_mm), device counts",
+}
+
+
+def moe_layer(cfg, experts: str):
+    """experts: "sequential" (megatron's spec), "grouped" (TEGroupedMLP + GroupedMMLinear) or "ep"
+    (EPGroupedMLP); router and shared experts from megatron's spec."""
+    import dataclasses
+
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     import ep_plugin.megatron as epm
 
     torch.manual_seed(0)
-    if grouped:
-        return MoELayer(config=cfg, submodules=MoESubmodules(experts=epm.grouped_mm_experts()))
-    return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
+    spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)
+    if experts == "sequential":
+        return spec(config=cfg)
+    builder = epm.EPGroupedMLP if experts == "ep" else epm.grouped_mm_experts()
+    return MoELayer(config=cfg, submodules=dataclasses.replace(spec.keywords["submodules"], experts=builder))
 
 
 def dispatcher_kw(kind, backend=None):
     if kind == "alltoall":
         return dict(moe_token_dispatcher_type="alltoall")
+    if kind == "deepep":
+        return dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
     if kind == "flex":
         return dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin")
     return dict(moe_token_dispatcher_type="ep_plugin")
+
+
+def deepep_unavailable(cuda):
+    """Why the DeepEP row cannot run here, or None. It needs DeepEP itself: ep_plugin.deep_ep (DeepEP's
+    API over EPBuffer) can stand in as `deep_ep`, and megatron must have found the real one when it
+    imported its flex dispatcher."""
+    if not cuda:
+        return "DeepEP needs CUDA GPUs"
+    try:
+        import deep_ep
+    except Exception as exc:  # ImportError, or a build that does not load
+        return f"deep_ep does not import ({type(exc).__name__}: {str(exc)[:200]})"
+    where = getattr(deep_ep, "__file__", "") or ""
+    if deep_ep.__name__.startswith("ep_plugin") or os.sep + "ep_plugin" + os.sep in where:
+        return "`deep_ep` is ep_plugin.deep_ep (ep_plugin's compatibility API), not DeepEP"
+    from megatron.core.transformer.moe import fused_a2a
+
+    if not getattr(fused_a2a, "HAVE_DEEP_EP", False):
+        return "megatron-core's fused_a2a did not find deep_ep when it was imported"
+    return None
 
 
 def attach_backend(cfg, backend, max_tokens):
@@ -111,7 +158,10 @@ EQ_CASES = {
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.5, moe_router_dtype="fp32"),
     "shared_expert_overlap_flex": dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_overlap=True),
+    # ours: EPGroupedMLP (device counts); reference: TEGroupedMLP + GroupedMMLinear (same weight layout)
+    "ep_experts_vs_te_grouped": dict(moe_router_topk=3),
 }
+EQ_EXPERTS = {"ep_experts_vs_te_grouped": ("grouped", "ep")}  # (reference, ours); else SequentialMLP both
 
 
 def equality(world, rank, device, backend):
@@ -122,11 +172,12 @@ def equality(world, rank, device, backend):
             common = dict(hidden_size=H, num_moe_experts=4 * world, moe_router_topk=2, moe_ffn_hidden_size=32,
                           use_cpu_initialization=True)
             common.update(kw)
-            ref = moe_layer(make_config(world, **common, **dispatcher_kw("alltoall")), grouped=False).to(device)
+            ref_experts, our_experts = EQ_EXPERTS.get(name, ("sequential", "sequential"))
+            ref = moe_layer(make_config(world, **common, **dispatcher_kw("alltoall")), ref_experts).to(device)
             kind = "flex" if "flex" in name else "ep_plugin"
             cfg = make_config(world, **common, **dispatcher_kw(kind))
             attach_backend(cfg, backend, 4096)
-            ours = moe_layer(cfg, grouped=False).to(device)
+            ours = moe_layer(cfg, our_experts).to(device)
             with torch.no_grad():
                 g = torch.Generator().manual_seed(100 + rank)
                 for n, p in ref.named_parameters():
@@ -149,6 +200,7 @@ def equality(world, rank, device, backend):
             (y0, gx0, gp0), (y1, gx1, gp1) = res
             out[name] = {
                 "dispatcher": type(ours.token_dispatcher).__name__,
+                "experts": type(ours.experts).__name__,
                 "max_abs_diff_out": (y0 - y1).abs().max().item(),
                 "max_abs_diff_grad_x": (gx0 - gx1).abs().max().item(),
                 "max_abs_diff_grad_params": max((gp0[n] - gp1[n]).abs().max().item() for n in gp0),
@@ -299,34 +351,46 @@ def timing(world, rank, device, args):
     g = torch.Generator().manual_seed(42 + rank)
     x0 = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dt)
     gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dt) * 1e-2
-    variants = [("alltoall", None)] + [("ep_plugin", b) for b in args.backends.split(",") if b]
+    # (label, dispatcher, ep_plugin comm.backend, experts)
+    variants = [("alltoall", "alltoall", None, "grouped"), ("deepep", "deepep", None, "grouped")]
+    variants += [(f"ep_plugin[{b}]", "ep_plugin", b, "ep") for b in args.backends.split(",") if b]
+    variants += [(f"ep_plugin[{b}]+host_counts", "ep_plugin", b, "grouped")
+                 for b in args.host_counts_backends.split(",") if b]
     import ep_plugin.megatron as epm
 
     out, ref_state, ref_y = {}, None, None
-    seen_backends = set()
-    for kind, backend in variants:
-        label = kind if backend is None else f"ep_plugin[{backend}]"
+    seen = set()  # (comm backend, experts) already timed
+    for label, kind, backend, experts in variants:
+        if kind == "deepep":
+            why = deepep_unavailable(cuda)
+            if why is not None:  # every rank decides alike (same machine kind, same install)
+                out[label] = {"n/a": why, "experts": EXPERTS[experts]}
+                if rank == 0:
+                    print(f"[ep{world}] {label:26s} n/a: {why}", flush=True)
+                continue
         layer = y = None
         epm.clear_buffers()  # collective: every rank runs the same variants in the same order
         start = _release(cuda)
         try:
             cfg = make_config(world, **common, **dispatcher_kw(kind))
             attach_backend(cfg, backend, args.tokens)
-            layer = moe_layer(cfg, grouped=True).to(device)
+            layer = moe_layer(cfg, experts).to(device)
             if ref_state is None:  # kept on the host: not part of any variant's peak
                 ref_state = {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}
             else:
                 layer.load_state_dict(ref_state, strict=False)
             with torch.no_grad():
                 y, _ = layer(x0)
-            actual = getattr(getattr(layer.token_dispatcher, "buffer", None), "backend_name", None)
-            if actual is not None and actual in seen_backends:
+            buf = getattr(layer.token_dispatcher, "buffer", None)
+            actual = getattr(buf, "backend_name", None)
+            if actual is not None and (actual, experts) in seen:
                 out[label] = {"skipped": f"resolves to backend {actual!r}, already timed"}
                 del layer
                 continue
             if actual is not None:
-                seen_backends.add(actual)
-            r = {"comm_backend": actual}
+                seen.add((actual, experts))
+            r = {"comm_backend": actual, "experts": EXPERTS[experts],
+                 "host_sync": None if buf is None else buf.cfg.comm.host_sync}
             if ref_y is None:
                 ref_y = y.float()
             else:
@@ -338,7 +402,7 @@ def timing(world, rank, device, args):
             out[label] = r
             if rank == 0:
                 mem = f"  peak {r['peak_mem_gib']:.2f} GiB (+{r['peak_mem_added_gib']:.2f})" if "peak_mem_gib" in r else ""
-                print(f"[ep{world}] {label:22s} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms  "
+                print(f"[ep{world}] {label:26s} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms  "
                       f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f}){mem}", flush=True)
             del layer
         except Exception:
@@ -389,7 +453,7 @@ def main():
                          "experts_per_rank": args.experts_per_rank, "num_experts": args.experts_per_rank * world,
                          "topk": args.topk, "moe_ffn": args.ffn, "score": "sigmoid", "groups": 4,
                          "group_topk": 2, "dtype": "bf16" if cuda else "fp32",
-                         "experts_impl": "TEGroupedMLP(non-TE) + GroupedMMLinear (torch grouped_mm)",
+                         "experts_impl": "per row ('experts'); fc1/fc2 GroupedMMLinear in all",
                          "iters": args.iters, "warmup": args.warmup}}
     t0 = time.time()
     if not args.skip_equality:

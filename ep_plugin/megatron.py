@@ -29,6 +29,13 @@ the `alltoall` dispatcher. After the experts it sums each row's expert outputs (
 combines them back (EPBuffer.combine). Forward and backward match `alltoall` (tests/test_megatron.py).
 All layers share one EPBuffer per (EP group, config, hidden), sized by comm.max_tokens_per_rank.
 
+Experts that read no count on the host: EPGroupedMLP (TEGroupedMLP's module and weights, the layout
+of grouped_mm_experts(): fc1/fc2 [G, out, in]) takes tokens_per_expert on the device and the rows of
+a dispatch sized for the worst case (comm.host_sync: false, the default), so the layer's forward
+never waits for the GPU:
+
+    layer = MoELayer(config=config, submodules=MoESubmodules(experts=ep_plugin.megatron.EPGroupedMLP))
+
 This module is the entry point and only re-exports; the code lives in ep_plugin/integrations/:
 megatron/config.py (YAML bridge), megatron/dispatcher.py (EPPluginTokenDispatcher; imports
 megatron-core, so it is loaded by install() and on first use), megatron/hooks.py (install /
@@ -40,7 +47,7 @@ from .integrations.buffer_cache import cached_buffers, clear_buffers
 from .integrations.megatron.config import (
     NAME, attach_config, config_from_yaml,
 )
-from .integrations.megatron.experts import GroupedMMLinear, grouped_mm_experts, torch_grouped_mm
+from .integrations.megatron.experts import GroupedMMLinear, group_ends, grouped_mm_experts, torch_grouped_mm
 from .integrations.megatron.hooks import install, install_if_available, is_installed, uninstall
 from .integrations.megatron.training import add_ep_plugin_args, load_training_config
 
@@ -57,17 +64,23 @@ __all__ = [
     "cached_buffers",
     "clear_buffers",
     "GroupedMMLinear",
+    "EPGroupedMLP",
+    "group_ends",
     "grouped_mm_experts",
     "torch_grouped_mm",
 ]
 
 
 def __getattr__(name):
-    # the dispatcher class subclasses megatron's: importing it needs megatron-core
+    # these classes subclass megatron's: importing them needs megatron-core
     if name == "EPPluginTokenDispatcher":
         from .integrations.megatron.dispatcher import EPPluginTokenDispatcher
 
         return EPPluginTokenDispatcher
+    if name == "EPGroupedMLP":
+        from .integrations.megatron.experts import EPGroupedMLP
+
+        return EPGroupedMLP
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

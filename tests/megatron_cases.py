@@ -1,7 +1,14 @@
 """The Megatron comparison cases shared by test_megatron.py (CPU, gloo) and test_megatron_gpu.py
 (NCCL): a MoELayer (or GPT model) with ep_plugin's dispatcher against megatron's `alltoall`, same
-weights and inputs; each case returns the largest differences of output and gradients."""
+weights and inputs; each case returns the largest differences of output and gradients. Also
+forbid_host_sync(), the check that a layer's dispatcher and experts read nothing on the host."""
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import traceback
 
 import torch
 
@@ -56,6 +63,56 @@ CASES = {
     "grouped_mm_experts": (  # TEGroupedMLP (non-TE path) with ep_plugin's GroupedMMLinear
         dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
         dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"grouped": True}),
+    # EPGroupedMLP (device counts, no host read: the dispatcher hands it the device counts) against
+    # alltoall + megatron's own SequentialMLP; weights and gradients compared in the grouped layout
+    "ep_experts": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"experts": "ep"}),
+    "ep_experts_vs_te_grouped": (  # against megatron's TEGroupedMLP (non-TE path), same state layout
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3), {"experts": "ep", "ref_experts": "grouped"}),
+    "ep_experts_top1_probs_on_input": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=1, moe_apply_probs_on_input=True,
+             moe_router_pre_softmax=True), {"experts": "ep"}),
+    "ep_experts_gelu_not_gated": (
+        dict(moe_token_dispatcher_type="ep_plugin", gated_linear_unit=False,
+             activation_func=torch.nn.functional.gelu),
+        dict(moe_token_dispatcher_type="alltoall", gated_linear_unit=False,
+             activation_func=torch.nn.functional.gelu), {"experts": "ep"}),
+    "ep_experts_fused_swiglu": (  # megatron's weighted SwiGLU fusion (bias_activation_fusion)
+        dict(moe_token_dispatcher_type="ep_plugin", bias_activation_fusion=True),
+        dict(moe_token_dispatcher_type="alltoall", bias_activation_fusion=True),
+        {"experts": "ep", "ref_experts": "grouped"}),
+    "ep_experts_recompute_act": (  # selective recompute of the activation (moe_act)
+        dict(moe_token_dispatcher_type="ep_plugin", recompute_granularity="selective",
+             recompute_modules=["moe_act"], moe_grouped_gemm=True),
+        dict(moe_token_dispatcher_type="alltoall"), {"experts": "ep"}),
+    "ep_experts_recompute_layer": (  # the whole MoE layer recomputed in backward (recompute "moe")
+        dict(moe_token_dispatcher_type="ep_plugin", recompute_granularity="selective",
+             recompute_modules=["moe"]),
+        dict(moe_token_dispatcher_type="alltoall"), {"experts": "ep"}),
+    "ep_experts_skew_rank1_receives_nothing": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, moe_router_dtype="fp32"),
+        {"experts": "ep", "expert_bias": "skew"}),
+    "ep_experts_shared_overlap_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12, moe_shared_expert_overlap=True),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12,
+             moe_shared_expert_overlap=True), {"experts": "ep"}),
+    "ep_experts_stage_split_flex": (
+        dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin",
+             moe_shared_expert_intermediate_size=12),
+        dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12),
+        {"experts": "ep", "stage_split": True}),
+    "ep_experts_bf16": (  # BF16 weights and rows: equal within BF16 rounding
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_topk=3),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_topk=3),
+        {"experts": "ep", "dtype": torch.bfloat16}),
     # megatron's overlap_moe_expert_parallel_comm schedule runs route/preprocess, dispatch, experts
     # and combine as separate graph segments (detached in between): emulate that split
     "ep_overlap_stage_split_flex": (
@@ -64,6 +121,17 @@ CASES = {
         dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12),
         {"stage_split": True}),
 }
+
+
+def cpu_recompute_stand_ins() -> None:
+    """Without CUDA, megatron's activation checkpoints (CheckpointWithoutOutput, checkpoint) still save
+    and restore the CUDA RNG state: let those be no-ops (cpu_stand_ins() covers the RNG tracker only)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
 
 
 def make_config(world, hidden=H, **kw):
@@ -78,16 +146,40 @@ def make_config(world, hidden=H, **kw):
     return TransformerConfig(**base)
 
 
-def make_moe_layer(cfg, grouped=False):
+def make_moe_layer(cfg, grouped=False, experts=None):
+    """experts: None (megatron's SequentialMLP), "grouped" (TEGroupedMLP + GroupedMMLinear; also
+    grouped=True) or "ep" (EPGroupedMLP)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
     import ep_plugin.megatron as epm
 
     torch.manual_seed(0)
-    if grouped:
+    experts = "grouped" if grouped else experts
+    if experts == "grouped":
         return MoELayer(config=cfg, submodules=MoESubmodules(experts=epm.grouped_mm_experts()))
+    if experts == "ep":  # megatron's spec (router, shared experts) with EPGroupedMLP as the experts
+        spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)
+        subs = dataclasses.replace(spec.keywords["submodules"], experts=epm.EPGroupedMLP)
+        return MoELayer(config=cfg, submodules=subs)
     return get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)(config=cfg)
+
+
+def grouped_layout(tensors, num_local_experts):
+    """SequentialMLP's names and shapes -> GroupedMMLinear's: `experts.local_experts.{g}.linear_fcN.weight`
+    ([out, in] each) become `experts.linear_fcN.weight` ([G, out, in]); other entries stay."""
+    out, stacked = {}, {}
+    for n, t in tensors.items():
+        if ".local_experts." in n and n.endswith(".weight"):
+            head, rest = n.split(".local_experts.", 1)
+            g, lin = rest.split(".", 1)
+            stacked.setdefault(f"{head}.{lin}", {})[int(g)] = t
+        elif "_extra_state" not in n:
+            out[n] = t
+    for n, per in stacked.items():
+        assert sorted(per) == list(range(num_local_experts)), (n, sorted(per))
+        out[n] = torch.stack([per[g] for g in range(num_local_experts)])
+    return out
 
 
 def _staged_forward(layer, x):
@@ -123,16 +215,27 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
     import ep_plugin.megatron as epm
 
     ours_kw, ref_kw, opts = CASES[name]
+    if "recompute_granularity" in ours_kw:
+        cpu_recompute_stand_ins()
+    if dtype == torch.float32:
+        dtype = opts.get("dtype", dtype)
     if dtype != torch.float32:
         low = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         ref_kw, ours_kw = dict(ref_kw, **low), dict(ours_kw, **low)
-    ref = make_moe_layer(make_config(world, hidden, **ref_kw), opts.get("grouped", False)).to(device)
+    ours_experts = "grouped" if opts.get("grouped") else opts.get("experts")
+    ref_experts = "grouped" if opts.get("grouped") else opts.get("ref_experts")
+    ref = make_moe_layer(make_config(world, hidden, **ref_kw), experts=ref_experts).to(device)
     ours_cfg = make_config(world, hidden, **ours_kw)
     if comm_backend is not None:
         epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
-    ours = make_moe_layer(ours_cfg, opts.get("grouped", False)).to(device)
+    ours = make_moe_layer(ours_cfg, experts=ours_experts).to(device)
 
     assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
+    # EPGroupedMLP takes device counts from the dispatcher MoELayer built with it; others get host counts
+    assert ours.token_dispatcher.device_counts == (ours_experts == "ep"), (name, ours.token_dispatcher.device_counts)
+    # SequentialMLP's per-expert weights, compared in GroupedMMLinear's [G, out, in] layout
+    regroup = (ours_experts == "ep" and ref_experts is None)
+    G = ours.num_local_experts
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)  # experts differ per rank
         for n, p in ref.named_parameters():
@@ -144,7 +247,8 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
         elif opts.get("expert_bias") == "skew":
             eb.zero_()
             eb[:2] = 100.0  # every token picks experts 0 and 1 (rank 0): rank 1 receives nothing
-    missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
+    ref_state = grouped_layout(ref.state_dict(), G) if regroup else ref.state_dict()
+    missing, unexpected = ours.load_state_dict(ref_state, strict=False)
     assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
 
     S = 5 + 3 * rank  # ranks dispatch different token counts
@@ -163,7 +267,11 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
         res[tag] = (y.detach(), x.grad.clone(),
                     {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
     (y0, gx0, gp0), (y1, gx1, gp1) = res["ref"], res["ours"]
+    if regroup:
+        gp0 = grouped_layout(gp0, G)
     assert set(gp0) == set(gp1), (sorted(set(gp0) ^ set(gp1)))
+    y0, gx0, y1, gx1 = (t.float() for t in (y0, gx0, y1, gx1))
+    gp0, gp1 = ({n: t.float() for n, t in gp.items()} for gp in (gp0, gp1))
     out = {
         "out": (y0 - y1).abs().max().item(),
         "grad_x": (gx0 - gx1).abs().max().item(),
@@ -176,6 +284,8 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
         "num_param_grads": len(gp0),
         "recv_rows": int(ours.token_dispatcher.num_recv),
         "comm_backend": ours.token_dispatcher.buffer.backend_name,
+        "host_sync": ours.token_dispatcher.buffer.cfg.comm.host_sync,
+        "dtype": str(dtype).replace("torch.", ""),
     }
     return out
 
@@ -186,12 +296,27 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
 SCHEDULE_CASES = {
     "ep_overlap_1f1b_flex": dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_plugin"),
     "ep_overlap_1f1b_by_name": dict(moe_token_dispatcher_type="ep_plugin"),
+    "ep_overlap_1f1b_ep_experts": dict(moe_token_dispatcher_type="ep_plugin"),
 }
+SCHEDULE_EXPERTS = {"ep_overlap_1f1b_ep_experts": "ep"}  # else megatron's SequentialMLP
 
 
-def _gpt(world, overlap, **kw):
-    from megatron.core.models.gpt import GPTModel
+def _gpt_layer_spec(experts):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    import ep_plugin.megatron as epm
+
+    spec = get_gpt_layer_local_spec(num_experts=4)
+    if experts == "ep":  # the same spec with EPGroupedMLP as each MoE layer's experts
+        mlp = spec.submodules.mlp
+        mlp = functools.partial(mlp.func, *mlp.args, **dict(
+            mlp.keywords, submodules=dataclasses.replace(mlp.keywords["submodules"], experts=epm.EPGroupedMLP)))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+    return spec
+
+
+def _gpt(world, overlap, experts=None, **kw):
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
@@ -202,7 +327,7 @@ def _gpt(world, overlap, **kw):
         hidden_dropout=0.0, attention_dropout=0.0, moe_router_load_balancing_type="none",
         moe_router_dtype="fp32", masked_softmax_fusion=False, bias_dropout_fusion=False, **kw)
     torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+    model = GPTModel(config=cfg, transformer_layer_spec=_gpt_layer_spec(experts),
                      vocab_size=64, max_sequence_length=8, position_embedding_type="rope")
     return model.to(torch.bfloat16)
 
@@ -215,10 +340,12 @@ def compare_schedule(rank, world, name, device="cpu"):
     if device != "cpu":  # megatron's combined-1F1B schedule creates its comm stream the same way
         from megatron.core.pipeline_parallel.utils import set_streams
         set_streams()
-    ref = _gpt(world, False, **SCHEDULE_CASES[name]).to(device)
-    ovl = _gpt(world, True, **SCHEDULE_CASES[name]).to(device)
+    experts = SCHEDULE_EXPERTS.get(name)
+    ref = _gpt(world, False, experts, **SCHEDULE_CASES[name]).to(device)
+    ovl = _gpt(world, True, experts, **SCHEDULE_CASES[name]).to(device)
     ovl.load_state_dict(ref.state_dict(), strict=False)
     assert isinstance(ovl.decoder.layers[0].mlp.token_dispatcher, epm.EPPluginTokenDispatcher)
+    assert all(layer.mlp.token_dispatcher.device_counts == (experts == "ep") for layer in ovl.decoder.layers)
     g = torch.Generator().manual_seed(rank)
     mbs = [torch.randint(0, 64, (2, 9), generator=g).to(device) for _ in range(3)]
     mask = torch.triu(torch.ones(8, 8, dtype=torch.bool, device=device), 1)[None, None]
@@ -243,3 +370,106 @@ def compare_schedule(rank, world, name, device="cpu"):
         scale = max(scale, pa.grad.float().abs().max().item())
         n += 1
     return {"grad_params": diffs, "scale": scale, "num_param_grads": n}
+
+
+# ----------------------------------------------------------------------------- no host sync, checked
+class HostSyncError(AssertionError):
+    """A host read of device data inside a region that must have none (not a RuntimeError: code that
+    catches those, e.g. a grouped_mm fallback, must not swallow it)."""
+
+
+DISPATCHER_HOOKS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+                    "token_combine", "combine_postprocess")
+# what reads a tensor's values on the host (a device sync on CUDA)
+_TENSOR_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _Guard(threading.local):
+    def __init__(self):
+        self.active = 0   # inside a guarded call
+        self.exempt = 0   # inside an EPBuffer call that may read (exempt_buffer)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(layer, exempt_buffer: bool, cuda_sync_debug: bool = False):
+    """While `layer`'s dispatcher hooks and experts' forward run (`layer` a MoELayer, or the experts
+    alone): a host read of tensor values
+    (Tensor.tolist/item/cpu/numpy, bool/int/float/index of a tensor) or torch.cuda.synchronize (and a
+    stream's or event's) raises HostSyncError, and, with cuda_sync_debug, torch.cuda's sync debug mode
+    is "error" (CUDA catches what Python cannot see: a blocking copy, nonzero, ...). exempt_buffer:
+    EPBuffer.dispatch / combine run unguarded (the torch backend exchanges its counts on the host by
+    design; the kernel backends must not need this). Yields the list of what was caught (the calls
+    raise as well, so code that swallows errors cannot hide one)."""
+    from ep_plugin.buffer import EPBuffer
+
+    state, caught = _Guard(), []
+
+    def guarded(name, fn):
+        def call(*a, **k):
+            if state.active and not state.exempt:
+                caught.append(f"{name}\n" + "".join(traceback.format_stack(limit=8)[:-1]))
+                raise HostSyncError(f"host read inside the layer's dispatcher/experts: {name}")
+            return fn(*a, **k)
+        return call
+
+    def scoped(fn, counter):
+        def call(*a, **k):
+            setattr(state, counter, getattr(state, counter) + 1)
+            debug = None
+            if cuda_sync_debug and counter == "active" and state.active == 1:
+                debug = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*a, **k)
+            finally:
+                if debug is not None:
+                    torch.cuda.set_sync_debug_mode(debug)
+                setattr(state, counter, getattr(state, counter) - 1)
+        return call
+
+    def unguarded(fn):  # the exempt EPBuffer calls run with sync debug mode off as well
+        def call(*a, **k):
+            state.exempt += 1
+            debug = torch.cuda.get_sync_debug_mode() if cuda_sync_debug else None
+            if debug is not None:
+                torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(*a, **k)
+            finally:
+                if debug is not None:
+                    torch.cuda.set_sync_debug_mode(debug)
+                state.exempt -= 1
+        return call
+
+    undo = []
+
+    def patch(owner, attr, value):
+        had = attr in vars(owner) if isinstance(owner, type) else True
+        undo.append((owner, attr, getattr(owner, attr), had))
+        setattr(owner, attr, value)
+
+    for attr in _TENSOR_READS:
+        patch(torch.Tensor, attr, guarded(f"Tensor.{attr}", getattr(torch.Tensor, attr)))
+    patch(torch.cuda, "synchronize", guarded("torch.cuda.synchronize", torch.cuda.synchronize))
+    for cls in (torch.cuda.Stream, torch.cuda.Event):
+        if isinstance(cls, type):
+            patch(cls, "synchronize", guarded(f"{cls.__name__}.synchronize", cls.synchronize))
+    if exempt_buffer:
+        for attr in ("dispatch", "combine"):
+            patch(EPBuffer, attr, unguarded(getattr(EPBuffer, attr)))
+    disp = getattr(layer, "token_dispatcher", None)
+    experts = layer.experts if disp is not None else layer
+    for hook in DISPATCHER_HOOKS if disp is not None else ():
+        patch(disp, hook, scoped(getattr(disp, hook), "active"))
+    patch(experts, "forward", scoped(experts.forward, "active"))
+    try:
+        yield caught
+    finally:
+        for owner, attr, original, had in reversed(undo):
+            if had or not isinstance(owner, type):
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        for hook in DISPATCHER_HOOKS if disp is not None else ():  # the class's methods again
+            disp.__dict__.pop(hook, None)
+        experts.__dict__.pop("forward", None)

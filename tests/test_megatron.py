@@ -123,14 +123,19 @@ def test_layer_matches_alltoall(dist_results, case):
     for rank, results in enumerate(dist_results):
         r = results[case]
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
-        tol = 1e-5 * max(1.0, r["scale"])
-        assert r["out"] <= tol, (rank, r)
-        assert r["grad_x"] <= tol, (rank, r)
-        assert r["grad_params"] <= tol, (rank, r)
+        if r["dtype"] == "bfloat16":  # BF16 rows and weights: summed in another order -> a few ulps
+            assert max(r["rel_out"], r["rel_grad_x"], r["rel_grad_params"]) <= 2e-2, (rank, r)
+        else:
+            tol = 1e-5 * max(1.0, r["scale"])
+            assert r["out"] <= tol, (rank, r)
+            assert r["grad_x"] <= tol, (rank, r)
+            assert r["grad_params"] <= tol, (rank, r)
         assert r["num_param_grads"] > 0
-    if case == "skew_rank1_receives_nothing":
+    if case.endswith("skew_rank1_receives_nothing"):
         assert dist_results[1][case]["recv_rows"] == 0
         assert dist_results[0][case]["recv_rows"] > 0
+    if case.startswith("ep_experts"):  # EPGroupedMLP: the attached (default) comm.host_sync, false
+        assert all(results[case]["host_sync"] is False for results in dist_results), case
 
 
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))

@@ -65,20 +65,22 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
     return fields
 
 
-def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bool = False) -> EPConfig:
+def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bool = False,
+                   device_counts: bool = False) -> EPConfig:
     """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the
     TransformerConfig's expert count and top-k. Its comm.max_tokens_per_rank is the buffer's
     capacity, never the size of a batch.
 
-    Eager forwards (compiled=False) always get comm.host_sync on (see below). Forwards traced by
-    torch.compile (compiled=True) keep the attached comm.host_sync: false, the default, runs the
-    dispatch and combine as the custom ops of ep_plugin.ops, whose worst-case output shapes follow from
-    the config; true makes the dispatcher call EPBuffer eagerly, with a graph break around each call
-    (dispatcher.py)."""
+    comm.host_sync stays as attached (false by default) for forwards traced by torch.compile
+    (compiled=True) and for dispatchers whose experts take device counts (device_counts=True,
+    EPGroupedMLP): false sizes the rows for the worst case and reads no count on the host; true
+    makes the dispatch wait on the host for exact sizes (and, compiled, the dispatcher calls EPBuffer
+    eagerly, with a graph break around each call: dispatcher.py). Other eager forwards feed megatron's
+    experts, which need host counts anyway, and always get comm.host_sync on (see below)."""
     raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
-    if not compiled:
+    if not (compiled or device_counts):
         # megatron's experts split their input by host counts, so the host waits for them anyway: an
         # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
         raw["comm"]["host_sync"] = True

@@ -7,17 +7,28 @@ With comm.stats on, the buffer's stats are reported every comm.stats_interval st
 logging (logger "ep_plugin.megatron", rank 0 of the EP group): tokens/s, the communication share of
 the wall time, the slowest rank, imbalance and timeouts (ep_plugin.telemetry).
 
+What the experts get (dispatch_postprocess) depends on the experts MoELayer built with the dispatcher:
+  - experts that take device counts (EPGroupedMLP: it calls take_device_counts() while MoELayer builds
+    it, right after this dispatcher): the expert-major rows as dispatch delivered them and
+    tokens_per_expert as the [E_local] int64 device tensor, with the attached comm.host_sync (false
+    by default: rows sized for the worst case of comm.max_tokens_per_rank, their tail unwritten).
+    token_dispatch, dispatch_postprocess and token_combine then read nothing on the host, eager or
+    compiled (no graph break, no unbacked int);
+  - megatron's experts (SequentialMLP, TEGroupedMLP) split their input by host counts
+    (`tokens_per_expert.tolist()`, experts.py, 0.19.2), so eager forwards dispatch with
+    comm.host_sync on (exact rows: the host waits once, inside the dispatch) and get the counts as a
+    host tensor.
+
 Under torch.compile (torch.compiler.is_compiling() while dynamo traces the layer) the dispatcher
 takes one of two paths, chosen by the attached config's comm.host_sync (resolve_config):
   - false (the default): dispatch and combine are the custom ops of ep_plugin.ops, traced into the
     graph (no graph break in these hooks). The dispatch rows are sized for the worst case of
     comm.max_tokens_per_rank (their shape follows from the config), and the counts stay on the
-    device. megatron's experts (SequentialMLP, TEGroupedMLP) take host-sized input: they call
-    `tokens_per_expert.tolist()` (experts.py, 0.19.2) and split their rows by it, so
-    dispatch_postprocess cuts the rows to the valid ones by one host read of their count,
-    `tokens_per_expert.sum().item()`. With torch._dynamo.config.capture_scalar_outputs = True both
-    reads trace as unbacked ints (one device->host copy each at run time, no graph break); without
-    it each is a graph break (ours in dispatch_postprocess, megatron's in its experts).
+    device. For megatron's experts dispatch_postprocess cuts the rows to the valid ones by one host
+    read of their count, `tokens_per_expert.sum().item()`. With
+    torch._dynamo.config.capture_scalar_outputs = True both reads (ours and megatron's tolist) trace as
+    unbacked ints (one device->host copy each at run time, no graph break); without it each is a
+    graph break. Experts that take device counts need neither.
   - true: the eager EPBuffer calls, each hook a torch.compiler.disable'd call (three graph breaks per
     layer: token_dispatch, dispatch_postprocess, token_combine), exact-size rows.
 The compiled path uses its own EPBuffer (comm.host_sync false), from the same cache; it is built
@@ -28,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -98,6 +111,30 @@ def _wait(event) -> None:
         event.current_stream_wait()
 
 
+# The dispatcher this thread built last, with the (config, pg_collection) it was given: MoELayer.__init__
+# builds its dispatcher and then, at once, its experts from the same two objects, and megatron has no
+# other link between them (the dispatcher never sees its experts).
+_LAST_BUILT = threading.local()
+
+
+def take_device_counts(config, pg_collection) -> Optional["EPPluginTokenDispatcher"]:
+    """Called by experts that take tokens_per_expert as a device tensor and worst-case-sized rows
+    (EPGroupedMLP) from their __init__: the ep_plugin dispatcher MoELayer built just before them from
+    the same config and process groups now hands them its expert-major output without a host read
+    (see the module docstring). Returns that dispatcher, or None when the layer has another one (the
+    experts then get its exact-size output). Each dispatcher is taken once."""
+    last = getattr(_LAST_BUILT, "entry", None)
+    if last is None:
+        return None
+    ref, cfg, pgs = last
+    d = ref()
+    if d is None or cfg is not config or pgs is not pg_collection:
+        return None
+    _LAST_BUILT.entry = None
+    d.device_counts = True
+    return d
+
+
 class EPPluginTokenDispatcher(MoETokenDispatcher):
     """megatron-core MoETokenDispatcher on ep_plugin.EPBuffer (one copy per destination rank).
 
@@ -105,7 +142,9 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
       dispatch_preprocess : [S, B, H] -> [T, H]; routing map -> top-k ids + their probs
       token_dispatch      : EPBuffer.dispatch(layout="expert"): one row per (token, local expert),
                             grouped by expert in the received order, with its prob
-      dispatch_postprocess: tokens_per_expert (host) for the experts; no permute
+      dispatch_postprocess: no permute; tokens_per_expert for the experts: on the device with
+                            experts that take it (EPGroupedMLP: no host read, worst-case rows),
+                            else on the host (exact rows)
       combine_preprocess  : nothing (the un-permute is summed inside the combine kernel)
       token_combine       : EPBuffer.combine of the expert-major rows
       combine_postprocess : [T, H] -> [S, B, H] (+ shared experts when overlapped)
@@ -119,10 +158,14 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
     torch.compile: token_dispatch / token_combine become ep_plugin.ops' custom ops (worst-case rows,
     counts on the device) and dispatch_postprocess cuts the rows to the valid ones for megatron's
     experts; see the module docstring for what breaks the graph and when.
+
+    device_counts: whether the experts take device counts and worst-case rows; set by
+    take_device_counts() while MoELayer builds the experts (or by hand, before the first forward).
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
                  pg_collection=None) -> None:
+        given_pgs = pg_collection
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
@@ -157,11 +200,14 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         self.tokens_per_expert = None
         self.probs_dtype = None
         self._key = _spec_key(config, self.ep_group, self.ep_size, self.num_experts, self.router_topk)
+        self.device_counts = False
+        _LAST_BUILT.entry = (weakref.ref(self), config, given_pgs)
 
     # ---------------------------------------------------------------- helpers
     def _ep_config(self) -> EPConfig:
         if self._ep_cfg is None:
-            self._ep_cfg = resolve_config(self.config, self.num_experts, self.router_topk)
+            self._ep_cfg = resolve_config(self.config, self.num_experts, self.router_topk,
+                                          device_counts=self.device_counts)
         return self._ep_cfg
 
     def _check_capacity(self, num_tokens: int) -> None:
@@ -248,8 +294,13 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(res.x)
         _wait(res.event)
         self.handle = res.handle
-        self.num_recv = res.handle.num_recv  # tokens received (one per source token), for reports
-        self.tokens_per_expert = list(res.tokens_per_expert)  # the experts' split sizes (host)
+        if self.device_counts:
+            # tokens received (one per source token), for reports: the device count, read by nobody here
+            self.num_recv = res.handle.num_recv_device
+            self.tokens_per_expert = res.num_tokens_per_expert  # [E_local] int64 on the device
+        else:
+            self.num_recv = res.handle.num_recv
+            self.tokens_per_expert = list(res.tokens_per_expert)  # the experts' split sizes (host)
         self.topk_idx = None
         return res.x, res.topk_weights
 
@@ -261,6 +312,8 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
         return self._dispatch_postprocess_eager(hidden_states, probs)
 
     def _dispatch_postprocess_op(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.device_counts:
+            return self._device_counts_output(hidden_states, probs)
         # megatron's experts split their input by host counts (tokens_per_expert.tolist()), which must
         # add up to its rows: cut the worst-case rows to the valid ones. The count is the one host
         # read of the compiled path (an unbacked int with capture_scalar_outputs, else a graph break)
@@ -273,7 +326,17 @@ class EPPluginTokenDispatcher(MoETokenDispatcher):
             rows = rows.clone()
         return rows, tokens_per_expert, probs[:n].to(self.probs_dtype)
 
+    def _device_counts_output(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        # the experts find their rows by the device counts and zero the tail themselves: nothing to
+        # cut, so nothing to read on the host
+        rows = hidden_states
+        if self.config.overlap_moe_expert_parallel_comm:
+            rows = rows.clone()  # see _dispatch_postprocess_eager
+        return rows, self.tokens_per_expert, probs.to(self.probs_dtype)
+
     def _dispatch_postprocess_eager(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.device_counts:
+            return self._device_counts_output(hidden_states, probs)
         # already grouped by expert: nothing to permute. An exact-size dispatch (the config this
         # dispatcher resolves) has exactly sum(tokens_per_expert) rows; a worst-case-sized one is cut
         # to them (a view)

@@ -1,9 +1,20 @@
-"""Grouped-GEMM experts without TransformerEngine: megatron's TEGroupedMLP (non-fused path) with
-fc1/fc2 as GroupedMMLinear, all local experts of one linear in one parameter run by torch grouped_mm.
-Needs megatron-core only for grouped_mm_experts().
+"""Grouped-GEMM experts without TransformerEngine.
+
+    GroupedMMLinear      all local experts' weights of one linear in one [G, out, in] parameter, run by
+                         torch grouped_mm on GPU (a per-expert loop elsewhere), from host split sizes
+                         (what megatron's TEGroupedMLP hands it) or from group ends on the device
+    grouped_mm_experts() megatron's TEGroupedMLP (non-fused path) with GroupedMMLinear fc1/fc2: host counts
+    EPGroupedMLP         the same module and weights, with a forward that reads no count on the host:
+                         it takes tokens_per_expert on the device and rows sized for the worst case
+                         (ep_plugin's dispatcher with comm.host_sync false), so no MoE layer forward waits
+                         for the GPU
+
+Needs megatron-core only for grouped_mm_experts() and EPGroupedMLP (defined on first access, so that
+importing this module, and ep_plugin.megatron, works without megatron-core).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 
@@ -17,12 +28,31 @@ def torch_grouped_mm():
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
+def group_ends(tokens_per_expert: torch.Tensor, device) -> torch.Tensor:
+    """[G] counts (a tensor, on any device) -> [G] int32 end row of each expert's rows, on `device`,
+    computed there: what grouped_mm takes as offs. No host read."""
+    # int32 from the cumsum itself: casting an int64 cumsum would be a second pass
+    return tokens_per_expert.to(device, non_blocking=True).cumsum(0, dtype=torch.int32)
+
+
+def tail_rows(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[num_rows, 1] bool: rows at or past the last group end (the padding of a worst-case-sized
+    dispatch), found on the device."""
+    rows = torch.arange(num_rows, device=ends.device, dtype=ends.dtype)
+    return (rows >= ends[-1:]).unsqueeze(-1)
+
+
 class GroupedMMLinear(torch.nn.Module):
     """All local experts' weights of one linear in one [G, out, in] parameter, run with
     torch grouped_mm on GPU (a per-expert loop elsewhere). Builder-compatible with megatron's
-    TEGroupedMLP linear_fc1 / linear_fc2 (forward(x, tokens_per_expert) -> (y, None))."""
+    TEGroupedMLP linear_fc1 / linear_fc2 (forward(x, tokens_per_expert) -> (y, None)).
+
+    tokens_per_expert as a list (megatron's TEGroupedMLP): host split sizes that add up to x's rows.
+    As a tensor: counts read only on the device (forward_grouped); x may have rows past their sum,
+    whose output rows are unspecified (grouped_mm leaves them unwritten)."""
 
     impl = None  # what ran last: "grouped_mm" / "_grouped_mm", or "loop"
+    _gmm_failed = False  # grouped_mm raised once on this machine: the loop from then on
 
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *, config,
                  init_method=None, bias: bool = False, skip_bias_add: bool = False,
@@ -45,26 +75,58 @@ class GroupedMMLinear(torch.nn.Module):
         setattr(self.weight, "allreduce", False)  # expert parameter: not reduced over EP
         self.num_local_experts = num_local_experts
 
-    def forward(self, x: torch.Tensor, tokens_per_expert):
-        counts = [int(c) for c in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
-                                   else tokens_per_expert)]
+    def _grouped_mm(self, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor):
+        """grouped_mm's output, or None where it does not run (CPU, dtypes other than BF16, no rows, a
+        GPU without it: then it warns once and the loop takes over for good)."""
         gmm = torch_grouped_mm()
+        if not (x.is_cuda and gmm is not None and x.dtype == torch.bfloat16 and not GroupedMMLinear._gmm_failed):
+            return None
+        if x.shape[0] == 0:  # a rank that received nothing (exact rows): the loop's empty products
+            return None      # keep the weights in the graph, and grouped_mm need not take 0 rows
+        try:
+            out = gmm(x, w.transpose(1, 2), offs=ends)
+        except (RuntimeError, TypeError) as exc:
+            warnings.warn(f"GroupedMMLinear: grouped_mm failed ({exc}); using a per-expert loop")
+            GroupedMMLinear._gmm_failed = True
+            return None
+        GroupedMMLinear.impl = getattr(gmm, "__name__", "grouped_mm")
+        return out
+
+    def forward(self, x: torch.Tensor, tokens_per_expert):
+        if torch.is_tensor(tokens_per_expert):
+            return self.forward_grouped(x, group_ends(tokens_per_expert, x.device)), None
+        counts = [int(c) for c in tokens_per_expert]
         w = self.weight.to(x.dtype)
-        if x.is_cuda and gmm is not None and x.dtype == torch.bfloat16 and GroupedMMLinear.impl != "loop":
-            # grouped_mm wants int32 group ends (cumsum would promote to int64)
-            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            offs = offs.to(x.device, non_blocking=True)
-            try:
-                out = gmm(x, w.transpose(1, 2), offs=offs)
-                GroupedMMLinear.impl = getattr(gmm, "__name__", "grouped_mm")
+        if x.is_cuda:
+            # the counts are host values already: this copy waits for nothing
+            ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            out = self._grouped_mm(x, w, ends.to(x.device, non_blocking=True))
+            if out is not None:
                 return out, None
-            except (RuntimeError, TypeError) as exc:  # e.g. a GPU without grouped-GEMM support
-                warnings.warn(f"GroupedMMLinear: grouped_mm failed ({exc}); using a per-expert loop")
-                GroupedMMLinear.impl = "loop"
+        GroupedMMLinear.impl = "loop"
         # unbind, not w[g]: indexing would give every expert a full-size weight gradient
         outs = [xi @ wg.t() for wg, xi in zip(w.unbind(0), torch.split(x, counts))]
         out = torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
         return out, None
+
+    def forward_grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [N, in] with expert g's rows at [ends[g-1], ends[g]) (ends: [G] int32 on x's device) ->
+        [N, out]. Reads nothing on the host; output rows past ends[-1] are unspecified."""
+        w = self.weight.to(x.dtype)
+        out = self._grouped_mm(x, w, ends)
+        if out is not None:
+            return out
+        GroupedMMLinear.impl = "loop"
+        # Without host counts the rows cannot be split: each expert multiplies every row and keeps
+        # its own (G times the work; CPU and non-BF16 only). Rows of no expert are zeroed first so that
+        # garbage there (a worst-case dispatch leaves them unwritten) cannot reach a weight gradient.
+        rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
+        owner = torch.searchsorted(ends, rows, right=True).unsqueeze(-1)  # G past the last end
+        x = x.masked_fill(owner == ends.shape[0], 0)
+        out = x.new_zeros((x.shape[0], w.shape[1]))
+        for g, wg in enumerate(w.unbind(0)):
+            out = torch.where(owner == g, x @ wg.t(), out)
+        return out
 
     def backward_dw(self):
         return None
@@ -72,8 +134,135 @@ class GroupedMMLinear(torch.nn.Module):
 
 def grouped_mm_experts():
     """Experts builder for MoESubmodules(experts=...): megatron's TEGroupedMLP (which runs without
-    TransformerEngine on its non-fused path) with GroupedMMLinear for fc1/fc2."""
+    TransformerEngine on its non-fused path) with GroupedMMLinear for fc1/fc2. TEGroupedMLP reads
+    tokens_per_expert on the host (a sync per forward); EPGroupedMLP, with the same weights, does not."""
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
     return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=GroupedMMLinear,
                                                                    linear_fc2=GroupedMMLinear))
+
+
+@functools.lru_cache(maxsize=None)
+def _ep_grouped_mlp_class():
+    import torch.nn.functional as F
+    from megatron.core import tensor_parallel
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+    from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    def scaled(h, probs):
+        return (h * probs).to(h.dtype)
+
+    class EPGroupedMLP(TEGroupedMLP):
+        """megatron's TEGroupedMLP (same submodules, state dict and sharded state dict as
+        grouped_mm_experts(): fc1/fc2 are GroupedMMLinear, weights [G, out, in]) whose forward reads no
+        count on the host. Builder for MoESubmodules(experts=EPGroupedMLP).
+
+        forward(rows [N, H], tokens_per_expert [G] (a tensor, any device), probs [N]) -> (out [N, H], None):
+        expert g's rows are the g-th run of tokens_per_expert[g] rows from row 0; the rows after them
+        (a worst-case-sized dispatch: unwritten, maybe NaN) give zero output rows. Offsets are an int32
+        cumsum on the device; fc1 and fc2 run as torch grouped_mm on GPU (BF16), a per-expert loop
+        elsewhere. The math is TEGroupedMLP's non-fused forward: probs on the input
+        (moe_apply_probs_on_input, top-1) or after the activation (gated or not, clamp, GLU offset and
+        interleave, megatron's fused weighted SwiGLU / quick-GEGLU / squared ReLU where the config asks
+        for them), selective recompute of "moe_act".
+
+        Built inside MoELayer right after ep_plugin's dispatcher, it tells that dispatcher
+        (dispatcher.take_device_counts), which then hands it the device counts and worst-case rows of
+        comm.host_sync: false instead of host-sized input. With any other dispatcher it takes their
+        (exact-size) output as it is.
+        """
+
+        def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name=None):
+            # each of these needs host counts (quantization padding) or TransformerEngine's own ops
+            if config.fp8 or config.fp4:
+                raise ValueError("EPGroupedMLP does not run FP8/FP4 (TransformerEngine's padding reads host "
+                                 "counts): use megatron's TEGroupedMLP")
+            if config.use_transformer_engine_op_fuser:
+                raise ValueError("EPGroupedMLP has no fused TransformerEngine path "
+                                 "(use_transformer_engine_op_fuser): use megatron's TEGroupedMLP")
+            offloaded = set(getattr(config, "offload_modules", None) or ()) & {"expert_fc1", "moe_act",
+                                                                                "fused_group_mlp"}
+            if config.fine_grained_activation_offloading and offloaded:
+                raise ValueError(f"EPGroupedMLP does not offload activations ({sorted(offloaded)} in "
+                                 "offload_modules)")
+            if submodules is None:
+                submodules = GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            for lin in (self.linear_fc1, self.linear_fc2):
+                if not isinstance(lin, GroupedMMLinear):
+                    raise TypeError(f"EPGroupedMLP runs GroupedMMLinear fc1/fc2, got {type(lin).__name__}")
+            from .dispatcher import take_device_counts
+
+            self.fed_device_counts = take_device_counts(config, pg_collection) is not None
+
+        def _activation(self, h, probs):
+            cfg = self.config
+            interleave = cfg.moe_mlp_glu_interleave_size if cfg.gated_linear_unit else None
+            if cfg.use_te_activation_func:
+                if interleave is not None:
+                    h = self._remove_glu_interleaving(h, interleave)
+                return scaled(self.activation_func(h), probs)
+            if cfg.bias_activation_fusion and interleave is None:
+                if cfg.gated_linear_unit and self.activation_func is F.silu:
+                    return weighted_bias_swiglu_impl(h, None, probs, cfg.activation_func_fp8_input_store)
+                if cfg.gated_linear_unit and self.activation_func is quick_gelu:
+                    return weighted_bias_quick_geglu_impl(h, None, probs, cfg.activation_func_fp8_input_store,
+                                                          cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+                raise ValueError("bias_activation_fusion: only gated SiLU (SwiGLU) and quick-GELU fuse "
+                                 "(as in TEGroupedMLP)")
+            if self.activation_func is squared_relu and cfg.use_fused_weighted_squared_relu:
+                return weighted_squared_relu_impl(h, probs)
+            if not cfg.gated_linear_unit:
+                return scaled(self.activation_func(h), probs)
+            if interleave is not None:
+                h = self._remove_glu_interleaving(h, interleave)
+            gate, linear = torch.chunk(h, 2, dim=-1)
+            clamp = cfg.activation_func_clamp_value
+            if clamp is not None:
+                gate = gate.clamp(max=clamp)
+                linear = linear.clamp(min=-clamp, max=clamp)
+            return scaled(cfg.activation_func(gate) * (linear + cfg.glu_linear_offset), probs)
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                    output_buffer=None, grad_input_buffer=None):
+            if output_buffer is not None or grad_input_buffer is not None:
+                raise ValueError("EPGroupedMLP writes no zero-copy buffers")
+            x = permuted_local_hidden_states
+            if not torch.is_tensor(tokens_per_expert):
+                tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
+            ends = group_ends(tokens_per_expert, x.device)
+            probs = permuted_probs.unsqueeze(-1)
+            if self.config.moe_apply_probs_on_input:
+                if self.config.moe_router_topk != 1:
+                    raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1")
+                x = scaled(x, probs)
+                probs = torch.ones_like(probs)
+            h = self.linear_fc1.forward_grouped(x, ends)
+            if self.activation_recompute:
+                # fp8=None: no FP8 state to save (CheckpointWithoutOutput reads any other value,
+                # False included, as FP8 on, which needs TransformerEngine)
+                self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+                h = self.activation_checkpoint.checkpoint(self._activation, h, probs)
+            else:
+                h = self._activation(h, probs)
+            out = self.linear_fc2.forward_grouped(h, ends)
+            # grouped_mm leaves the rows past the last end unwritten (any bits, NaN included): zero
+            # them, before the recompute hook goes on the output that backward reaches first
+            out = out.masked_fill_(tail_rows(ends, out.shape[0]), 0)
+            if self.activation_recompute:
+                self.activation_checkpoint.discard_output_and_register_recompute(out)
+            return out, None
+
+    # pickled by name: experts.EPGroupedMLP (the module __getattr__ below) finds it again
+    EPGroupedMLP.__module__, EPGroupedMLP.__qualname__ = __name__, "EPGroupedMLP"
+    return EPGroupedMLP
+
+
+def __getattr__(name):
+    # EPGroupedMLP subclasses megatron's TEGroupedMLP: defined when first asked for
+    if name == "EPGroupedMLP":
+        return _ep_grouped_mlp_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
