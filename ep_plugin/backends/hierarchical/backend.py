@@ -40,6 +40,7 @@ class HierarchicalState(BackendState):
     order: Optional[torch.Tensor]     # one-rank node: slot of each received row
     to_contract: Optional[torch.Tensor]  # several ranks per node: contract position of each inner row
     rail: object = None               # the rail that moved the rows (one per row form)
+    slot_row: Optional[torch.Tensor] = None  # one-rank node: received row of each slot (combine gathers)
 
 
 def _in_rank(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
@@ -187,7 +188,8 @@ class HierarchicalBackend(Backend):
                 rows = order[:n]
             out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
             out_idx, out_w = LocalNode.gather(topk_f, rows), LocalNode.gather(wf, rows)
-            state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail)
+            state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail,
+                                      slot_row=LocalNode.slot_rows(order, rows.shape[0]))
         else:
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
@@ -237,8 +239,7 @@ class HierarchicalBackend(Backend):
         s = self._stream(async_op)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             if self.P == 1:
-                y_f = torch.empty((self.N * self.M, x.shape[1]), dtype=x.dtype, device=x.device)
-                y_f.index_copy_(0, st.order[:x.shape[0]], x)
+                y_f = LocalNode.to_slots(x, st.slot_row, self.N * self.M)
             else:
                 rows = x.index_select(0, st.to_contract)  # back to the inner order
                 y_f, ev = self.inner.combine(rows, st.inner)

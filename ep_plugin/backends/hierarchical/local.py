@@ -26,8 +26,16 @@ class LocalNode:
         return None if t is None else t.index_select(0, order)
 
     @staticmethod
-    def scatter(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """Rows in packed order back to their slots (slots no row came from are left undefined)."""
-        out = torch.empty_like(rows)
-        out.index_copy_(0, order, rows)
-        return out
+    def slot_rows(order: torch.Tensor, rows: int) -> torch.Tensor:
+        """[S] int64: the received row of each slot (the inverse of `order`), clamped to the `rows` rows
+        a dispatch returned; slots without a row point anywhere (combine sends them nowhere)."""
+        inv = torch.empty_like(order)
+        inv.scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return inv.clamp_(max=max(rows - 1, 0))
+
+    @staticmethod
+    def to_slots(rows: torch.Tensor, slot_row: torch.Tensor, slots: int) -> torch.Tensor:
+        """Combine's input back in slot order: a gather (a scatter is twice as slow on the GPU)."""
+        if rows.shape[0] == 0:
+            return rows.new_zeros((slots, rows.shape[1]))
+        return rows.index_select(0, slot_row)
