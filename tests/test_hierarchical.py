@@ -169,6 +169,7 @@ def body_nvshmem(rank, world):
                 seed += 1
                 check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")
         check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
+        check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "random", "cuda", fp8=True)
         if not host_sync:
             check_graph(buf, rank, world)
         buf.close()

@@ -8,9 +8,18 @@ receive hold garbage, which no rank may read.
 
 Between virtual nodes nvshmem_ptr maps the peer, so the kernels store over P2P; `force_puts` engines
 take the RDMA path instead (staging copies and NVSHMEM puts, here over the P2P transport).
+
+A failure on one rank must not leave the other waiting (an NCCL collective the peer never joins
+waits for NCCL's 10-minute watchdog). So every rail call is followed by a sync and eng.check() before
+any NCCL collective (TorchRail, the brute force): a rank whose peer left sees EPTimeoutError after
+COMM_TIMEOUT_S. What a rank finds (check() errors, comparisons) is collected, then exchanged over a
+gloo group with a timeout (_agree) and raised on every rank with every rank's messages. The ranks run
+in spawn's abandon mode: a failed rank exits at once, without the collective teardown (NCCL, NVSHMEM
+finalize) that its peer would never join.
 """
 import os
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +35,9 @@ WORLD = 2
 P = 1                # ranks per node: each GPU is a node
 GARBAGE = 1.0e4      # y_f rows at slots a forwarder did not receive
 HEAP = str(1 << 30)  # NVSHMEM_SYMMETRIC_SIZE: room for the largest engine of a body (they are freed in turn)
+COMM_TIMEOUT_S = 10.0  # the test engines' comm.timeout_s: a rank whose peer failed raises EPTimeoutError after it
+AGREE_TIMEOUT_S = 120  # the gloo group of _agree: a peer that left (or hangs) fails the exchange
+_gloo = {}
 
 
 def _need_nvshmem():
@@ -36,20 +48,22 @@ def _need_nvshmem():
         pytest.skip("ep_plugin._C is built without NVSHMEM")
 
 
-def _run(body, tmp_path, timeout, abandon=False):
-    # EP_RAIL_TEST_TIMEOUT: a shorter bound, so a rank's assertion is reported before an outer limit kills all
+def _run(body, tmp_path, timeout):
+    # EP_RAIL_TEST_TIMEOUT: a shorter bound, so a rank's assertion is reported before an outer limit kills all.
+    # abandon: a rank that raised exits at once (no destroy_process_group / NVSHMEM finalize, which wait for
+    # the peer), and the peer's rail wait times out after COMM_TIMEOUT_S, so both tracebacks come back
     timeout = min(timeout, float(os.environ.get("EP_RAIL_TEST_TIMEOUT", timeout)))
-    spawn(body, WORLD, str(tmp_path), backend="nccl", timeout=timeout, abandon=abandon)
+    spawn(body, WORLD, str(tmp_path), backend="nccl", timeout=timeout, abandon=True)
     results = read_rank_results(str(tmp_path), WORLD)
     assert all(r.get("ok") for r in results), results
 
 
-def _cfg(K, timeout_s=20.0, num_sms=24):
+def _cfg(K, timeout_s=COMM_TIMEOUT_S, num_sms=24):
     return SimpleNamespace(comm=SimpleNamespace(timeout_s=timeout_s, num_sms=num_sms, rdma=None),
                            moe=SimpleNamespace(topk=K))
 
 
-def _engines(hidden, E, M, K, fp8, force_puts=False, timeout_s=20.0):
+def _engines(hidden, E, M, K, fp8, force_puts=False, timeout_s=COMM_TIMEOUT_S):
     from ep_plugin.backends.nvshmem.rail import NvshmemRail
     from ep_plugin.backends.torch_ref.rail import TorchRail
     group = dist.group.WORLD
@@ -182,33 +196,92 @@ def _clone(views):
     return tuple(None if v is None else v.clone() for v in views)
 
 
+def _setup():
+    """Every body starts here (collective): the gloo group _agree exchanges results over."""
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", HEAP)
+    _gloo["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+
+
+class _Soft:
+    """A rank's failures, collected so that every rank still reaches the case's collectives; _agree
+    raises them on every rank at once."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.errors = []
+
+    def __call__(self, fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported by _agree with the other ranks'
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def expect(self, cond, msg):
+        if not cond:
+            self.errors.append(f"AssertionError: {msg}")
+
+
+def _agree(soft):
+    """Collective over the gloo group (bounded by AGREE_TIMEOUT_S, fails at once if a peer left): raise
+    on every rank if any rank recorded a failure, with all ranks' messages."""
+    every = [None] * WORLD
+    try:
+        dist.all_gather_object(every, soft.errors, group=_gloo["group"])
+    except Exception as e:  # noqa: BLE001 - a peer left (its own traceback is reported) or hangs
+        raise AssertionError(f"{soft.ctx}: the exchange with the other ranks failed ({type(e).__name__}: {e}); "
+                             f"this rank: {' | '.join(soft.errors) or 'ok'}") from e
+    failed = {r: e for r, e in enumerate(every) if e}
+    if failed:
+        raise AssertionError(f"{soft.ctx}: " + "; ".join(f"rank {r}: {' | '.join(e)}" for r, e in failed.items()))
+
+
+def _rail_done(eng, ctx, bad=False):
+    """Waits for the rail calls just issued and checks what they recorded, on every rank together, before
+    any NCCL collective: a peer that failed (and left) shows here as EPTimeoutError after COMM_TIMEOUT_S.
+    bad: this rank's ids had values outside [-1, E), which check() must report once as ValueError."""
+    torch.cuda.synchronize()
+    soft = _Soft(f"{ctx} (rail check)")
+    if bad:
+        try:
+            eng.check()
+            soft.errors.append("check() did not raise ValueError for ids outside [-1, E)")
+        except ValueError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            soft.errors.append(f"{type(e).__name__}: {e}")
+    soft(eng.check)
+    _agree(soft)
+
+
 def check_case(eng, ref, rank, M, hidden, E, K, fp8, tokens, mode, seed, weights=True):
     """One dispatch + combine on both engines and the brute force."""
     ctx = (f"rank {rank} H {hidden} fp8 {fp8} M {M} E {E} K {K} tokens {tokens} mode {mode} seed {seed} "
            f"weights {weights} puts {not eng._rt.all_p2p}")
+    soft = _Soft(ctx)
     T = tokens[rank]
     x, scales, idx, w = _inputs(rank, T, hidden, E, K, fp8, seed, mode, weights)
+    bad = mode == "bad" and T >= 2
     got = _clone(eng.dispatch(x, scales, idx, w))
+    _rail_done(eng, f"{ctx} dispatch", bad)
     want = ref.dispatch(x, scales, idx, w)
     torch.cuda.synchronize()
-    if mode == "bad" and T >= 2:
-        with pytest.raises(ValueError):
-            eng.check()
-        with pytest.raises(ValueError):
-            ref.check()
-    eng.check()
-    assert got[0].shape == (2 * M, hidden) and got[2].shape == (2 * M, K), ctx
-    _same_dispatch(got, want, f"{ctx} vs TorchRail")
-    _same_dispatch(got, _expected_dispatch(rank, M, E, K, x, scales, idx, w), f"{ctx} vs brute force")
+    soft.expect(ref.take_bad_expert_ids() == bad, "TorchRail's bad-id flag")
+    soft.expect(got[0].shape == (2 * M, hidden) and got[2].shape == (2 * M, K),
+                f"shapes {[None if g is None else tuple(g.shape) for g in got]}")
+    soft(_same_dispatch, got, want, "vs TorchRail")
+    soft(_same_dispatch, got, _expected_dispatch(rank, M, E, K, x, scales, idx, w), "vs brute force")
+    _agree(soft)  # dispatch's findings on every rank, before combine builds on them
     slot_valid = (got[2] >= 0).any(1)
     y_f = _forwarder_rows(rank, seed, WORLD // P * M, hidden, slot_valid)
     y = eng.combine(y_f, slot_valid, idx, T)
+    _rail_done(eng, f"{ctx} combine")
     y_ref = ref.combine(y_f, slot_valid, idx, T)
+    y_bf = _expected_combine(rank, M, E, y_f, idx)
     torch.cuda.synchronize()
-    eng.check()
-    assert y.shape == (T, hidden) and y.dtype == torch.bfloat16, ctx
-    assert torch.equal(y, y_ref), f"{ctx}: combine differs from TorchRail"
-    assert torch.equal(y, _expected_combine(rank, M, E, y_f, idx)), f"{ctx}: combine differs from brute force"
+    soft.expect(y.shape == (T, hidden) and y.dtype == torch.bfloat16, f"combine gave {y.dtype} {list(y.shape)}")
+    soft.expect(torch.equal(y, y_ref), "combine differs from TorchRail")
+    soft.expect(torch.equal(y, y_bf), "combine differs from brute force")
+    _agree(soft)
 
 
 # ------------------------------------------------------------------------------------ bodies
@@ -221,7 +294,7 @@ def _tokens(kind, M):
 
 
 def body_matches_reference(rank, world, out_dir):
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", HEAP)
+    _setup()
     seed = 0
     # (hidden, fp8, M, E, K): the headline size, FP8 rows, a width not a multiple of 128, FP8 at 7168+128
     for hidden, fp8, M, E, K in ((7168, False, 4096, 256, 8), (7168, True, 1024, 64, 8),
@@ -238,10 +311,6 @@ def body_matches_reference(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-@pytest.mark.skip(reason="hangs on 2x H200 (2026-11-23): a rank stops in a case of this module while the other waits "
-                         "out comm.timeout_s; which case and why is not found yet. The rail itself runs in "
-                         "tests/test_hierarchical.py's GPU tests (against the reference: random, skew, nowhere, "
-                         "zero-token ranks, FP8, graph, timeout), which pass")
 def test_nvshmem_rail_matches_reference(tmp_path):
     _need_nvshmem()
     _run(body_matches_reference, tmp_path, timeout=580)
@@ -255,17 +324,22 @@ def _interleaved(eng, ref, rank, M, hidden, E, K, fp8, seed):
         tokens = [M, M // 2] if j == 0 else [M // 3, M]
         x, scales, idx, w = _inputs(rank, tokens[rank], hidden, E, K, fp8, seed + j, "random")
         calls.append((x, scales, idx, w, eng.dispatch(x, scales, idx, w)))
+    ctx = f"interleaved rank {rank} H {hidden} fp8 {fp8} seed {seed} puts {not eng._rt.all_p2p}"
+    _rail_done(eng, f"{ctx} dispatch")
+    soft = _Soft(ctx)
     ys = []
     for j, (x, scales, idx, w, got) in enumerate(calls):
         want = ref.dispatch(x, scales, idx, w)
         torch.cuda.synchronize()
-        _same_dispatch(got, want, f"interleaved call {j} rank {rank} seed {seed}")
+        soft(_same_dispatch, got, want, f"call {j}")
         slot_valid = (got[2] >= 0).any(1)
         ys.append((idx, slot_valid, _forwarder_rows(rank, seed + j, 2 * M, hidden, slot_valid)))
+    _agree(soft)
     outs = [eng.combine(y_f, sv, idx, idx.shape[0]) for idx, sv, y_f in ys]
+    _rail_done(eng, f"{ctx} combine")
     for j, ((idx, sv, y_f), y) in enumerate(zip(ys, outs)):
-        assert torch.equal(y, ref.combine(y_f, sv, idx, idx.shape[0])), f"interleaved combine {j} rank {rank}"
-    eng.check()
+        soft.expect(torch.equal(y, ref.combine(y_f, sv, idx, idx.shape[0])), f"combine {j}")
+    _agree(soft)
 
 
 def _graph(eng, ref, rank, M, hidden, E, K):
@@ -285,6 +359,7 @@ def _graph(eng, ref, rank, M, hidden, E, K):
     with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream().wait_stream(side)
+    _rail_done(eng, f"graph warm-up rank {rank}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         xf, tf, wf, sv, y = step()
@@ -295,17 +370,19 @@ def _graph(eng, ref, rank, M, hidden, E, K):
         sw.copy_(w)
         sy.copy_(_forwarder_rows(rank, 500 + r, 2 * M, hidden, torch.ones(2 * M, dtype=torch.bool, device="cuda")))
         graph.replay()
-        torch.cuda.synchronize()
         ctx = f"graph replay {r} rank {rank}"
+        _rail_done(eng, ctx)
+        soft = _Soft(ctx)
         want = ref.dispatch(x, None, idx, w)
-        _same_dispatch((xf, None, tf, wf), want, ctx)
-        assert torch.equal(y, ref.combine(sy, sv, idx, M)), ctx
+        torch.cuda.synchronize()
+        soft(_same_dispatch, (xf, None, tf, wf), want, "dispatch")
+        soft.expect(torch.equal(y, ref.combine(sy, sv, idx, M)), "combine differs from TorchRail")
+        _agree(soft)
     del graph
-    eng.check()
 
 
 def body_order_graph_puts(rank, world, out_dir):
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", HEAP)
+    _setup()
     hidden, E, M, K = 7168, 64, 512, 8
     eng, ref = _engines(hidden, E, M, K, False)
     for it in range(3):  # six dispatches: the parities wrap
@@ -323,10 +400,6 @@ def body_order_graph_puts(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-@pytest.mark.skip(reason="hangs on 2x H200 (2026-11-23): a rank stops in a case of this module while the other waits "
-                         "out comm.timeout_s; which case and why is not found yet. The rail itself runs in "
-                         "tests/test_hierarchical.py's GPU tests (against the reference: random, skew, nowhere, "
-                         "zero-token ranks, FP8, graph, timeout), which pass")
 def test_nvshmem_rail_order_graph_and_puts(tmp_path):
     _need_nvshmem()
     _run(body_order_graph_puts, tmp_path, timeout=580)
@@ -340,7 +413,7 @@ def body_timeout(rank, world, out_dir):
     Then rank 0 leaves rank 1 out (set_mask) and goes on alone: node 1's slots are routed nowhere, and
     combine sums node 0's rows only. Neither rank closes the engine (spawn's abandon mode): NVSHMEM's
     collective free would pair a faulted rank with a healthy one."""
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", HEAP)
+    _setup()
     hidden, E, M, K = 7168, 16, 256, 4
     eng, ref = _engines(hidden, E, M, K, False, timeout_s=TIMEOUT_S)
     check_case(eng, ref, rank, M, hidden, E, K, False, [M, M], "random", 1)  # a healthy round
@@ -378,4 +451,4 @@ def body_timeout(rank, world, out_dir):
 
 def test_timeout_names_the_rank_that_skipped(tmp_path):
     _need_nvshmem()
-    _run(body_timeout, tmp_path, timeout=180, abandon=True)
+    _run(body_timeout, tmp_path, timeout=180)

@@ -189,8 +189,10 @@ void Runtime::dispatch(uintptr_t x, uintptr_t scales, uintptr_t topk_idx, uintpt
                        uintptr_t stream) {
   check_call(T, K, phases, "dispatch");
   if (phases & kSend) {
-    EP_CHECK_ARG((scales != 0) == fp8_, "rail dispatch: this buffer moves %s rows, %s", fp8_ ? "FP8" : "BF16",
-                 fp8_ ? "scales are required" : "scales must be absent");
+    // T == 0: torch gives an empty tensor a null data pointer, so an FP8 rank without tokens passes
+    // scales 0; it must still send its count and signals, or its rail peers wait out timeout_s
+    EP_CHECK_ARG(T == 0 || (scales != 0) == fp8_, "rail dispatch: this buffer moves %s rows, %s",
+                 fp8_ ? "FP8" : "BF16", fp8_ ? "scales are required" : "scales must be absent");
     EP_CHECK_ARG(T == 0 || (x != 0 && topk_idx != 0), "rail dispatch: x and topk_idx are required for %d tokens", T);
   }
   const Ctx& c = *static_cast<Ctx*>(ctx_);
