@@ -33,17 +33,21 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import get_c
-from ...errors import BackendUnavailableError, EPTimeoutError
+from ...errors import BackendUnavailableError
 from ...types import FP8_BLOCK, LowLatencyHandle
 from . import runtime
+from .faults import ReportsFaults
 from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream
 
 SEND_RECV = SEND | RECV
 MAX_RANKS = 64
 
 
-class NvshmemLowLatency:
+class NvshmemLowLatency(ReportsFaults):
     name = "nvshmem"
+    what = "low-latency"
+    kernels = {10: "low-latency dispatch", 11: "low-latency combine"}
+    mask_hint = "EPBuffer.set_low_latency_mask(ranks)"
     checks_expert_ids = True  # the send half flags ids outside [-1, E); check() raises them
 
     @staticmethod
@@ -200,35 +204,3 @@ class NvshmemLowLatency:
         self._rt.set_mask(list(ranks))
         self._reported = False
 
-    def check(self) -> None:
-        rt = self._rt
-        if rt is None:
-            return
-        if rt.take_bad_expert_ids():
-            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated as "
-                             "routed nowhere by a low-latency dispatch")
-        if self._reported or not rt.error():
-            return
-        self._reported = True
-        runtime.mark_fault()
-        missing = tuple(self._rt.missing_ranks())
-        where = {10: "low-latency dispatch", 11: "low-latency combine"}.get(self._rt.error_kernel(), "?")
-        raise EPTimeoutError(
-            f"nvshmem low-latency: rank(s) {list(missing)} did not arrive within comm.timeout_s={self.timeout_s}s "
-            f"({where}); their rows are missing from that call. Leave them out with "
-            "EPBuffer.set_low_latency_mask(ranks) to go on without them", missing)
-
-    def close(self) -> None:
-        if self._rt is None:
-            return
-        rt, self._rt = self._rt, None
-        torch.cuda.synchronize(self.device)
-        # nvshmem_free is collective: after a fault a peer may never join it
-        rt.destroy(collective=not runtime.faulted() and not rt.error())
-
-    def __del__(self):
-        if getattr(self, "_rt", None) is not None:
-            try:
-                self._rt.destroy(collective=False)
-            except Exception:  # noqa: BLE001 - interpreter teardown
-                pass

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import get_c
-from ...errors import BackendUnavailableError, EPTimeoutError
+from ...errors import BackendUnavailableError
 from ...types import FP8_BLOCK
 from . import runtime
+from .faults import ReportsFaults
 from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream, ptr as _ptr
 
 MAX_NODES = 128   # rail_device.cuh kMaxNodes
@@ -53,8 +54,11 @@ def _device_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(_CudaBytes(ptr, nbytes), device=device)
 
 
-class NvshmemRail:
+class NvshmemRail(ReportsFaults):
     name = "nvshmem"
+    what = "rail"
+    kernels = {20: "rail dispatch", 21: "rail combine"}
+    mask_hint = "set_mask(ranks)"
 
     @staticmethod
     def check_available(group, hidden: int) -> None:
@@ -191,35 +195,5 @@ class NvshmemRail:
         self._rt.set_mask(list(ranks))
         self._reported = False
 
-    def check(self) -> None:
-        if self._rt is None:
-            return
-        if self._rt.take_bad_expert_ids():
-            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}); ids outside were treated as "
-                             "routed nowhere by a rail dispatch")
-        if self._reported or not self._rt.error():
-            return
-        self._reported = True
-        runtime.mark_fault()
-        missing = tuple(self._rt.missing_ranks())
-        where = {20: "rail dispatch", 21: "rail combine"}.get(self._rt.error_kernel(), "?")
-        raise EPTimeoutError(
-            f"nvshmem rail: rank(s) {list(missing)} did not arrive within comm.timeout_s={self.timeout_s}s "
-            f"({where}); their rows are missing from that call. Leave them out with set_mask(ranks) to go on "
-            "without them", missing)
-
-    def close(self) -> None:
-        if self._rt is None:
-            return
-        rt, self._rt = self._rt, None
-        self._views = None  # views of the heap: freed below
-        torch.cuda.synchronize(self.device)
-        # nvshmem_free is collective: after a fault a peer may never join it
-        rt.destroy(collective=not runtime.faulted() and not rt.error())
-
-    def __del__(self):
-        if getattr(self, "_rt", None) is not None:
-            try:
-                self._rt.destroy(collective=False)
-            except Exception:  # noqa: BLE001 - interpreter teardown
-                pass
+    def _release(self) -> None:
+        self._views = None  # views of the heap: freed with it
