@@ -77,6 +77,34 @@ def check_against_reference(buf, rank, world, hidden, tokens, seed, mode, device
     return res
 
 
+def node_limited_inputs(world, P, tokens, hidden, seed):
+    """Every rank's inputs with DeepSeek-V3 node-limited gating: num_groups = nodes, group_topk 1 (each
+    token's experts on one node), as make_inputs returns them."""
+    from ep_plugin.routing import group_limited_topk
+
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for _ in range(world):
+        xs.append(torch.randn(tokens, hidden, generator=g).to(torch.bfloat16))
+        idxs.append(group_limited_topk(torch.rand(tokens, E, generator=g), K, world // P, 1)[1].long().contiguous())
+        ws.append(torch.rand(tokens, K, generator=g))
+    return xs, idxs, ws
+
+
+def check_node_limited(buf, rank, world, P, device):
+    xs, idxs, ws = node_limited_inputs(world, P, 20, buf.hidden, 99)
+    rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
+    res = buf.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device))
+    n = rx.shape[0]
+    assert torch.equal(res.x[:n].cpu(), rx) and torch.equal(res.topk_idx[:n].cpu(), ridx)
+    assert list(res.tokens_per_expert) == tpe
+    rows = (res.x.float() * (rank + 1)).to(torch.bfloat16)
+    y = buf.combine(rows, res.handle)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows[:n].cpu())
+    torch.testing.assert_close(y.float().cpu(), reference_combine(everyone, idxs, rank, E), atol=3e-2, rtol=1e-2)
+
+
 def body_torch_parts(rank, world, P):
     torch.manual_seed(0)
     seed = 10
@@ -90,6 +118,7 @@ def body_torch_parts(rank, world, P):
                     check_against_reference(buf, rank, world, hidden, tokens, seed, mode, "cpu")
             buf.close()
     buf = hierarchical_buffer(256, P, max_tokens=40)
+    check_node_limited(buf, rank, world, P, "cpu")
     check_against_reference(buf, rank, world, 256, 29, 3, "random", "cpu", fp8=True)
     # async calls return events; outputs equal the synchronous ones
     xs, idxs, ws = make_inputs(world, 21, 256, E, K, 4, torch.bfloat16)
@@ -113,6 +142,20 @@ def body_torch_parts(rank, world, P):
 @pytest.mark.parametrize("world,P", [(2, 1), (4, 2), (4, 1), (6, 3), (6, 2)])
 def test_torch_parts_match_reference(world, P):
     spawn(body_torch_parts, world, P, timeout=600)
+
+
+def body_world8(rank, world, P):
+    """The forwarding schedule at 8 ranks (fewer cases: 8 processes share the CI machine's 2 cores)."""
+    buf = hierarchical_buffer(256, P, max_tokens=24)
+    for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [5] * 7), ("starve_last", 11))):
+        check_against_reference(buf, rank, world, 256, tokens, 200 + seed, mode, "cpu")
+    check_node_limited(buf, rank, world, P, "cpu")
+    buf.close()
+
+
+@pytest.mark.parametrize("P", [4, 2])
+def test_torch_parts_at_eight_ranks(P):
+    spawn(body_world8, 8, P, timeout=600)
 
 
 def test_contract_positions_reorders_forwarder_blocks():
@@ -170,6 +213,7 @@ def body_nvshmem(rank, world):
                 check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")
         check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
         check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "random", "cuda", fp8=True)
+        check_node_limited(buf, rank, world, 1, "cuda")
         if not host_sync:
             check_graph(buf, rank, world)
         buf.close()
