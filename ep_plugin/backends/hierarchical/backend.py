@@ -180,7 +180,7 @@ class HierarchicalBackend(Backend):
         is_in = _in_rank(topk_idx, self.num_experts, self.world)
         recv_counts = self._recv_counts(is_in, slot_valid)
         if self.P == 1:
-            order, num_recv, tpe = self.local.order(topk_f)
+            order, place, num_recv, tpe = self.local.order(topk_f)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
             if exact:
@@ -189,7 +189,7 @@ class HierarchicalBackend(Backend):
             out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
             out_idx, out_w = LocalNode.gather(topk_f, rows), LocalNode.gather(wf, rows)
             state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail,
-                                      slot_row=LocalNode.slot_rows(order, rows.shape[0]))
+                                      slot_row=LocalNode.slot_rows(place, rows.shape[0]))
         else:
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:

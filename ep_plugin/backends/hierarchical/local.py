@@ -2,7 +2,8 @@
 contract's packing (valid rows first, in slot order) of the rail's slots, with no host sync.
 
 The slots already come in the contract's order (by source node = source rank, then position), so a
-stable sort on "not valid" is all it takes; combine puts each row back in its slot.
+stable compaction (a prefix sum of the valid flags) is all it takes; combine gathers each slot's row
+back.
 """
 from __future__ import annotations
 
@@ -14,24 +15,28 @@ class LocalNode:
         self.local_experts = local_experts
 
     def order(self, topk_f: torch.Tensor):
-        """(order [S] int64: slots, valid ones first; num_recv [] int64; tokens_per_expert [E_l] int64)."""
+        """(order [S]: the slots, valid ones first, each group in slot order; place [S]: each slot's
+        position in `order` (its inverse); num_recv [] int64; tokens_per_expert [E_l] int64)."""
         valid = (topk_f >= 0).any(1)
-        order = torch.sort((~valid).to(torch.int8), stable=True).indices
+        v = valid.long()
+        before = v.cumsum(0) - v  # valid slots ahead of each slot
+        num = v.sum()
+        slot = torch.arange(v.numel(), device=v.device)
+        place = torch.where(valid, before, num + slot - before)  # invalid ones after all valid ones
+        order = torch.empty_like(place).scatter_(0, place, slot)
         per_expert = torch.zeros(self.local_experts + 1, dtype=torch.int64, device=topk_f.device)
         per_expert.scatter_add_(0, (topk_f + 1).clamp_(min=0).view(-1), torch.ones_like(topk_f).view(-1))
-        return order, valid.sum(), per_expert[1:]
+        return order, place, num, per_expert[1:]
 
     @staticmethod
     def gather(t, order):
         return None if t is None else t.index_select(0, order)
 
     @staticmethod
-    def slot_rows(order: torch.Tensor, rows: int) -> torch.Tensor:
-        """[S] int64: the received row of each slot (the inverse of `order`), clamped to the `rows` rows
-        a dispatch returned; slots without a row point anywhere (combine sends them nowhere)."""
-        inv = torch.empty_like(order)
-        inv.scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return inv.clamp_(max=max(rows - 1, 0))
+    def slot_rows(place: torch.Tensor, rows: int) -> torch.Tensor:
+        """[S] int64: the received row of each slot, clamped to the `rows` rows a dispatch returned;
+        slots without a row point anywhere (combine sends them nowhere)."""
+        return place.clamp(max=max(rows - 1, 0))
 
     @staticmethod
     def to_slots(rows: torch.Tensor, slot_row: torch.Tensor, slots: int) -> torch.Tensor:
