@@ -338,14 +338,17 @@ class EPBuffer:
         A rank-major x may also be cut to the valid rows of a worst-case-sized dispatch (at least
         sum(handle.recv_counts): that host count is read, waiting for its pinned copy only)."""
         self._raise_pending()
-        need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
-        need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
-        need(x.dtype in self._caps.combine_dtypes, TypeError,
-              f"the {self._backend.name} backend combines rows of {_names(self._caps.combine_dtypes)}, got {x.dtype}: "
-              "cast the expert output, or use comm.backend: torch")
-        need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
-              f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
-        need(x.is_contiguous(), ValueError, "x must be contiguous")
+        form = ("combine", call_form(x)) if isinstance(x, torch.Tensor) else None
+        if form not in self._checked_forms:
+            need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+            need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
+            need(x.dtype in self._caps.combine_dtypes, TypeError,
+                  f"the {self._backend.name} backend combines rows of {_names(self._caps.combine_dtypes)}, got "
+                  f"{x.dtype}: cast the expert output, or use comm.backend: torch")
+            need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
+                  f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
+            need(x.is_contiguous(), ValueError, "x must be contiguous")
+            self._remember_form(form)
         expert = handle.expert is not None if isinstance(handle, Handle) else False
         self._check_handle(handle)
         if not expert and x.shape[0] != handle.num_recv:
