@@ -18,6 +18,7 @@
 
 #include "common/ptx.cuh"
 #include "common/wait.cuh"
+#include "nvshmem/host_report.h"
 #include "nvshmem/shmem_device.cuh"
 
 namespace ep {
@@ -33,12 +34,7 @@ constexpr int kKernelDispatch = 10, kKernelCombine = 11;
 enum StateIndex { kDispSendEpoch = 0, kDispRecvEpoch, kCombSendEpoch, kCombRecvEpoch,
                   kTicketDispSend, kTicketDispRecv, kTicketCombSend, kTicketCombRecv, kMask };
 
-struct HostInfo {  // host-mapped: what a wait that timed out reports, and expert ids out of range
-  int err;
-  int err_kernel;
-  int missing[kMaxRanks];
-  int bad_ids;  // a send half saw topk_idx outside [-1, E) (treated as routed nowhere)
-};
+struct HostInfo : HostReport<kMaxRanks> {};  // host-mapped: what a wait that timed out reports, and expert ids out of range
 
 struct Ctx {
   int rank, world, num_experts, local_experts, max_tokens, max_topk, hidden;

@@ -94,9 +94,7 @@ Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_t
   EP_CUDA_CHECK(cudaMemset(heap_, 0, bytes_));
   EP_CUDA_CHECK(cudaMalloc(&local_, sizeof(int) * (kMask + world + 1)));
   EP_CUDA_CHECK(cudaMemset(local_, 0, sizeof(int) * (kMask + world + 1)));
-  EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(HostInfo), cudaHostAllocMapped));
-  std::memset(host_, 0, sizeof(HostInfo));
-  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+  host_report::allocate(host_, host_dev_);
   EP_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();  // nobody writes a peer's slots before that peer has zeroed them
 
@@ -203,21 +201,12 @@ void Runtime::set_mask(const std::vector<int>& left_out) {
     EP_CHECK_ARG(r >= 0 && r < world_, "low-latency mask: rank %d outside [0, %d)", r, world_);
     mask[r] = 1;
   }
-  EP_CUDA_CHECK(cudaDeviceSynchronize());
-  EP_CUDA_CHECK(cudaMemcpy(local_ + kMask, mask.data(), sizeof(int) * mask.size(), cudaMemcpyHostToDevice));
-  std::memset(host_, 0, sizeof(HostInfo));
+  host_report::set_mask(local_ + kMask, mask, host_);
 }
 
-int Runtime::error() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err : 0; }
-int Runtime::error_kernel() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err_kernel : 0; }
-
-int Runtime::take_bad_expert_ids() {
-  if (host_ == nullptr) return 0;
-  volatile HostInfo* h = host_;
-  const int bad = h->bad_ids;
-  if (bad) h->bad_ids = 0;
-  return bad;
-}
+int Runtime::error() const { return host_report::error(host_); }
+int Runtime::error_kernel() const { return host_report::error_kernel(host_); }
+int Runtime::take_bad_expert_ids() { return host_report::take_bad_ids(host_); }
 
 std::vector<int> Runtime::missing_ranks() const {
   std::vector<int> out;

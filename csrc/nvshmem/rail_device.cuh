@@ -21,6 +21,7 @@
 
 #include "common/ptx.cuh"
 #include "common/wait.cuh"
+#include "nvshmem/host_report.h"
 #include "nvshmem/shmem_device.cuh"
 
 namespace ep {
@@ -37,12 +38,7 @@ constexpr int kKernelDispatch = 20, kKernelCombine = 21;
 enum StateIndex { kDispSendEpoch = 0, kDispRecvEpoch, kCombSendEpoch, kCombRecvEpoch,
                   kTicketDispSend, kTicketDispRecv, kTicketCombSend, kTicketCombRecv, kMask };
 
-struct HostInfo {  // host-mapped: what a wait that timed out reports (by node), and bad expert ids
-  int err;
-  int err_kernel;
-  int missing[kMaxNodes];
-  int bad_ids;  // a send half saw topk_idx outside [-1, E) (treated as routed nowhere)
-};
+struct HostInfo : HostReport<kMaxNodes> {};  // host-mapped: what a wait that timed out reports (by node), and bad expert ids
 
 struct Ctx {
   int rank, ranks_per_node, local, node, nodes;

@@ -138,9 +138,7 @@ Runtime::Runtime(int rank, int world, int ranks_per_node, int num_experts, int m
   const size_t state_ints = kMask + nodes_ + 1;  // + the abort word, after the mask
   EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(int) * state_ints));
   EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(int) * state_ints));
-  EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(HostInfo), cudaHostAllocMapped));
-  std::memset(host_, 0, sizeof(HostInfo));
-  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+  host_report::allocate(host_, host_dev_);
   EP_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();  // nobody writes a peer's slots before that peer has zeroed them
 
@@ -242,21 +240,12 @@ void Runtime::set_mask(const std::vector<int>& left_out) {
     EP_CHECK_ARG(r >= 0 && r < world_, "rail mask: rank %d outside [0, %d)", r, world_);
     if (r % ranks_per_node_ == local_) mask[r / ranks_per_node_] = 1;  // other ranks are no rail peers of ours
   }
-  EP_CUDA_CHECK(cudaDeviceSynchronize());
-  EP_CUDA_CHECK(cudaMemcpy(state_ + kMask, mask.data(), sizeof(int) * mask.size(), cudaMemcpyHostToDevice));
-  std::memset(host_, 0, sizeof(HostInfo));
+  host_report::set_mask(state_ + kMask, mask, host_);
 }
 
-int Runtime::error() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err : 0; }
-int Runtime::error_kernel() const { return host_ ? static_cast<volatile HostInfo*>(host_)->err_kernel : 0; }
-
-int Runtime::take_bad_expert_ids() {
-  if (host_ == nullptr) return 0;
-  volatile HostInfo* h = host_;
-  const int bad = h->bad_ids;
-  if (bad) h->bad_ids = 0;
-  return bad;
-}
+int Runtime::error() const { return host_report::error(host_); }
+int Runtime::error_kernel() const { return host_report::error_kernel(host_); }
+int Runtime::take_bad_expert_ids() { return host_report::take_bad_ids(host_); }
 
 std::vector<int> Runtime::missing_ranks() const {
   std::vector<int> out;
