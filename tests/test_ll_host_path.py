@@ -17,17 +17,8 @@ from ep_plugin.backends.nvshmem.low_latency import RECV, SEND, SEND_RECV
 E_L, M, H, K = 4, 8, 256, 3
 
 
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.fixture
-def calls(group):
+def calls(solo):
     """The fake runtime's launches: ("dispatch" | "combine", phases, pointer and size arguments)."""
     log = []
     with bench.fake_gpu("cpu", log):
@@ -216,7 +207,7 @@ def test_deep_ep_checks_each_form_once(calls, monkeypatch):
     dbuf.destroy()
 
 
-def test_bench_runs(group, capsys):
+def test_bench_runs(solo, capsys):
     bench.main(["-n", "20", "--repeats", "1", "--output-buffers", "2"])
     out = capsys.readouterr().out
     assert "HOST OVERHEAD ONLY" in out and out.count(" fp8 ") == 3 and out.count(" bf16 ") == 3

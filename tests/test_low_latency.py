@@ -272,16 +272,6 @@ H = 256
 E = 4
 
 
-@pytest.fixture(scope="module")
-def solo():
-    """A one-rank gloo group in this process (the checks never reach a collective)."""
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def buf(solo):
     b = make_buffer(1, E, H)

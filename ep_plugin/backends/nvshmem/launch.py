@@ -6,6 +6,9 @@ from typing import Optional
 
 import torch
 
+from ..._ext import get_c
+from ...errors import BackendUnavailableError
+
 SEND, RECV = 1, 2  # phases of one launch (csrc/nvshmem/*: kSend, kRecv)
 MIN_TOPK_CAPACITY = 16  # top-k slots per token the buffers hold: the config's topk or this, if larger
 
@@ -25,3 +28,14 @@ def current_stream() -> int:
 
 def ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def require_kernels(what: str, hidden: int) -> None:
+    """BackendUnavailableError unless ep_plugin._C has the NVSHMEM kernels and CUDA GPUs are here;
+    ValueError for rows the kernels cannot move (they copy 16 bytes at a time)."""
+    if not getattr(get_c(), "HAS_NVSHMEM", False):
+        raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(f"the NVSHMEM {what} kernels need CUDA GPUs")
+    if hidden % 8:
+        raise ValueError(f"the NVSHMEM {what} kernels need hidden % 8 == 0 (16-byte rows), got {hidden}")

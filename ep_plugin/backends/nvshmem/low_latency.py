@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import get_c
-from ...errors import BackendUnavailableError
 from ...types import FP8_BLOCK, LowLatencyHandle
 from . import runtime
 from .faults import ReportsFaults
-from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream
+from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stream as _current_stream
 
 SEND_RECV = SEND | RECV
 MAX_RANKS = 64
@@ -52,16 +51,10 @@ class NvshmemLowLatency(ReportsFaults):
 
     @staticmethod
     def check_available(group, hidden: int) -> None:
-        C = get_c()
-        if not getattr(C, "HAS_NVSHMEM", False):
-            raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM")
-        if not torch.cuda.is_available():
-            raise BackendUnavailableError("the NVSHMEM low-latency kernels need CUDA GPUs")
+        require_kernels("low-latency", hidden)
         world = dist.get_world_size(group)
         if world > MAX_RANKS:
             raise ValueError(f"the NVSHMEM low-latency kernels support at most {MAX_RANKS} ranks, got {world}")
-        if hidden % 8:
-            raise ValueError(f"the NVSHMEM low-latency kernels need hidden % 8 == 0 (16-byte rows), got {hidden}")
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         C = get_c()

@@ -26,11 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..._ext import get_c
-from ...errors import BackendUnavailableError
 from ...types import FP8_BLOCK
 from . import runtime
 from .faults import ReportsFaults
-from .launch import MIN_TOPK_CAPACITY, RECV, SEND, current_stream as _current_stream, ptr as _ptr
+from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stream as _current_stream, ptr as _ptr
 
 MAX_NODES = 128   # rail_device.cuh kMaxNodes
 MAX_TOPK = 32     # one lane per k
@@ -62,13 +61,7 @@ class NvshmemRail(ReportsFaults):
 
     @staticmethod
     def check_available(group, hidden: int) -> None:
-        C = get_c()
-        if not getattr(C, "HAS_NVSHMEM", False):
-            raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM")
-        if not torch.cuda.is_available():
-            raise BackendUnavailableError("the NVSHMEM rail kernels need CUDA GPUs")
-        if hidden % 8:
-            raise ValueError(f"the NVSHMEM rail kernels need hidden % 8 == 0 (16-byte rows), got {hidden}")
+        require_kernels("rail", hidden)
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, ranks_per_node: int, max_tokens: int,
                  fp8: bool, *, force_puts: bool = False):
