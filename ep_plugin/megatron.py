@@ -78,7 +78,7 @@ def __getattr__(name):
 
         return EPPluginTokenDispatcher
     if name == "EPGroupedMLP":
-        from .integrations.megatron.experts import EPGroupedMLP
+        from .integrations.megatron.grouped_mlp import EPGroupedMLP
 
         return EPGroupedMLP
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

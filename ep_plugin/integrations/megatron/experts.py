@@ -4,17 +4,13 @@
                          torch grouped_mm on GPU (a per-expert loop elsewhere), from host split sizes
                          (what megatron's TEGroupedMLP hands it) or from group ends on the device
     grouped_mm_experts() megatron's TEGroupedMLP (non-fused path) with GroupedMMLinear fc1/fc2: host counts
-    EPGroupedMLP         the same module and weights, with a forward that reads no count on the host:
-                         it takes tokens_per_expert on the device and rows sized for the worst case
-                         (ep_plugin's dispatcher with comm.host_sync false), so no MoE layer forward waits
-                         for the GPU
 
-Needs megatron-core only for grouped_mm_experts() and EPGroupedMLP (defined on first access, so that
-importing this module, and ep_plugin.megatron, works without megatron-core).
+EPGroupedMLP (grouped_mlp.py) is the same module and weights with a forward that reads no count on
+the host. Needs megatron-core only for grouped_mm_experts(), so importing this module (and
+ep_plugin.megatron) works without it.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from functools import partial
 
@@ -140,129 +136,3 @@ def grouped_mm_experts():
 
     return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=GroupedMMLinear,
                                                                    linear_fc2=GroupedMMLinear))
-
-
-@functools.lru_cache(maxsize=None)
-def _ep_grouped_mlp_class():
-    import torch.nn.functional as F
-    from megatron.core import tensor_parallel
-    from megatron.core.activations import squared_relu
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
-    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-    from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-
-    def scaled(h, probs):
-        return (h * probs).to(h.dtype)
-
-    class EPGroupedMLP(TEGroupedMLP):
-        """megatron's TEGroupedMLP (same submodules, state dict and sharded state dict as
-        grouped_mm_experts(): fc1/fc2 are GroupedMMLinear, weights [G, out, in]) whose forward reads no
-        count on the host. Builder for MoESubmodules(experts=EPGroupedMLP).
-
-        forward(rows [N, H], tokens_per_expert [G] (a tensor, any device), probs [N]) -> (out [N, H], None):
-        expert g's rows are the g-th run of tokens_per_expert[g] rows from row 0; the rows after them
-        (a worst-case-sized dispatch: unwritten, maybe NaN) give zero output rows. Offsets are an int32
-        cumsum on the device; fc1 and fc2 run as torch grouped_mm on GPU (BF16), a per-expert loop
-        elsewhere. The math is TEGroupedMLP's non-fused forward: probs on the input
-        (moe_apply_probs_on_input, top-1) or after the activation (gated or not, clamp, GLU offset and
-        interleave, megatron's fused weighted SwiGLU / quick-GEGLU / squared ReLU where the config asks
-        for them), selective recompute of "moe_act".
-
-        Built inside MoELayer right after ep_plugin's dispatcher, it tells that dispatcher
-        (dispatcher.take_device_counts), which then hands it the device counts and worst-case rows of
-        comm.host_sync: false instead of host-sized input. With any other dispatcher it takes their
-        (exact-size) output as it is.
-        """
-
-        def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name=None):
-            # each of these needs host counts (quantization padding) or TransformerEngine's own ops
-            if config.fp8 or config.fp4:
-                raise ValueError("EPGroupedMLP does not run FP8/FP4 (TransformerEngine's padding reads host "
-                                 "counts): use megatron's TEGroupedMLP")
-            if config.use_transformer_engine_op_fuser:
-                raise ValueError("EPGroupedMLP has no fused TransformerEngine path "
-                                 "(use_transformer_engine_op_fuser): use megatron's TEGroupedMLP")
-            offloaded = set(getattr(config, "offload_modules", None) or ()) & {"expert_fc1", "moe_act",
-                                                                                "fused_group_mlp"}
-            if config.fine_grained_activation_offloading and offloaded:
-                raise ValueError(f"EPGroupedMLP does not offload activations ({sorted(offloaded)} in "
-                                 "offload_modules)")
-            if submodules is None:
-                submodules = GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)
-            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
-            for lin in (self.linear_fc1, self.linear_fc2):
-                if not isinstance(lin, GroupedMMLinear):
-                    raise TypeError(f"EPGroupedMLP runs GroupedMMLinear fc1/fc2, got {type(lin).__name__}")
-            from .dispatcher import take_device_counts
-
-            self.fed_device_counts = take_device_counts(config, pg_collection) is not None
-
-        def _activation(self, h, probs):
-            cfg = self.config
-            interleave = cfg.moe_mlp_glu_interleave_size if cfg.gated_linear_unit else None
-            if cfg.use_te_activation_func:
-                if interleave is not None:
-                    h = self._remove_glu_interleaving(h, interleave)
-                return scaled(self.activation_func(h), probs)
-            if cfg.bias_activation_fusion and interleave is None:
-                if cfg.gated_linear_unit and self.activation_func is F.silu:
-                    return weighted_bias_swiglu_impl(h, None, probs, cfg.activation_func_fp8_input_store)
-                if cfg.gated_linear_unit and self.activation_func is quick_gelu:
-                    return weighted_bias_quick_geglu_impl(h, None, probs, cfg.activation_func_fp8_input_store,
-                                                          cfg.glu_linear_offset, cfg.activation_func_clamp_value)
-                raise ValueError("bias_activation_fusion: only gated SiLU (SwiGLU) and quick-GELU fuse "
-                                 "(as in TEGroupedMLP)")
-            if self.activation_func is squared_relu and cfg.use_fused_weighted_squared_relu:
-                return weighted_squared_relu_impl(h, probs)
-            if not cfg.gated_linear_unit:
-                return scaled(self.activation_func(h), probs)
-            if interleave is not None:
-                h = self._remove_glu_interleaving(h, interleave)
-            gate, linear = torch.chunk(h, 2, dim=-1)
-            clamp = cfg.activation_func_clamp_value
-            if clamp is not None:
-                gate = gate.clamp(max=clamp)
-                linear = linear.clamp(min=-clamp, max=clamp)
-            return scaled(cfg.activation_func(gate) * (linear + cfg.glu_linear_offset), probs)
-
-        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                    output_buffer=None, grad_input_buffer=None):
-            if output_buffer is not None or grad_input_buffer is not None:
-                raise ValueError("EPGroupedMLP writes no zero-copy buffers")
-            x = permuted_local_hidden_states
-            if not torch.is_tensor(tokens_per_expert):
-                tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
-            ends = group_ends(tokens_per_expert, x.device)
-            probs = permuted_probs.unsqueeze(-1)
-            if self.config.moe_apply_probs_on_input:
-                if self.config.moe_router_topk != 1:
-                    raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1")
-                x = scaled(x, probs)
-                probs = torch.ones_like(probs)
-            h = self.linear_fc1.forward_grouped(x, ends)
-            if self.activation_recompute:
-                # fp8=None: no FP8 state to save (CheckpointWithoutOutput reads any other value,
-                # False included, as FP8 on, which needs TransformerEngine)
-                self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
-                h = self.activation_checkpoint.checkpoint(self._activation, h, probs)
-            else:
-                h = self._activation(h, probs)
-            out = self.linear_fc2.forward_grouped(h, ends)
-            # grouped_mm leaves the rows past the last end unwritten (any bits, NaN included): zero
-            # them, before the recompute hook goes on the output that backward reaches first
-            out = out.masked_fill_(tail_rows(ends, out.shape[0]), 0)
-            if self.activation_recompute:
-                self.activation_checkpoint.discard_output_and_register_recompute(out)
-            return out, None
-
-    # pickled by name: experts.EPGroupedMLP (the module __getattr__ below) finds it again
-    EPGroupedMLP.__module__, EPGroupedMLP.__qualname__ = __name__, "EPGroupedMLP"
-    return EPGroupedMLP
-
-
-def __getattr__(name):
-    # EPGroupedMLP subclasses megatron's TEGroupedMLP: defined when first asked for
-    if name == "EPGroupedMLP":
-        return _ep_grouped_mlp_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
