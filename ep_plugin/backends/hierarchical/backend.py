@@ -39,7 +39,7 @@ class HierarchicalState(BackendState):
     inner: Optional[Handle]           # the inner backend's handle (None for a one-rank node)
     order: Optional[torch.Tensor]     # one-rank node: slot of each received row
     to_contract: Optional[torch.Tensor]  # several ranks per node: contract position of each inner row
-    rail: object = None               # the rail that moved the rows (one per row form)
+    rail: object                      # the rail that moved the rows (one per row form); combine sends back on it
     slot_row: Optional[torch.Tensor] = None  # one-rank node: received row of each slot (combine gathers)
 
 
@@ -91,7 +91,6 @@ class HierarchicalBackend(Backend):
         self._make_rail = lambda fp8: registry.make_rail(self.rail_engine, group, cfg, hidden, num_experts, P,
                                                          self.M, fp8)
         self._rails = {self.fp8: self._make_rail(self.fp8)}
-        self.rail = self._rails[self.fp8]
         self.local = LocalNode(self.experts_per_rank) if P == 1 else None
         self.inner = None
         if P > 1:
@@ -134,9 +133,10 @@ class HierarchicalBackend(Backend):
         self._comm_stream.wait_stream(torch.cuda.current_stream())
         return self._comm_stream
 
-    def _event(self, s, tensors):
+    def _event(self, s, tensors) -> EPEvent:
+        """The event of an async call: on the communication stream, or an empty one (CPU)."""
         if s is None:
-            return None
+            return EPEvent()
         for t in tensors:
             if t is not None and t.numel():
                 t.record_stream(s)
@@ -152,19 +152,15 @@ class HierarchicalBackend(Backend):
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
-        self.check()
         if handle is not None:
             self._state(handle)
             topk_idx = handle.topk_idx
-        if x.shape[0] > self.M:
-            raise ValueError(f"x has {x.shape[0]} tokens, more than comm.max_tokens_per_rank={self.M}")
         s = self._stream(async_op)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             out = self._dispatch(x, scales, topk_idx, topk_weights, handle)
-        out.event = self._event(s, (x, scales, topk_idx, topk_weights, out.x, out.scales, out.topk_idx,
-                                    out.topk_weights)) if async_op else None
-        if async_op and out.event is None:
-            out.event = EPEvent()
+        if async_op:
+            out.event = self._event(s, (x, scales, topk_idx, topk_weights, out.x, out.scales, out.topk_idx,
+                                        out.topk_weights))
         return out
 
     def _dispatch(self, x, scales, topk_idx, topk_weights, handle):
@@ -174,13 +170,13 @@ class HierarchicalBackend(Backend):
         if rail is None:
             rail = self._rails[fp8] = self._make_rail(fp8)
         xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
-        slot_valid = (topk_f >= 0).any(1)
         if handle is not None:
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
+        slot_valid = (topk_f >= 0).any(1)
         is_in = _in_rank(topk_idx, self.num_experts, self.world)
         recv_counts = self._recv_counts(is_in, slot_valid)
         if self.P == 1:
-            order, place, num_recv, tpe = self.local.order(topk_f)
+            order, place, num_recv, tpe = self.local.order(topk_f, slot_valid)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
             if exact:
@@ -234,7 +230,6 @@ class HierarchicalBackend(Backend):
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, async_op=False):
-        self.check()
         st = self._state(handle)
         s = self._stream(async_op)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
@@ -245,9 +240,8 @@ class HierarchicalBackend(Backend):
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
                     ev.current_stream_wait()
-            y = (st.rail or self.rail).combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
-        event = self._event(s, (x, y)) if async_op else None
-        return y, (event if event is not None or not async_op else EPEvent())
+            y = st.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+        return y, (self._event(s, (x, y)) if async_op else None)
 
     # ------------------------------------------------------------------ faults
     def check(self) -> None:

@@ -14,10 +14,10 @@ class LocalNode:
     def __init__(self, local_experts: int):
         self.local_experts = local_experts
 
-    def order(self, topk_f: torch.Tensor):
-        """(order [S]: the slots, valid ones first, each group in slot order; place [S]: each slot's
-        position in `order` (its inverse); num_recv [] int64; tokens_per_expert [E_l] int64)."""
-        valid = (topk_f >= 0).any(1)
+    def order(self, topk_f: torch.Tensor, valid: torch.Tensor):
+        """valid [S]: the slots that hold a token -> (order [S]: the slots, valid ones first, each group
+        in slot order; place [S]: each slot's position in `order` (its inverse); num_recv [] int64;
+        tokens_per_expert [E_l] int64)."""
         v = valid.long()
         before = v.cumsum(0) - v  # valid slots ahead of each slot
         num = v.sum()
