@@ -151,11 +151,9 @@ class EPBuffer:
         self._full_validation = self.cfg.comm.validate == "full"
         self._id = next(_buffer_ids)
         self._low_latency = None          # the engine, built at the first low-latency call
-        # The form (dtypes, shapes, devices, strides, flags) of the last low-latency calls that passed
-        # every check: a call of the same form skips them (cold calls are host-bound at 128 tokens).
-        self._ll_dispatch_form = self._ll_combine_form = None
-        # forms of (x, topk_idx, topk_weights) whose argument checks passed: the checks depend on the
-        # form only, so a repeated form skips them (the expert-id check runs every call)
+        # Forms (dtypes, shapes, devices, contiguity, flags: call_form) of the calls whose argument
+        # checks passed, per kind of call: the checks depend on the form only, so a repeated form skips
+        # them -- host time before the first kernel (the expert-id and handle checks run every call).
         self._checked_forms: set = set()
         self._low_latency_mask: tuple = ()
         self._closed = False
@@ -178,9 +176,9 @@ class EPBuffer:
     # ---------------------------------------------------------------- validation
     def _check_rows(self, x: XInput):
         if isinstance(x, torch.Tensor):
-            if call_form(x) in self._checked_forms:
+            if ("rows", call_form(x)) in self._checked_forms:
                 return x, None
-        elif isinstance(x, (tuple, list)) and len(x) == 2 and call_form(*x) in self._checked_forms:
+        elif isinstance(x, (tuple, list)) and len(x) == 2 and ("rows", call_form(*x)) in self._checked_forms:
             return x[0], x[1]
         caps, name = self._caps, self._backend.name
         if isinstance(x, (tuple, list)):
@@ -211,19 +209,19 @@ class EPBuffer:
         need(data.shape[0] <= self.cfg.comm.max_tokens_per_rank, ValueError,
               f"x has {data.shape[0]} tokens, more than comm.max_tokens_per_rank={self.cfg.comm.max_tokens_per_rank} "
               "the buffer was sized for")
-        self._remember_form(call_form(data) if scales is None else call_form(data, scales))
+        self._remember_form(("rows", call_form(data) if scales is None else call_form(data, scales)))
         return data, scales
 
-    def _remember_form(self, form) -> None:
-        if form is not None and len(self._checked_forms) < 256:
-            self._checked_forms.add(form)
+    def _remember_form(self, key) -> None:
+        """key: (kind of call, call_form(...)); a form call_form could not describe is not kept."""
+        if key[1] is not None and len(self._checked_forms) < 256:
+            self._checked_forms.add(key)
 
     def _check_routing(self, data, topk_idx, topk_weights):
-        form = call_form(data, topk_idx, topk_weights)
-        if form is None or ("routing",) + form not in self._checked_forms:
+        key = ("routing", call_form(data, topk_idx, topk_weights))
+        if key not in self._checked_forms:
             self._check_routing_args(data, topk_idx, topk_weights)
-            if form is not None:
-                self._remember_form(("routing",) + form)
+            self._remember_form(key)
         self._check_expert_ids(topk_idx, self._caps.checks_expert_ids)
 
     def _check_routing_args(self, data, topk_idx, topk_weights):
@@ -338,8 +336,8 @@ class EPBuffer:
         A rank-major x may also be cut to the valid rows of a worst-case-sized dispatch (at least
         sum(handle.recv_counts): that host count is read, waiting for its pinned copy only)."""
         self._raise_pending()
-        form = ("combine", call_form(x)) if isinstance(x, torch.Tensor) else None
-        if form not in self._checked_forms:
+        key = ("combine", call_form(x))
+        if key not in self._checked_forms:
             need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
             need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
             need(x.dtype in self._caps.combine_dtypes, TypeError,
@@ -348,7 +346,7 @@ class EPBuffer:
             need(x.dim() == 2 and x.shape[1] == self.hidden, ValueError,
                   f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
             need(x.is_contiguous(), ValueError, "x must be contiguous")
-            self._remember_form(form)
+            self._remember_form(key)
         expert = handle.expert is not None if isinstance(handle, Handle) else False
         self._check_handle(handle)
         if not expert and x.shape[0] != handle.num_recv:
@@ -427,13 +425,13 @@ class EPBuffer:
         engine = self._low_latency
         if engine is None:
             engine = self._low_latency_engine()
-        if form is None or form != self._ll_dispatch_form:  # the full checks run once per form of call
+        if form is None or ("ll_dispatch", form) not in self._checked_forms:
             self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
             limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
             need(limit is None or topk_idx.shape[1] <= limit, ValueError,
                   f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
                   f"got {topk_idx.shape[1]}")
-            self._ll_dispatch_form = form
+            self._remember_form(("ll_dispatch", form))
         return self._ll_dispatch_run(engine, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
 
     def _ll_dispatch_run(self, engine, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool,
@@ -467,9 +465,10 @@ class EPBuffer:
         self._raise_pending_low_latency()
         form = call_form(x, topk_idx, topk_weights, out)
         # the handle is checked on every call; the tensors' checks once per form of call
-        if form is None or form != self._ll_combine_form or not self._same_low_latency_handle(handle, topk_idx):
+        if (form is None or ("ll_combine", form) not in self._checked_forms
+                or not self._same_low_latency_handle(handle, topk_idx)):
             self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
-            self._ll_combine_form = form
+            self._remember_form(("ll_combine", form))
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
