@@ -86,10 +86,10 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
                     ops[f"{name}.dispatch_fp8"] = measure(proto, lambda: buf.dispatch(xf8, idx, w))
                 ops[f"{name}.dispatch_cached"] = measure(proto, lambda: buf.dispatch(x, handle=a.handle))
                 ops[f"{name}.combine_bf16"] = measure(proto, lambda: buf.combine(a.x, a.handle))
-            if args.profile and rank == 0 and kind == "uniform":
-                print(kernel_profile(bufs["nvshmem"], x, idx, w), flush=True)
-            elif args.profile:
-                kernel_profile(bufs["nvshmem"], x, idx, w)  # the other ranks make the same calls
+            if args.profile and kind == "uniform":  # every rank makes the calls; rank 0 prints its table
+                table_text = kernel_profile(bufs["nvshmem"], x, idx, w)
+                if rank == 0:
+                    print(table_text, flush=True)
             rows.append({"case": kind, "checks": ok, "rows_per_rank": traffic,
                          "row_bytes_bf16": H * 2, "ops": ops})
             if rank == 0:
