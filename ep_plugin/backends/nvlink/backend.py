@@ -30,6 +30,13 @@ What the kernels take is declared in `capabilities` (BF16/FP16 rows or FP8 pairs
 top-k <= 32, hidden multiple of 128 in [256, 16384]); EPBuffer refuses the rest with a TypeError.
 A kernel that waits past comm.timeout_s records the missing rank in host-mapped memory and returns;
 the error is raised by the next call on this buffer, by EPEvent.synchronize() or by EPBuffer.check().
+
+Host path: a cold call waits for the host's work before its first kernel (benchmarks/bench_nvlink_host.py
+times it). So the four tensors notify writes are made at the end of the previous dispatch, while its
+kernels run, once a token count comes twice in a row (used by the next dispatch of as many tokens on
+the same stream; a few KB held between calls; never under CUDA-graph capture), the Stream object of
+the current stream is reused, the counts are copied without switching streams when they go to the
+current one, and nothing is built that a synchronous call does not return.
 """
 from __future__ import annotations
 
@@ -53,6 +60,17 @@ from .plan import plan_num_sms
 
 _live = weakref.WeakSet()
 
+# torch.cuda.current_stream() is Python around these (lazy-init checks, a new Stream object per call: a
+# few us); CUDA is initialised once a backend exists (it queried the device), so the checks are dead
+# weight on every call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+if _raw_stream is not None:
+    _get_device = torch._C._cuda_getDevice
+    _is_capturing = torch._C._cuda_isCurrentStreamCapturing
+else:  # a torch without CUDA, where torch._C holds placeholders: the public API (the backend cannot run)
+    _get_device = torch.cuda.current_device
+    _is_capturing = torch.cuda.is_current_stream_capturing
+
 
 @atexit.register
 def _close_all():  # release IPC mappings and buffers at interpreter exit
@@ -73,6 +91,44 @@ class NvlinkState(BackendState):
 
 def _diff(offsets):
     return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _send_counts(c: "_DispatchCounts"):  # read only by the generic weight reduction: a sync, if asked
+    return c._is_in.sum(0).tolist()
+
+
+def _recv_counts(c: "_DispatchCounts"):
+    return _diff(c.get("recv_off"))
+
+
+class _DispatchCounts(HostCounts):
+    """The host counts of a dispatch that did not wait on the host: what HostCounts(device=...) makes
+    (tokens_per_expert and recv_off copied into a ring slot, an event right behind the copies;
+    send_counts and recv_counts derived on first read), built for the one case the dispatch has.
+    HostCounts' generic constructor looks up the current stream and enters a stream context around
+    the copies (several us of Python between notify and stage); here the stream and the capture
+    state are known, and the stream is switched only for the communication stream of an async call."""
+
+    def __init__(self, tpe: torch.Tensor, recv_off: torch.Tensor, is_in: torch.Tensor, stream, switch: bool,
+                 capturing: bool, ring: PinnedRing):
+        # the state HostCounts.get/materialize read, as HostCounts.__init__ leaves it
+        self._lists = {}
+        self._derived = {"send_counts": _send_counts, "recv_counts": _recv_counts}
+        self._is_in = is_in
+        self._capturing = capturing
+        self._pinned, self._event = {}, None
+        if capturing:  # the device tensors are the only form; reading a host list raises
+            return
+        pinned, event = ring.take(self)
+        self._pinned, self._event = pinned, event
+        if switch:
+            with torch.cuda.stream(stream):
+                pinned["tokens_per_expert"].copy_(tpe, non_blocking=True)
+                pinned["recv_off"].copy_(recv_off, non_blocking=True)
+        else:
+            pinned["tokens_per_expert"].copy_(tpe, non_blocking=True)
+            pinned["recv_off"].copy_(recv_off, non_blocking=True)
+        event.record(stream)
 
 
 class NvlinkBackend(Backend):
@@ -120,6 +176,10 @@ class NvlinkBackend(Backend):
         dist.barrier(group=group)  # every rank's flags are zeroed and its peers mapped
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op
+        self._cur: tuple = (None, None, None)  # (raw pointer, device, Stream) of the last current stream
+        self._spare: Optional[tuple] = None  # (T, device, current Stream, notify's tensors) for the next dispatch
+        self._last_tokens = -1  # T of the last dispatch (not cached)
+        self._scratch_ints: dict = {}  # num_sms -> ints of expert_pull's scratch (a pybind call otherwise)
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
@@ -153,23 +213,40 @@ class NvlinkBackend(Backend):
                              "as routed nowhere")
 
 
+    def _current(self):
+        """(Stream, raw pointer) of the current stream. One Stream object per stream: a Stream is a value
+        (its device and raw stream), so the one made when this stream was last current serves again."""
+        if _raw_stream is None:
+            s = torch.cuda.current_stream()
+            return s, s.cuda_stream
+        dev = _get_device()
+        sp = _raw_stream(dev)
+        c = self._cur
+        if c[0] == sp and c[1] == dev:
+            return c[2], sp
+        s = torch.cuda.current_stream(dev)
+        self._cur = (sp, dev, s)
+        return s, sp
+
     def _stream(self, async_op: bool):
-        cur = torch.cuda.current_stream()
+        """(stream, raw pointer) the call runs on, after what it must wait for, and the current stream."""
+        cur, sp = self._current()
         if async_op:
             if self._comm_stream is None:
                 self._comm_stream = torch.cuda.Stream(device=self.device)
             s = self._comm_stream
             s.wait_stream(cur)
+            sp = s.cuda_stream
         else:
             s = cur
-        if self._tail is not None and self._tail[0] != s:
-            s.wait_event(self._tail[1])
-        self._tail = None
-        return s
+        if self._tail is not None:
+            if self._tail[0] != s:
+                s.wait_event(self._tail[1])
+            self._tail = None
+        return s, sp, cur
 
-    def _finish(self, s, async_op: bool, tensors=()):
-        if not async_op:
-            return None
+    def _finish(self, s, tensors):
+        """The event of an async call: its tensors are kept from reuse until the stream is done."""
         for t in tensors:
             if t is not None and t.numel():
                 t.record_stream(s)
@@ -205,32 +282,34 @@ class NvlinkBackend(Backend):
 
     def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment):
         self.check()
-        if x.dtype in FP8_DTYPES and scales is None:
+        if scales is None and x.dtype in FP8_DTYPES:
             raise TypeError("FP8 dispatch needs (x_fp8, scales)")
         K = topk_idx.shape[1] if topk_idx is not None else handle.topk_idx.shape[1]
         self._check_call(x, K)
         if handle is not None:
             return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None)
-        rt, W, dev = self._rt, self.world, x.device
-        T = x.shape[0]
-        row_bytes = x.shape[1] * x.element_size()
-        nscales = scales.shape[1] if scales is not None else 0
-        s = self._stream(async_op)
-        sp = s.cuda_stream
-        worst = self.worst_case or torch.cuda.is_current_stream_capturing()
-        send_pos = torch.empty((T, W), dtype=torch.int32, device=dev)
-        is_in = torch.empty((T, W), dtype=torch.bool, device=dev)
-        recv_off = torch.empty(W + 1, dtype=torch.int32, device=dev)
-        tpe = torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev)
+        T, W, dev = x.shape[0], self.world, x.device
+        s, sp, cur = self._stream(async_op)
+        capturing = _is_capturing()
+        # Only what notify writes comes before it, made by the previous dispatch if it could be: the
+        # caching allocator hands out a block for later work on the stream that allocated it, so a
+        # spare serves only while that stream is current (the same Stream object), never in a capture.
+        spare = self._spare
+        if spare is not None and not capturing and spare[0] == T and spare[2] is cur and spare[1] == dev:
+            self._spare = None
+            send_pos, is_in, recv_off, tpe = spare[3]
+        else:
+            send_pos, is_in, recv_off, tpe = self._notify_tensors(T, dev)
+        rt = self._rt
         rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
                   tpe.data_ptr(), sp)
-        if not worst:
+        worst = self.worst_case or capturing
+        if worst:  # the counts' copy goes right behind notify, so the host may read them before the rows land
+            counts = _DispatchCounts(tpe, recv_off, is_in, s, async_op, capturing, self._ring)
+        else:
             self._notify_ev.record(s)
-        else:  # the counts' copy goes right behind notify, so the host may read them before the rows land
-            # send_counts is read only by the generic weight reduction: computed (with a sync) if asked
-            counts = HostCounts(device={"tokens_per_expert": tpe, "recv_off": recv_off}, stream=s, ring=self._ring,
-                                derived={"send_counts": lambda c: is_in.sum(0).tolist(),
-                                         "recv_counts": lambda c: _diff(c.get("recv_off"))})
+        row_bytes = x.shape[1] * x.element_size()
+        nscales = scales.shape[1] if scales is not None else 0
         rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
                  topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K,
                  self.num_sms, sp)
@@ -243,40 +322,58 @@ class NvlinkBackend(Backend):
                 self.check()
             counts = counts_from_lists(send_counts, recv_counts, tpe_host)
         # rank-major: R rows; expert-major: N rows, one per (row, local expert), segments padded
-        layout = None
-        if alignment is None:
-            N = R
-        else:
-            N = expert_major.capacity(R, K, self.experts_per_rank, alignment, None if worst else tpe_host)
-        out_x = torch.empty((N, self.hidden), dtype=x.dtype, device=dev)
-        out_s = torch.empty((N, nscales), dtype=torch.float32, device=dev) if scales is not None else None
-        out_idx = torch.empty((R, K), dtype=torch.int64, device=dev)
-        wshape = (R, K) if alignment is None else (N,)
-        out_w = torch.empty(wshape, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        H = self.hidden
+        N = R if alignment is None else expert_major.capacity(R, K, self.experts_per_rank, alignment,
+                                                                None if worst else tpe_host)
+        out_x = torch.empty(N, H, dtype=x.dtype, device=dev)
+        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if scales is not None else None
+        out_idx = torch.empty(R, K, dtype=torch.int64, device=dev)
+        out_w = None
+        if topk_weights is not None:
+            out_w = (torch.empty(R, K, dtype=torch.float32, device=dev) if alignment is None
+                     else torch.empty(N, dtype=torch.float32, device=dev))
         recv_src = torch.empty(R, dtype=torch.int32, device=dev)
-        extra = ()
+        s_ptr = out_s.data_ptr() if out_s is not None else 0
+        w_ptr = out_w.data_ptr() if out_w is not None else 0
         if alignment is None:
-            rt.pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
-                    out_idx.data_ptr(), out_w.data_ptr() if out_w is not None else 0, K, recv_off.data_ptr(),
+            rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K, recv_off.data_ptr(),
                     recv_src.data_ptr(), 0, R, self.num_sms, sp)
+            layout = None
         else:
-            positions = torch.empty((R, K), dtype=torch.int32, device=dev)
+            positions = torch.empty(R, K, dtype=torch.int32, device=dev)
             offsets = torch.empty(self.experts_per_rank + 1, dtype=torch.int64, device=dev)
-            scratch = torch.empty(rt.expert_scratch_ints(self.num_sms), dtype=torch.int32, device=dev)
-            rt.expert_pull(out_x.data_ptr(), row_bytes, out_s.data_ptr() if out_s is not None else 0, nscales,
-                           out_idx.data_ptr(), out_w.data_ptr() if out_w is not None else 0, K, recv_off.data_ptr(),
-                           recv_src.data_ptr(), positions.data_ptr(), 0, R, alignment, scratch.data_ptr(),
-                           offsets.data_ptr(), tpe.data_ptr(), self.num_sms, sp)
+            num_sms = self.num_sms
+            ints = self._scratch_ints.get(num_sms)
+            if ints is None:
+                ints = self._scratch_ints[num_sms] = rt.expert_scratch_ints(num_sms)
+            scratch = torch.empty(ints, dtype=torch.int32, device=dev)
+            rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K,
+                           recv_off.data_ptr(), recv_src.data_ptr(), positions.data_ptr(), 0, R, alignment,
+                           scratch.data_ptr(), offsets.data_ptr(), tpe.data_ptr(), num_sms, sp)
             layout = ExpertLayout(positions=positions, offsets=offsets, num_rows=N, alignment=alignment)
-            extra = (positions, offsets, scratch)
+        # a token count seen twice in a row is likely to come again (every layer of a step): only then is a
+        # spare for the next dispatch worth its allocation
+        again, self._last_tokens = T == self._last_tokens, T
+        if again and not capturing and cur is self._cur[2] and dev.index == self._cur[1]:
+            self._spare = (T, dev, cur, self._notify_tensors(T, dev))
         handle = Handle(backend=self.name, num_tokens=T, num_recv=R, num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=recv_off[W], num_tokens_per_expert=tpe, counts=counts,
                         state=NvlinkState(send_pos, recv_off, recv_src, worst), exact=not worst, expert=layout)
-        event = self._finish(s, async_op, (x, scales, topk_idx, topk_weights, out_x, out_s, out_idx, out_w,
-                                           recv_src, send_pos, is_in, recv_off, tpe) + extra)
+        event = None
+        if async_op:
+            kept = (x, scales, topk_idx, topk_weights, out_x, out_s, out_idx, out_w, recv_src, send_pos, is_in,
+                    recv_off, tpe)
+            event = self._finish(s, kept if layout is None else kept + (positions, offsets, scratch))
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle,
                               event=event)
+
+    def _notify_tensors(self, T: int, dev):
+        """send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64."""
+        W = self.world
+        return (torch.empty(T, W, dtype=torch.int32, device=dev), torch.empty(T, W, dtype=torch.bool, device=dev),
+                torch.empty(W + 1, dtype=torch.int32, device=dev),
+                torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
 
     def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool = False):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
@@ -285,29 +382,31 @@ class NvlinkBackend(Backend):
         T, K = x.shape[0], handle.topk_idx.shape[1]
         if T != handle.num_tokens:
             raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {T}")
-        s = self._stream(async_op)
+        s, sp, _ = self._stream(async_op)
         nscales = scales.shape[1] if scales is not None else 0
         row_bytes = x.shape[1] * x.element_size()
         idx_ptr = handle.topk_idx.data_ptr() if topk_weights is not None else 0
-        self._rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
-                       idx_ptr, topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms,
-                       s.cuda_stream)
+        rt = self._rt
+        rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales, idx_ptr,
+                 topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms, sp)
         lay, dev = handle.expert, x.device
         N = lay.num_rows if expert else handle.num_recv
-        out_x = torch.empty((N, self.hidden), dtype=x.dtype, device=dev)
-        out_s = torch.empty((N, nscales), dtype=torch.float32, device=dev) if scales is not None else None
-        wshape = (N,) if expert else (N, K)
-        out_w = torch.empty(wshape, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        s_ptr, w_ptr = (t.data_ptr() if t is not None else 0 for t in (out_s, out_w))
+        out_x = torch.empty(N, self.hidden, dtype=x.dtype, device=dev)
+        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if scales is not None else None
+        out_w = None
+        if topk_weights is not None:
+            out_w = (torch.empty(N, dtype=torch.float32, device=dev) if expert
+                     else torch.empty(N, K, dtype=torch.float32, device=dev))
+        s_ptr = out_s.data_ptr() if out_s is not None else 0
+        w_ptr = out_w.data_ptr() if out_w is not None else 0
         if expert:
-            self._rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
-                                 st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv,
-                                 lay.alignment, 0, lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(),
-                                 self.num_sms, s.cuda_stream)
+            rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                           st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
+                           lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms, sp)
         else:
-            self._rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
-                          st.recv_src.data_ptr(), 1, N, self.num_sms, s.cuda_stream)
-        event = self._finish(s, async_op, (x, scales, topk_weights, out_x, out_s, out_w))
+            rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                    st.recv_src.data_ptr(), 1, N, self.num_sms, sp)
+        event = self._finish(s, (x, scales, topk_weights, out_x, out_s, out_w)) if async_op else None
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle, event=event)
 
@@ -321,30 +420,31 @@ class NvlinkBackend(Backend):
             raise ValueError("combine of expert-major rows needs the handle of an expert-major dispatch")
         if not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        s = self._stream(async_op)
+        s, sp, _ = self._stream(async_op)
         T, K = handle.num_tokens, handle.topk_idx.shape[1]
-        y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=x.device)
+        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         self._rt.combine_expert(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.send_pos.data_ptr(),
-                                st.recv_off.data_ptr(), y.data_ptr(), T, self.num_sms, s.cuda_stream)
-        return y, self._finish(s, async_op, (x, y))
+                                st.recv_off.data_ptr(), y.data_ptr(), T, self.num_sms, sp)
+        return y, (self._finish(s, (x, y)) if async_op else None)
 
     def combine(self, x, handle, async_op=False):
         self.check()
         st = self._state(handle)
         if not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        s = self._stream(async_op)
+        s, sp, _ = self._stream(async_op)
         T = handle.num_tokens
-        y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=x.device)
+        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                         y.data_ptr(), T, self.num_sms, 1 if self.combine_mode == "fused" else 0, s.cuda_stream)
-        return y, self._finish(s, async_op, (x, y))
+                         y.data_ptr(), T, self.num_sms, 1 if self.combine_mode == "fused" else 0, sp)
+        return y, (self._finish(s, (x, y)) if async_op else None)
 
     # ---------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._spare = None
         _live.discard(self)
         try:
             torch.cuda.synchronize(self.device)

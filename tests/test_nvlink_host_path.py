@@ -1,0 +1,398 @@
+"""The nvlink backend's host path on CPU, through EPBuffer, over a fake _C.NvlinkRuntime that records its
+launches (benchmarks/bench_nvlink_host.py): the launch order of each call, that every pointer passed is
+the one of the tensor returned (or kept in the handle), the documented shapes and dtypes in each mode
+(worst-case and host-synced, rank- and expert-major, FP8, async, CUDA-graph capture), the host counts
+read from the pinned copies, the stream a call runs on (and the wait on a previous async call), and the
+errors the runtime reports. No GPU, no kernel: the contract itself is tested on GPUs (test_nvlink.py).
+"""
+import ctypes
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from benchmarks import bench_nvlink_host as bench
+from ep_plugin import expert_major
+from ep_plugin.backends.nvlink import backend as nvl
+from ep_plugin.errors import EPTimeoutError
+
+W, E, K, H, M, T = bench.W, 8, 3, 256, 16, 6
+E_L, R = E // W, W * M
+SMS = bench.SMS
+TPE = [3, 1, 4, 1]          # what the fake notify writes: rows per local expert
+RECV_OFF = [0, 5, 9]        # receive offsets per source rank
+IS_IN = [[1, 0], [1, 1], [0, 0], [0, 1], [1, 1], [1, 0]]  # [T, W] token -> rank
+
+
+class FillingRuntime(bench.FakeRuntime):
+    """FakeRuntime whose notify writes known counts through the pointers it gets (CPU memory), as the
+    kernel would before the copies queued behind it; counts expert_scratch_ints calls."""
+
+    scratch_calls = 0
+
+    def notify(self, topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream):
+        super().notify(topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream)
+        (ctypes.c_int64 * E_L).from_address(tpe)[:] = TPE
+        (ctypes.c_int32 * (W + 1)).from_address(recv_off)[:] = RECV_OFF
+        (ctypes.c_bool * (T_ * W)).from_address(is_in)[:] = [bool(v) for row in IS_IN[:T_] for v in row]
+
+    def expert_scratch_ints(self, num_sms):
+        FillingRuntime.scratch_calls += 1
+        return super().expert_scratch_ints(num_sms)
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialized in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def gpu(group):
+    """(launch log, current FakeStream, Counter of torch.cuda stand-in calls) inside the fakes."""
+    log, stream = [], bench.FakeStream(device=0)
+    FillingRuntime.scratch_calls = 0
+    with bench.fake_gpu(calls=log, runtime=FillingRuntime, stream=stream, count=Counter()) as tally:
+        yield log, stream, tally
+
+
+def make_buf(**comm):
+    return ep_plugin.EPBuffer(None, bench.config(max_tokens=M, num_experts=E, topk=K, **comm), hidden=H)
+
+
+def inputs(fp8=False):
+    idx = torch.tensor([[0, 5, -1], [1, 2, 7], [-1, -1, -1], [6, 4, 3], [0, 7, 1], [2, 3, 0]])
+    x = torch.randn(T, H).to(torch.bfloat16)
+    if fp8:
+        x = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128))
+    return x, idx, torch.rand(T, K)
+
+
+def names(log):
+    return [c[0] for c in log]
+
+
+def ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def check_fresh_tensors(res, stream_ptr, log, rows, x, w):
+    """notify/stage pointers and the handle's tensors of a fresh dispatch of (x, idx, w) (launches in `log`)."""
+    h, st = res.handle, res.handle.state
+    notify = dict(log)["notify"]
+    assert notify == (h.topk_idx.data_ptr(), T, K, st.send_pos.data_ptr(), h.is_token_in_rank.data_ptr(),
+                      st.recv_off.data_ptr(), h.num_tokens_per_expert.data_ptr(), stream_ptr)
+    for t, shape, dtype in ((st.send_pos, (T, W), torch.int32), (h.is_token_in_rank, (T, W), torch.bool),
+                            (st.recv_off, (W + 1,), torch.int32), (h.num_tokens_per_expert, (E_L,), torch.int64),
+                            (st.recv_src, (rows,), torch.int32), (h.recv_topk_idx, (rows, K), torch.int64)):
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous(), (shape, dtype)
+    # the valid row count is recv_off[W], a device scalar viewing it
+    assert h.num_recv_device.shape == () and h.num_recv_device.data_ptr() == st.recv_off.data_ptr() + 4 * W
+    data, scales = x if isinstance(x, tuple) else (x, None)
+    assert dict(log)["stage"] == (data.data_ptr(), T, H * data.element_size(), ptr(scales),
+                                  0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w), K, SMS,
+                                  stream_ptr)
+
+
+def test_worst_case_rank_major(gpu):
+    log, stream, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    res = buf.dispatch(x, idx, w)
+    assert names(log) == ["notify", "stage", "pull"]
+    check_fresh_tensors(res, stream.cuda_stream, log, R, x, w)
+    h, st = res.handle, res.handle.state
+    assert dict(log)["pull"] == (res.x.data_ptr(), H * 2, 0, 0, res.topk_idx.data_ptr(), res.topk_weights.data_ptr(),
+                                 K, st.recv_off.data_ptr(), st.recv_src.data_ptr(), 0, R, SMS, stream.cuda_stream)
+    assert res.x.shape == (R, H) and res.x.dtype == torch.bfloat16 and res.x.is_contiguous()
+    assert res.topk_idx is h.recv_topk_idx
+    assert res.topk_weights.shape == (R, K) and res.topk_weights.dtype == torch.float32
+    assert h.num_recv == R and not h.exact and st.worst_case and h.expert is None and res.event is None
+    # the host counts: the pinned copies of what notify wrote, and what derives from them
+    assert res.tokens_per_expert == TPE and isinstance(res.tokens_per_expert, list)
+    assert h.recv_counts == [5, 4]
+    assert h.send_counts == [sum(r[0] for r in IS_IN), sum(r[1] for r in IS_IN)]
+    assert isinstance(h.counts, ep_plugin.types.HostCounts)
+    # without weights: none staged, none pulled
+    log.clear()
+    res2 = buf.dispatch(x, idx)
+    assert res2.topk_weights is None and dict(log)["stage"][6] == 0 and dict(log)["pull"][5] == 0
+    buf.close()
+
+
+def test_counts_survive_the_ring_and_combine(gpu):
+    log, stream, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    first = buf.dispatch(x, idx, w)
+    ring = buf._backend._ring
+    for _ in range(len(ring._slots) + 3):  # the first handle's slot is reused: its counts became lists
+        buf.dispatch(x, idx, w)
+    assert first.tokens_per_expert == TPE and first.handle.recv_counts == [5, 4]
+    rows = torch.zeros(R, H, dtype=torch.bfloat16)
+    log.clear()
+    y = buf.combine(rows, first.handle)
+    st = first.handle.state
+    assert names(log) == ["combine"] and y.shape == (T, H) and y.dtype == torch.bfloat16
+    assert dict(log)["combine"] == (rows.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(),
+                                    st.recv_src.data_ptr(), y.data_ptr(), T, SMS, 0, stream.cuda_stream)
+    buf._backend.combine_mode = "fused"  # read per call (the GPU tests switch it on a live buffer)
+    log.clear()
+    buf.combine(rows, first.handle)
+    assert dict(log)["combine"][7] == 1
+    buf.close()
+
+
+def test_cached_dispatch(gpu):
+    log, stream, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    h = buf.dispatch(x, idx, w).handle
+    log.clear()
+    c = buf.dispatch(x, None, w, handle=h)
+    assert names(log) == ["stage", "pull"]
+    st = h.state
+    assert dict(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, h.topk_idx.data_ptr(), w.data_ptr(), K, SMS,
+                                  stream.cuda_stream)
+    assert dict(log)["pull"] == (c.x.data_ptr(), H * 2, 0, 0, 0, c.topk_weights.data_ptr(), K, st.recv_off.data_ptr(),
+                                 st.recv_src.data_ptr(), 1, R, SMS, stream.cuda_stream)
+    assert c.x.shape == (R, H) and c.topk_weights.shape == (R, K) and c.topk_idx is h.recv_topk_idx
+    log.clear()
+    c2 = buf.dispatch(x, handle=h)
+    assert c2.topk_weights is None and dict(log)["stage"][5:7] == (0, 0) and dict(log)["pull"][5] == 0
+    buf.close()
+
+
+def test_fp8_rows(gpu):
+    log, stream, _ = gpu
+    buf = make_buf()
+    (data, scales), idx, w = inputs(fp8=True)
+    res = buf.dispatch((data, scales), idx, w)
+    out, out_s = res.x
+    assert out.dtype == torch.float8_e4m3fn and out.shape == (R, H)
+    assert out_s.dtype == torch.float32 and out_s.shape == (R, H // 128) and out_s.is_contiguous()
+    check_fresh_tensors(res, stream.cuda_stream, log, R, (data, scales), w)
+    pull = dict(log)["pull"]
+    assert pull[:4] == (out.data_ptr(), H, out_s.data_ptr(), H // 128)
+    log.clear()
+    c = buf.dispatch((data, scales), handle=res.handle)
+    assert c.x[1].shape == (R, H // 128) and dict(log)["pull"][2:4] == (c.x[1].data_ptr(), H // 128)
+    buf.close()
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_expert_major(gpu, host_sync):
+    log, stream, _ = gpu
+    buf = make_buf(host_sync=host_sync)
+    x, idx, w = inputs()
+    a = 4
+    res = buf.dispatch(x, idx, w, layout="expert", expert_alignment=a)
+    h = res.handle
+    rows = h.num_recv
+    n = expert_major.capacity(rows, K, E_L, a, None if not host_sync else h.tokens_per_expert)
+    assert names(log) == ["notify", "stage", "expert_pull"]
+    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w)
+    lay, st = h.expert, h.state
+    assert res.x.shape == (n, H) and res.topk_weights.shape == (n,) and lay.num_rows == n and lay.alignment == a
+    assert lay.positions.shape == (rows, K) and lay.positions.dtype == torch.int32
+    assert lay.offsets.shape == (E_L + 1,) and lay.offsets.dtype == torch.int64
+    args = dict(log)["expert_pull"]
+    assert args[:13] == (res.x.data_ptr(), H * 2, 0, 0, h.recv_topk_idx.data_ptr(), res.topk_weights.data_ptr(), K,
+                         st.recv_off.data_ptr(), st.recv_src.data_ptr(), lay.positions.data_ptr(), 0, rows, a)
+    assert args[14:] == (lay.offsets.data_ptr(), h.num_tokens_per_expert.data_ptr(), SMS, stream.cuda_stream)
+    assert args[13] != 0
+    for _ in range(3):
+        buf.dispatch(x, idx, w, layout="expert", expert_alignment=a)
+    assert FillingRuntime.scratch_calls == 1  # the scratch size is asked once per SM count
+    buf._backend.num_sms = 8
+    buf.dispatch(x, idx, w, layout="expert", expert_alignment=a)
+    assert FillingRuntime.scratch_calls == 2
+    buf._backend.num_sms = SMS
+    log.clear()
+    c = buf.dispatch(x, handle=h)  # cached: straight to the handle's positions
+    assert names(log) == ["stage", "expert_pull"] and c.x.shape == (n, H)
+    args = dict(log)["expert_pull"]
+    assert args == (c.x.data_ptr(), H * 2, 0, 0, 0, 0, K, st.recv_off.data_ptr(), st.recv_src.data_ptr(),
+                    lay.positions.data_ptr(), 1, rows, a, 0, lay.offsets.data_ptr(),
+                    h.num_tokens_per_expert.data_ptr(), SMS, stream.cuda_stream)
+    log.clear()
+    y = buf.combine(torch.zeros(n, H, dtype=torch.bfloat16), h)
+    assert names(log) == ["combine_expert"] and y.shape == (T, H)
+    assert dict(log)["combine_expert"][1:] == (lay.positions.data_ptr(), K, st.send_pos.data_ptr(),
+                                               st.recv_off.data_ptr(), y.data_ptr(), T, SMS, stream.cuda_stream)
+    buf.close()
+
+
+def test_host_sync_sizes_exactly(gpu):
+    log, stream, _ = gpu
+    buf = make_buf(host_sync=True)
+    x, idx, w = inputs()
+    res = buf.dispatch(x, idx, w)
+    rows, send, recv, tpe, _ = buf._backend._rt.results()
+    assert names(log) == ["notify", "stage", "pull"]
+    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w)
+    h = res.handle
+    assert h.exact and h.num_recv == rows and res.x.shape == (rows, H) and dict(log)["pull"][10] == rows
+    assert h.send_counts == send and h.recv_counts == recv and res.tokens_per_expert == tpe
+    buf.close()
+
+
+def test_capture_sizes_for_the_worst_case_and_copies_nothing(gpu, monkeypatch):
+    log, stream, _ = gpu
+    buf = make_buf(host_sync=True)  # capture overrides host_sync
+    x, idx, w = inputs()
+    ring = buf._backend._ring
+    before = ring._next
+    monkeypatch.setattr(nvl, "_is_capturing", lambda: True)
+    res = buf.dispatch(x, idx, w)
+    assert res.x.shape == (R, H) and not res.handle.exact and res.handle.num_recv == R
+    assert ring._next == before  # no pinned slot taken, no copy
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        res.tokens_per_expert
+    monkeypatch.undo()
+    buf.close()
+
+
+def test_streams_and_async(gpu):
+    log, stream, tally = gpu
+    buf = make_buf()
+    be = buf._backend
+    x, idx, w = inputs()
+    res = buf.dispatch(x, idx, w)
+    first = be._current()[0]
+    buf.dispatch(x, idx, w)
+    assert be._current()[0] is first and first == stream  # one Stream object while the stream is current
+    made = tally["current_stream"]
+    stream.cuda_stream = 0x7000  # another stream becomes current: launches go there
+    log.clear()
+    buf.dispatch(x, idx, w)
+    assert all(c[1][-1] == 0x7000 for c in log) and tally["current_stream"] == made + 1
+    # async: the communication stream, the counts copied there, an event; then a synchronous call on the
+    # current stream waits for it
+    bench.FakeStreamContext.entered = []
+    try:
+        log.clear()
+        a = buf.dispatch(x, idx, w, async_op=True)
+        comm = be._comm_stream
+        assert comm.cuda_stream != stream.cuda_stream and all(c[1][-1] == comm.cuda_stream for c in log)
+        assert bench.FakeStreamContext.entered == [comm]
+        assert a.event is not None and a.handle.counts._event.recorded is comm
+        assert tally["record_stream"] == 11  # every input and output, the handle's tensors too
+        a.event.current_stream_wait()
+        assert a.tokens_per_expert == TPE
+        ev = be._tail[1]
+        cur = be._current()[0]
+        n = len(cur.waited_events)
+        log.clear()
+        y = buf.combine(torch.zeros(R, H, dtype=torch.bfloat16), a.handle)
+        assert cur.waited_events[n:] == [ev] and be._tail is None and dict(log)["combine"][-1] == 0x7000
+        log.clear()
+        y, ev2 = buf.combine(torch.zeros(R, H, dtype=torch.bfloat16), a.handle, async_op=True)
+        assert ev2 is not None and dict(log)["combine"][-1] == comm.cuda_stream and be._tail[0] is comm
+    finally:
+        bench.FakeStreamContext.entered = None
+    del res, y
+    buf.close()
+
+
+def test_notify_tensors_made_ahead_serve_the_same_stream_and_tokens_only(gpu, monkeypatch):
+    """notify's tensors of a dispatch are made at the end of the previous one (the cold call's first
+    launch waits on no allocation) once a token count came twice in a row; used only for as many tokens,
+    on the same current stream, outside a capture; fresh tensors otherwise. Each handle keeps its own."""
+    log, stream, _ = gpu
+    buf = make_buf()
+    be = buf._backend
+    x, idx, w = inputs()
+
+    def notify_ptrs():
+        return dict(log)["notify"][3:7]
+
+    def spare_ptrs():
+        return tuple(t.data_ptr() for t in be._spare[3])
+
+    a = buf.dispatch(x, idx, w)
+    assert be._spare is None  # a token count seen once
+    b = buf.dispatch(x, idx, w)
+    made = spare_ptrs()
+    log.clear()
+    c = buf.dispatch(x, idx, w)
+    assert notify_ptrs() == made  # the spare served
+    ptrs = {r.handle.state.send_pos.data_ptr() for r in (a, b, c)}
+    assert len(ptrs) == 3 and a.tokens_per_expert == c.tokens_per_expert
+    # another token count: fresh tensors; a spare for it once it comes again
+    made = spare_ptrs()
+    small = (x[:4].contiguous(), idx[:4].contiguous(), w[:4].contiguous())
+    log.clear()
+    buf.dispatch(*small)
+    assert notify_ptrs() != made and be._spare[0] == T
+    buf.dispatch(*small)
+    assert be._spare[0] == 4
+    # another current stream: fresh tensors
+    buf.dispatch(x, idx, w)
+    buf.dispatch(x, idx, w)
+    made = spare_ptrs()
+    stream.cuda_stream = 0x9000
+    log.clear()
+    buf.dispatch(x, idx, w)
+    assert notify_ptrs() != made and dict(log)["notify"][-1] == 0x9000
+    buf.dispatch(x, idx, w)
+    # a capture neither takes nor makes one (nor frees one) ...
+    spare = be._spare
+    monkeypatch.setattr(nvl, "_is_capturing", lambda: True)
+    log.clear()
+    buf.dispatch(x, idx, w)
+    assert notify_ptrs() != tuple(t.data_ptr() for t in spare[3]) and be._spare is spare
+    monkeypatch.undo()
+    # ... and the next dispatch outside it takes it
+    log.clear()
+    buf.dispatch(x, idx, w)
+    assert notify_ptrs() == tuple(t.data_ptr() for t in spare[3]) and be._spare is not spare
+    buf.close()
+    assert be._spare is None
+
+
+def test_runtime_errors_are_raised(gpu):
+    log, stream, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    res = buf.dispatch(x, idx, w)
+    rt = buf._backend._rt
+    rt.bad_ids = 1
+    with pytest.raises(ValueError, match="topk_idx values must lie"):
+        buf.dispatch(x, idx, w)
+    buf.dispatch(x, idx, w)  # reported once
+    rt.err = 1
+    log.clear()
+    for _ in range(2):  # the buffer stays failed
+        with pytest.raises(EPTimeoutError) as info:
+            buf.combine(torch.zeros(R, H, dtype=torch.bfloat16), res.handle)
+        assert info.value.missing_ranks == (1,)
+    with pytest.raises(EPTimeoutError):
+        buf._backend.dispatch(x, None, idx, w)  # the backend alone (autograd's path) checks too
+    assert log == []
+    rt.err = 0
+    buf.close()
+
+
+def test_backend_refuses_before_any_launch(gpu):
+    log, _, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    with pytest.raises(ValueError, match="topk <= 32"):
+        buf._backend.dispatch(x, None, torch.zeros(T, 40, dtype=torch.int64), None)
+    with pytest.raises(TypeError, match="FP8 dispatch needs"):
+        buf._backend.dispatch(x.to(torch.float8_e4m3fn), None, idx, None)
+    assert log == []
+    buf.close()
+
+
+def test_bench_runs(group, capsys):
+    bench.main(["-n", "3", "--repeats", "1", "--tokens", "128", "--modes", "bf16", "bf16 async", "-v"])
+    out = capsys.readouterr().out
+    assert "HOST OVERHEAD ONLY" in out and out.count("current ") == 2 and "stand-in calls" in out
+    assert "cProfile" in out and "function calls" in out
