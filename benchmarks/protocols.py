@@ -7,6 +7,10 @@ cold call: before every timed call the L2 is flushed (a 256 MB write), the devic
 queued: the host enqueues all iterations back to back after one tiny all-reduce on the stream has
     aligned the GPUs; CUDA events around each call. Host latency hides behind the previous call, so
     this is the kernels' view (unless the call itself waits on the host).
+host hidden (optional, "hidden"): the cold call's start (L2 flushed, device drained, ranks aligned),
+    but the call is enqueued behind a GPU sleep (SLEEP_CYCLES, ~1.5 ms) long enough for the host to
+    queue all of it, so the time is the kernels' own from a cold L2 and aligned GPUs. cold - hidden is
+    the host's share of a cold call (a call that waits on the host inside keeps that wait).
 
 Each protocol runs `warmup` untimed calls, then `iters` timed ones; a rank keeps its median. Every
 rank then shares its numbers (`measure`), so all ranks hold the same per-rank lists and the slowest
@@ -24,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
+SLEEP_CYCLES = 3_000_000  # ~1.5 ms at H100/H200 clocks: more than any call's host time
 Hook = Optional[Callable[[], object]]  # an untimed call around the timed one
+PROTOCOLS = ("cold", "queued", "hidden")
 
 
 def _call(fn: Hook) -> None:
@@ -33,8 +39,11 @@ def _call(fn: Hook) -> None:
 
 
 class Protocols:
-    def __init__(self, warmup: int, iters: int):
-        self.warmup, self.iters = warmup, iters
+    def __init__(self, warmup: int, iters: int, kinds=("cold", "queued")):
+        unknown = set(kinds) - set(PROTOCOLS)
+        if unknown:
+            raise ValueError(f"unknown protocols {sorted(unknown)}; known: {PROTOCOLS}")
+        self.warmup, self.iters, self.kinds = warmup, iters, tuple(kinds)
         self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self._tok = torch.zeros(1, device="cuda")
 
@@ -50,6 +59,13 @@ class Protocols:
 
     def cold(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) under the cold-call protocol."""
+        return self._cold(fn, before, after, hide_host=False)
+
+    def hidden(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
+        """Per-call times (us) of a cold call whose host work is hidden behind a GPU sleep."""
+        return self._cold(fn, before, after, hide_host=True)
+
+    def _cold(self, fn, before, after, hide_host: bool) -> List[float]:
         self._warm(fn, before, after)
         evs = self._events()
         for a, b in evs:
@@ -57,6 +73,8 @@ class Protocols:
             self._flush.zero_()
             torch.cuda.synchronize()
             dist.barrier()  # NCCL's barrier also waits on the host for its all-reduce
+            if hide_host:
+                torch.cuda._sleep(SLEEP_CYCLES)
             a.record()
             fn()
             b.record()
@@ -87,12 +105,13 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def measure(proto: Protocols, fn: Callable[[], object], protocols=("cold", "queued"), *,
+def measure(proto: Protocols, fn: Callable[[], object], protocols=None, *,
             before: Hook = None, after: Hook = None) -> Dict:
-    """Time fn under both protocols on every rank; returns the same dict on every rank:
+    """Time fn under proto.kinds (cold and queued by default) on every rank; returns the same dict on every rank:
     {"cold_us": [median per rank], "cold_min_us": [...], "queued_us": [...], "queued_min_us": [...],
      "error": None or the first rank's error}. A failure on any rank marks the op failed everywhere.
     before / after: untimed calls around every call of fn (see the module's docstring)."""
+    protocols = proto.kinds if protocols is None else protocols
     mine: Dict[str, Optional[float]] = {}
     err = None
     try:
@@ -175,7 +194,7 @@ def measure_low_latency(proto: Protocols, prefix: str, dispatch: Callable, combi
     return {f"{prefix}.{k}": timed[k]() for k in kinds}
 
 
-def failed(error: str, protocols=("cold", "queued")) -> Dict:
+def failed(error: str, protocols=PROTOCOLS) -> Dict:
     """The record of an op that could not run at all (e.g. its library did not import)."""
     out: Dict = {"error": error}
     for p in protocols:
