@@ -50,12 +50,24 @@ def _same_dispatch(a, b, ctx):
     assert torch.equal(a.handle.is_token_in_rank, b.handle.is_token_in_rank), ctx
 
 
+def _register_pull(nv, call):
+    """call() with the rank-major pull's rows moved by registers instead of bulk copies (TMA, the default)."""
+    rt = nv._backend._rt
+    assert rt.pull_tma
+    rt.pull_tma = False
+    try:
+        return call()
+    finally:
+        rt.pull_tma = True
+
+
 def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
     xs, idxs, ws, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, seed, mode)
     ctx = f"rank {rank} world {world} hidden {hidden} tokens {tokens} mode {mode} seed {seed}"
     a = nv.dispatch(x, idx, w)
     b = ref.dispatch(x, idx, w)
     _same_dispatch(a, b, ctx)
+    _same_dispatch(_register_pull(nv, lambda: nv.dispatch(x, idx, w)), b, f"{ctx} register pull")
     rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)      # and the CPU reference
     assert torch.equal(a.x.cpu(), rx) and torch.equal(a.topk_idx.cpu(), ridx), ctx
     assert torch.equal(a.topk_weights.cpu(), rw) and list(a.tokens_per_expert) == tpe, ctx
@@ -146,6 +158,8 @@ def check_fp8(nv, ref, rank, world, E, K, hidden, T):
     (ad, asc), (bd, bsc) = a.x, b.x
     assert ad.dtype == torch.float8_e4m3fn and asc.dtype == torch.float32
     assert torch.equal(ad.view(torch.uint8), bd.view(torch.uint8)) and torch.equal(asc, bsc)
+    rd, rsc = _register_pull(nv, lambda: nv.dispatch((data, scales), idx, w)).x
+    assert torch.equal(rd.view(torch.uint8), ad.view(torch.uint8)) and torch.equal(rsc, asc)
     assert torch.equal(a.topk_idx, b.topk_idx) and torch.equal(a.topk_weights, b.topk_weights)
     # round trip: dequantise, send back, compare with the BF16 path
     deq = (ad.float().view(-1, hidden // 128, 128) * asc.unsqueeze(-1)).view(-1, hidden).to(torch.bfloat16)

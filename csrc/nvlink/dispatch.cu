@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
+#include "nvlink/pull_meta.cuh"
 
 namespace ep {
 namespace nvl {
@@ -81,36 +82,8 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
     int src = 0, tok = 0;
     if (lane < nrows) {
       src = find_src(s_off, W, i);
-      if (cached) {
-        tok = recv_src[i];
-      } else {
-        const int* sl = reinterpret_cast<const int*>(c.peers[src] + c.off_send_list);
-        tok = ld_volatile(sl + static_cast<size_t>(me) * c.max_tokens + (i - s_off[src]));
-        recv_src[i] = tok;
-      }
-      if (out_idx || out_w) {  // this lane's row: local expert ids and weights
-        const int64_t* gi = reinterpret_cast<const int64_t*>(c.peers[src] + c.off_stage_idx) + static_cast<size_t>(tok) * K;
-        const float* gwt = reinterpret_cast<const float*>(c.peers[src] + c.off_stage_w) + static_cast<size_t>(tok) * K;
-        for (int k0 = 0; k0 < K; k0 += 8) {
-          int64_t g[8];
-          float wv[8];
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            if (k0 + q < K) {
-              g[q] = gi[k0 + q];
-              wv[q] = out_w ? gwt[k0 + q] : 0.f;
-            }
-          }
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            if (k0 + q < K) {
-              const bool mine = g[q] >= lo && g[q] < hi;
-              if (out_idx) out_idx[static_cast<size_t>(i) * K + k0 + q] = mine ? g[q] - lo : -1;
-              if (out_w) out_w[static_cast<size_t>(i) * K + k0 + q] = mine ? wv[q] : 0.f;
-            }
-          }
-        }
-      }
+      tok = pull_row_token(c, s_off, src, i, cached, recv_src);
+      if (out_idx || out_w) pull_row_meta(c, src, tok, i, K, lo, hi, out_idx, out_w);
     }
     // Remote rows (row j of the batch from lane j's source and token) into contiguous out_x rows.
     warp_copy_rows<kPullU>(
@@ -146,13 +119,7 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
       }
     }
   }
-  // Worst-case-sized outputs: padding rows route nowhere.
-  for (int i = R + blockIdx.x * blockDim.x + tid; i < R_alloc; i += gridDim.x * blockDim.x) {
-    for (int k = 0; k < K; ++k) {
-      if (out_idx) out_idx[static_cast<size_t>(i) * K + k] = -1;
-      if (out_w) out_w[static_cast<size_t>(i) * K + k] = 0.f;
-    }
-  }
+  pull_pad_rows(R, R_alloc, K, out_idx, out_w);  // worst-case-sized outputs
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;

@@ -181,9 +181,10 @@ void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nsc
   check_row_bytes(row_bytes);
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
   set_device();
-  launch_pull(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
-              ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
-              R_alloc, stream_of(stream));
+  const auto launch = pull_tma_ && pull_tma_fits(row_bytes) ? launch_pull_tma : launch_pull;
+  launch(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
+         ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
+         R_alloc, stream_of(stream));
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,

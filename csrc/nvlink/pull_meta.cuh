@@ -1,0 +1,60 @@
+// What both pull kernels (register copies in dispatch.cu, bulk copies in pull_tma.cu) write per
+// received row besides the row itself: its local expert ids and weights, read from the source's stage
+// area, and the padding rows of a worst-case-sized output.
+#pragma once
+#include "nvlink/device.cuh"
+
+namespace ep {
+namespace nvl {
+
+// The source token of received row i (from source `src`): the handle's recv_src on a cached dispatch,
+// else read from the source's send list over NVLink and recorded in recv_src for the handle.
+__device__ __forceinline__ int pull_row_token(const Ctx& c, const int* s_off, int src, int i, int cached,
+                                              int* __restrict__ recv_src) {
+  if (cached) return recv_src[i];
+  const int* sl = reinterpret_cast<const int*>(c.peers[src] + c.off_send_list);
+  const int tok = ld_volatile(sl + static_cast<size_t>(c.rank) * c.max_tokens + (i - s_off[src]));
+  recv_src[i] = tok;
+  return tok;
+}
+
+// Row i came from token `tok` of rank `src`: its topk ids as local ids (-1 where the expert is not
+// in [lo, hi)) and the weights of the local ones (0 elsewhere). Eight remote loads in flight.
+__device__ __forceinline__ void pull_row_meta(const Ctx& c, int src, int tok, int i, int K, int64_t lo, int64_t hi,
+                                              int64_t* __restrict__ out_idx, float* __restrict__ out_w) {
+  const int64_t* gi = reinterpret_cast<const int64_t*>(c.peers[src] + c.off_stage_idx) + static_cast<size_t>(tok) * K;
+  const float* gwt = reinterpret_cast<const float*>(c.peers[src] + c.off_stage_w) + static_cast<size_t>(tok) * K;
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    int64_t g[8];
+    float wv[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (k0 + q < K) {
+        g[q] = gi[k0 + q];
+        wv[q] = out_w ? gwt[k0 + q] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (k0 + q < K) {
+        const bool mine = g[q] >= lo && g[q] < hi;
+        if (out_idx) out_idx[static_cast<size_t>(i) * K + k0 + q] = mine ? g[q] - lo : -1;
+        if (out_w) out_w[static_cast<size_t>(i) * K + k0 + q] = mine ? wv[q] : 0.f;
+      }
+    }
+  }
+}
+
+// Rows [R, R_alloc) of a worst-case-sized output route nowhere (ids -1, weights 0); the grid shares them.
+__device__ __forceinline__ void pull_pad_rows(int R, int R_alloc, int K, int64_t* __restrict__ out_idx,
+                                              float* __restrict__ out_w) {
+  for (int i = R + blockIdx.x * blockDim.x + threadIdx.x; i < R_alloc; i += gridDim.x * blockDim.x) {
+    for (int k = 0; k < K; ++k) {
+      if (out_idx) out_idx[static_cast<size_t>(i) * K + k] = -1;
+      if (out_w) out_w[static_cast<size_t>(i) * K + k] = 0.f;
+    }
+  }
+}
+
+}  // namespace nvl
+}  // namespace ep
