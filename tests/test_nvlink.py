@@ -51,14 +51,14 @@ def _same_dispatch(a, b, ctx):
 
 
 def _register_pull(nv, call):
-    """call() with the rank-major pull's rows moved by registers instead of bulk copies (TMA, the default)."""
+    """call() with the pulls moving rows by registers instead of bulk copies (TMA, the default)."""
     rt = nv._backend._rt
-    assert rt.pull_tma
-    rt.pull_tma = False
+    assert rt.tma
+    rt.tma = False
     try:
         return call()
     finally:
-        rt.pull_tma = True
+        rt.tma = True
 
 
 def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
@@ -334,6 +334,8 @@ def check_expert(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, alignme
     a = nv.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)
     b = ref.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)
     n = _same_expert(a, b, ctx)
+    _same_expert(_register_pull(nv, lambda: nv.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)),
+                 b, f"{ctx} register pull")
     # rows scaled per local expert: combine sums each token's experts (and ranks)
     epr = E // world
     seg = torch.zeros(a.x.shape[0], device="cuda")

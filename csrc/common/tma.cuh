@@ -49,13 +49,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// Shared -> global as one bulk group.
+// Shared -> global, in the current bulk group (closed by tma_commit).
 __device__ __forceinline__ void tma_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
                "r"(smem_addr(smem_src)), "r"(bytes)
                : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // At most N bulk groups of this thread still reading shared memory (their smem may be reused after).
 template <int N>
@@ -65,5 +66,44 @@ __device__ __forceinline__ void tma_store_wait_read() {
 
 // Every bulk group of this thread complete (its writes done).
 __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// A ring of slots in shared memory through which one thread streams items (rows, or pieces of a
+// contiguous copy): load item head into slot head % nslot, and when the ring is full, the caller waits
+// for the oldest item (wait_oldest), writes it out with tma_store and closes one bulk group per item
+// (tma_commit, pop). A load into a slot must wait until the item that last used it is done being read;
+// with at most nslot - kLag loads outstanding, at least kLag groups were committed after that one, so
+// cp.async.bulk.wait_group.read kLag suffices and rarely blocks. Needs nslot > kLag.
+template <int kLag>
+struct BulkRing {
+  char* buf;
+  uint64_t* bar;
+  int nslot, slot_bytes;
+  int head = 0, tail = 0;  // items loaded, items written out
+
+  // Thread 0 of the block, then __syncthreads before any use.
+  __device__ void init() const {
+    for (int s = 0; s < nslot; ++s) mbar_init(&bar[s], 1);
+    fence_mbar_init();
+  }
+  __device__ bool full() const { return head - tail >= nslot - kLag; }
+  __device__ bool empty() const { return head == tail; }
+  __device__ int slot_of(int n) const { return n % nslot; }
+  __device__ void load(const void* src, uint32_t bytes) {
+    tma_store_wait_read<kLag>();
+    const int s = slot_of(head);
+    tma_load(buf + static_cast<size_t>(s) * slot_bytes, src, bytes, &bar[s]);
+    ++head;
+  }
+  // The oldest item's data, once loaded (a bulk load in flight always completes: no deadline).
+  __device__ const char* wait_oldest() const {
+    const int s = slot_of(tail);
+    mbar_wait(&bar[s], (tail / nslot) & 1);
+    return buf + static_cast<size_t>(s) * slot_bytes;
+  }
+  __device__ void pop() {
+    tma_commit();
+    ++tail;
+  }
+};
 
 }  // namespace ep

@@ -11,6 +11,16 @@ namespace nvl {
 constexpr int kThreads = 512;  // stage, pull and combine blocks
 constexpr int kPullU = 8;      // 16-byte vectors in flight per lane in the warp copies
 
+// The bulk-copy (TMA) kernels' shared-memory ring (common/tma.cuh): its bytes, slot cap and lag.
+constexpr int kRingBytes = 176 * 1024;
+constexpr int kRingMaxSlots = 32;
+constexpr int kRingLag = 2;
+__host__ __device__ inline int ring_slots(int slot_bytes) {
+  if (slot_bytes <= 0 || slot_bytes % 16) return 0;
+  const int n = kRingBytes / slot_bytes;
+  return n < kRingMaxSlots ? n : kRingMaxSlots;
+}
+
 // flag[kind][src] in owner's buffer: src writes it, owner waits on it.
 __device__ __forceinline__ int* flag_at(const Ctx& c, int owner, int kind, int src) {
   return reinterpret_cast<int*>(c.peers[owner] + c.off_flags) + kind * kMaxRanks + src;

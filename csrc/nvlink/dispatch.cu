@@ -31,7 +31,8 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
   char* base = c.peers[c.rank];
   const size_t gtid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t gsize = static_cast<size_t>(gridDim.x) * blockDim.x;
-  // 8 x 16 B loads in flight per thread
+  // 8 x 16 B loads in flight per thread. (Bulk copies here measured no faster on 2x H200: a local
+  // copy, bound by HBM rather than by bytes in flight.)
   grid_copy<8>(x, reinterpret_cast<int4*>(base + c.off_stage_x), static_cast<size_t>(T) * row_bytes / 16, gtid,
                gsize);
   if (scales) {

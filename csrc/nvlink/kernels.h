@@ -39,6 +39,12 @@ void launch_expert_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, fl
                         float* out_w, int K, const int* recv_off, const int* recv_src, int* positions,
                         const int64_t* out_idx, int cached, const int* scratch, const int64_t* offsets,
                         const int64_t* counts, cudaStream_t stream);
+// expert_pull_tma.cu: expert_pull with the rows moved by bulk copies (TMA), for BF16 rows that fit its ring.
+bool expert_pull_tma_fits(int row_bytes, int K, int nscales);
+void launch_expert_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
+                            float* out_w, int K, const int* recv_off, const int* recv_src, int* positions,
+                            const int64_t* out_idx, int cached, const int* scratch, const int64_t* offsets,
+                            const int64_t* counts, cudaStream_t stream);
 
 // combine_send.cu + combine_reduce.cu (split combine), combine_fused.cu (one kernel),
 // combine_expert.cu (send half for expert-major rows; then the reduce with self_in_area).

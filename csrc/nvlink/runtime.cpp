@@ -181,7 +181,7 @@ void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nsc
   check_row_bytes(row_bytes);
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
   set_device();
-  const auto launch = pull_tma_ && pull_tma_fits(row_bytes) ? launch_pull_tma : launch_pull;
+  const auto launch = tma_ && pull_tma_fits(row_bytes) ? launch_pull_tma : launch_pull;
   launch(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
          ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
          R_alloc, stream_of(stream));
@@ -221,10 +221,10 @@ void Runtime::expert_pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, 
     launch_expert_meta(ctx_, blocks, ptr<int64_t>(out_idx), ptr<const int>(recv_off), ptr<int>(recv_src),
                        ptr<int>(positions), K, R_alloc, alignment, ptr<int>(scratch), ptr<int64_t>(offsets),
                        stream_of(stream));
-  launch_expert_pull(ctx_, blocks, ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales, ptr<float>(out_w),
-                     K, ptr<const int>(recv_off), ptr<const int>(recv_src), ptr<int>(positions),
-                     ptr<const int64_t>(out_idx), cached, ptr<const int>(scratch), ptr<const int64_t>(offsets),
-                     ptr<const int64_t>(counts), stream_of(stream));
+  const auto launch = tma_ && expert_pull_tma_fits(row_bytes, K, nscales) ? launch_expert_pull_tma : launch_expert_pull;
+  launch(ctx_, blocks, ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales, ptr<float>(out_w), K,
+         ptr<const int>(recv_off), ptr<const int>(recv_src), ptr<int>(positions), ptr<const int64_t>(out_idx), cached,
+         ptr<const int>(scratch), ptr<const int64_t>(offsets), ptr<const int64_t>(counts), stream_of(stream));
 }
 
 void Runtime::combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off,

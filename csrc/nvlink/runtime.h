@@ -33,9 +33,10 @@ class Runtime {
   void pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
             uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
             int num_sms, uintptr_t stream);
-  // which pull moves the rows: bulk copies (TMA, the default where the row fits its ring) or registers
-  bool pull_tma() const { return pull_tma_; }
-  void set_pull_tma(bool on) { pull_tma_ = on; }
+  // whether the pulls (rank-major, expert-major) move rows by bulk copies (TMA, the default; rows too
+  // large for the ring still use registers) or by register copies
+  bool tma() const { return tma_; }
+  void set_tma(bool on) { tma_ = on; }
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16
   // fused=1: one kernel, senders signal per 8-token chunk and the source reduces each chunk as soon
   // as it is complete (needs recv_src from the dispatch); fused=0: send kernel, then reduce kernel.
@@ -80,7 +81,7 @@ class Runtime {
   HostInfo* host_ = nullptr;
   HostInfo* host_dev_ = nullptr;
   bool opened_ = false;
-  bool pull_tma_ = true;
+  bool tma_ = true;
   Ctx ctx_{};
 };
 

@@ -28,8 +28,8 @@ void bind_nvlink(py::module_& m) {
       .def("pull", &Runtime::pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"))
-      .def_property("pull_tma", &Runtime::pull_tma, &Runtime::set_pull_tma,
-                    "rank-major pull by bulk copies (TMA) where the row fits its ring; False: register copies")
+      .def_property("tma", &Runtime::tma, &Runtime::set_tma,
+                    "the pulls move rows by bulk copies (TMA; rows too large for the ring: registers); False: registers")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("fused"), py::arg("stream"))
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
