@@ -19,6 +19,8 @@ and runs every local expert on exactly its rows. Reported per case:
   rows_sent: rows this rank puts on the wire per direction (DeepSpeed: experts x capacity,
             padding included; ep_plugin: kept tokens, one per destination rank);
   max_abs_diff: largest output difference between the two paths (same inputs and gate RNG).
+With --profile, also where a layer step's GPU time goes: the top kernels of each path (torch
+profiler, rank 0, per step), printed and kept under "profile" in the JSON.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def parse():
     p.add_argument("--warmup", type=int, default=10, help="routing varies per step: warm the allocator and GEMM heuristics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test)")
+    p.add_argument("--profile", action="store_true", help="top GPU kernels per layer step of each path")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "deepspeed_layer.json"))
     return p.parse_args()
@@ -116,6 +119,24 @@ def main():
             json.dump(data, f, indent=1)
         print(f"wrote {a.out}")
     dist.barrier()
+
+
+def top_kernels(fn, steps: int = 5, top: int = 12):
+    """[(kernel name, us per step)] of fn's top GPU kernels, and the GPU total per step (us)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)  # kernels only: an op's own device time is 0
+        t = getattr(ev, "self_cuda_time_total", 0) if t is None else t
+        if t:
+            rows.append((ev.key[:90], t / steps))
+    rows.sort(key=lambda r: -r[1])
+    return [(k, round(v, 1)) for k, v in rows[:top]], round(sum(v for _, v in rows), 1)
 
 
 def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
@@ -203,6 +224,13 @@ def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
             r = {"impl": name, "drop_tokens": drop, "layer_ms": round(t_layer, 3), "comm_ms": round(t_comm, 3),
                  "rows_sent_max_rank": int(rows_t.item()), "capacity": C,
                  "max_abs_diff": float(diff.item()), "output_scale": scale}
+            if a.profile and not a.cpu:
+                kernels, total = top_kernels(layer_step(layer))
+                r["profile"] = {"gpu_us_per_step": total, "top_kernels_us_per_step": kernels}
+                if rank == 0:
+                    print(f"  profile {name} drop_tokens={drop}: GPU kernels {total / 1e3:.3f} ms per step; top:")
+                    for k, v in kernels:
+                        print(f"    {v:9.1f} us  {k}", flush=True)
             results.append(r)
             if rank == 0:
                 print(f"ep{ep} (world {world}) drop_tokens={drop!s:5} {name:18} layer fwd+bwd {t_layer:8.3f} ms   "
