@@ -6,7 +6,8 @@ handles gathered over the process group. Protocol and kernels: csrc/nvlink/.
 
 Dispatch = notify (counts, positions) -> stage (own rows into the IPC stage area) -> pull (each
 rank reads the rows addressed to it from the sources' stage areas, straight into its output
-tensor). Combine = every rank writes its rows back into the source's combine area at
+tensor; the rows move by bulk copies (TMA) through a shared-memory ring, csrc/nvlink/pull_tma.cu,
+where a row fits it, `Runtime.tma` = False for register copies). Combine = every rank writes its rows back into the source's combine area at
 [its rank, position]; the source sums per token in float and writes BF16. `comm.combine_kernel`
 picks a send kernel then a reduce kernel ("split", the default) or one fused kernel in which the
 source reduces each 8-token chunk as soon as its rows have arrived. On 4x H200 (2026-11-22) split
