@@ -29,10 +29,14 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from protocols import kernel_breakdown  # noqa: E402
 
 
 def parse():
@@ -121,24 +125,6 @@ def main():
     dist.barrier()
 
 
-def top_kernels(fn, steps: int = 5, top: int = 12):
-    """[(kernel name, us per step)] of fn's top GPU kernels, and the GPU total per step (us)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)  # kernels only: an op's own device time is 0
-        t = getattr(ev, "self_cuda_time_total", 0) if t is None else t
-        if t:
-            rows.append((ev.key[:90], t / steps))
-    rows.sort(key=lambda r: -r[1])
-    return [(k, round(v, 1)) for k, v in rows[:top]], round(sum(v for _, v in rows), 1)
-
-
 def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
     from ep_plugin.integrations.deepspeed.layer import wire_dtype
     E, H, world_ep = a.experts_per_rank * ep, a.hidden, ep
@@ -225,12 +211,9 @@ def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
                  "rows_sent_max_rank": int(rows_t.item()), "capacity": C,
                  "max_abs_diff": float(diff.item()), "output_scale": scale}
             if a.profile and not a.cpu:
-                kernels, total = top_kernels(layer_step(layer))
-                r["profile"] = {"gpu_us_per_step": total, "top_kernels_us_per_step": kernels}
+                r["profile_us_per_step"] = prof = kernel_breakdown(layer_step(layer), n=5, top=12)
                 if rank == 0:
-                    print(f"  profile {name} drop_tokens={drop}: GPU kernels {total / 1e3:.3f} ms per step; top:")
-                    for k, v in kernels:
-                        print(f"    {v:9.1f} us  {k}", flush=True)
+                    print(f"  profile {name} drop_tokens={drop} (us per step): {prof}", flush=True)
             results.append(r)
             if rank == 0:
                 print(f"ep{ep} (world {world}) drop_tokens={drop!s:5} {name:18} layer fwd+bwd {t_layer:8.3f} ms   "

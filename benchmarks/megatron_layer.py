@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from protocols import kernel_breakdown  # noqa: E402
 
 
 def parse_args():
@@ -65,6 +67,7 @@ def parse_args():
                    help="comm.backend values to also time with megatron's TEGroupedMLP (host counts)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--profile", action="store_true", help="top GPU kernels per forward+backward step (torch profiler)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "megatron_layer.json"))
     a = p.parse_args()
     if a.tiny:
@@ -305,8 +308,11 @@ def time_layer(layer, x0, gy, args, cuda):
                          statistics.median(local)], dtype=torch.float64, device=x0.device)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     v = vals.tolist()
-    return {"fwd_bwd_ms": v[0], "fwd_ms": v[1], "fwd_comm_ms": v[2], "fwd_local_permute_ms": v[3],
-            "fwd_bwd_ms_all_iters_rank0": [round(t, 3) for t in times]}
+    out = {"fwd_bwd_ms": v[0], "fwd_ms": v[1], "fwd_comm_ms": v[2], "fwd_local_permute_ms": v[3],
+           "fwd_bwd_ms_all_iters_rank0": [round(t, 3) for t in times]}
+    if args.profile and cuda:  # where a step's GPU time goes (rank 0 prints it)
+        out["profile_us_per_step"] = kernel_breakdown(step, n=3, top=14)
+    return out
 
 
 def _release(cuda):
@@ -404,6 +410,8 @@ def timing(world, rank, device, args):
                 mem = f"  peak {r['peak_mem_gib']:.2f} GiB (+{r['peak_mem_added_gib']:.2f})" if "peak_mem_gib" in r else ""
                 print(f"[ep{world}] {label:26s} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms  "
                       f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f}){mem}", flush=True)
+                if "profile_us_per_step" in r:
+                    print(f"[ep{world}] {label} GPU kernels per step (us): {r['profile_us_per_step']}", flush=True)
             del layer
         except Exception:
             out[label] = {"error": traceback.format_exc()[-3000:]}

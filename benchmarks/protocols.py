@@ -202,8 +202,9 @@ def failed(error: str, protocols=PROTOCOLS) -> Dict:
     return out
 
 
-def kernel_breakdown(fn: Callable[[], object], n: int = 10) -> Dict[str, float]:
-    """Average device time per kernel name (us per call) over n calls, via the torch profiler."""
+def kernel_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
+    """Average device time per kernel name (us per call) over n calls, via the torch profiler: the
+    `top` largest, and "total" (every kernel)."""
     try:
         from torch.profiler import ProfilerActivity, profile
         torch.cuda.synchronize()
@@ -213,13 +214,14 @@ def kernel_breakdown(fn: Callable[[], object], n: int = 10) -> Dict[str, float]:
             torch.cuda.synchronize()
         out: Dict[str, float] = {}
         for ev in prof.key_averages():
-            dt = getattr(ev, "device_time_total", None)
+            dt = getattr(ev, "self_device_time_total", None)  # kernels only: an op's own device time is 0
             if dt is None:
-                dt = getattr(ev, "cuda_time_total", 0)
+                dt = getattr(ev, "self_cuda_time_total", 0)
             if dt:
                 name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
                 name = name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60]
                 out[name] = round(out.get(name, 0.0) + dt / n, 2)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
+        total = round(sum(out.values()), 1)
+        return {**dict(sorted(out.items(), key=lambda kv: -kv[1])[:top]), "total": total}
     except Exception as exc:  # profiler unavailable: not fatal
         return {"error": _short(exc)}
