@@ -40,6 +40,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import cpu_name  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:  # an ep_plugin on PYTHONPATH wins over this tree
     import ep_plugin
@@ -204,7 +207,7 @@ def time_pairs(dispatch: Callable, combine: Callable, n: int, warmup: int = 200)
 
 def run_table(args) -> None:
     print(f"ep_plugin from {os.path.dirname(ep_plugin.__file__)}")
-    print(f"HOST OVERHEAD ONLY (Python on {_cpu_name()}, torch {torch.__version__}; fake runtime, "
+    print(f"HOST OVERHEAD ONLY (Python on {cpu_name()}, torch {torch.__version__}; fake runtime, "
           f"{args.device} tensors; no launch, no CUDA allocator). E_l {E_L}, M {M}, H {H}, top-{K}; "
           f"median of {args.n} calls, best of {args.repeats}.")
     print(f"{'layer':8} {'rows':5} {'output_buffers':>14} {'fused':>5} {'dispatch us':>12} {'combine us':>11} "
@@ -235,17 +238,6 @@ def run_profile(args) -> None:
     print(f"HOST OVERHEAD ONLY: cProfile of {args.n} {layer} FP8 dispatch+combine pairs, output_buffers "
           f"{args.output_buffers[-1]} (cProfile inflates Python calls; use it for the ranking, not the times)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
 
 
 def main(argv=None) -> None:

@@ -44,6 +44,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import cpu_name  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:  # an ep_plugin on PYTHONPATH wins over this tree
     import ep_plugin
@@ -355,7 +358,7 @@ def build(mode: str, T: int):
 
 def run_table(args, backends) -> None:
     print(f"ep_plugin from {os.path.dirname(ep_plugin.__file__)}")
-    print(f"HOST OVERHEAD ONLY, CPU box (Python on {_cpu_name()}, torch {torch.__version__}; fake NvlinkRuntime, "
+    print(f"HOST OVERHEAD ONLY, CPU box (Python on {cpu_name()}, torch {torch.__version__}; fake NvlinkRuntime, "
           f"fake torch.cuda, CPU tensors; no launch, no CUDA allocator). Rank 0 of {W}, E {E}, top-{K}, H {H}, "
           f"max_tokens {MAX_TOKENS}, {SMS} SMs; median us of {args.n} calls, best of {args.repeats}.")
     head = f"{'backend':10} {'T':>5} {'mode':15} {'to notify':>9} {'dispatch':>9} {'cached':>8} {'combine':>8}"
@@ -405,17 +408,6 @@ def load_backend(path: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
 
 
 def main(argv=None) -> None:

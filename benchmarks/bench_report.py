@@ -298,6 +298,18 @@ def git_commit(tree: str) -> Dict:
     return {"commit": "unknown", "commit_source": None, "commit_dirty": None}
 
 
+def cpu_name() -> str:
+    """The host CPU's model name (host-overhead benchmarks report where their Python ran)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
+#include "nvlink/pull_meta.cuh"
 
 namespace ep {
 namespace nvl {
@@ -225,15 +226,7 @@ expert_pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __rest
       }
     }
   }
-  // Zero rows pad each segment up to the alignment (expert e: [offsets[e] + counts[e], offsets[e+1])).
-  for (int x = gw; x < EL; x += NW) {
-    const int64_t p0 = offsets[x] + counts[x], p1 = offsets[x + 1];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int j = lane; j < n16; j += 32) out_x[static_cast<size_t>(p) * n16 + j] = make_int4(0, 0, 0, 0);
-      for (int j = lane; j < nscales && out_scales; j += 32) out_scales[static_cast<size_t>(p) * nscales + j] = 0.f;
-      if (lane == 0 && out_w) out_w[p] = 0.f;
-    }
-  }
+  expert_pad_rows(gw, NW, lane, EL, offsets, counts, out_x, n16, out_scales, nscales, out_w);
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;

@@ -12,6 +12,7 @@
 #include "common/tma.cuh"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
+#include "nvlink/pull_meta.cuh"
 
 namespace ep {
 namespace nvl {
@@ -110,17 +111,8 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
     tma_store_wait_all();  // out_x written before PULL_DONE and the kernel's end
     fence_proxy_async();   // ... and ordered before the generic release below
   }
-  // Zero rows pad each segment up to the alignment (expert x: [offsets[x] + counts[x], offsets[x+1])).
-  const int n16 = row_bytes / 16;
-  int4* out16 = reinterpret_cast<int4*>(out_x);
-  for (int x = blockIdx.x * kWarps + warp; x < EL; x += NW) {
-    const int64_t p0 = offsets[x] + counts[x], p1 = offsets[x + 1];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int j = lane; j < n16; j += 32) out16[static_cast<size_t>(p) * n16 + j] = make_int4(0, 0, 0, 0);
-      for (int j = lane; j < nscales && out_scales; j += 32) out_scales[static_cast<size_t>(p) * nscales + j] = 0.f;
-      if (lane == 0 && out_w) out_w[p] = 0.f;
-    }
-  }
+  expert_pad_rows(blockIdx.x * kWarps + warp, NW, lane, EL, offsets, counts, reinterpret_cast<int4*>(out_x),
+                  row_bytes / 16, out_scales, nscales, out_w);
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;

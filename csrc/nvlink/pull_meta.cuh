@@ -1,6 +1,6 @@
-// What both pull kernels (register copies in dispatch.cu, bulk copies in pull_tma.cu) write per
-// received row besides the row itself: its local expert ids and weights, read from the source's stage
-// area, and the padding rows of a worst-case-sized output.
+// What the pull kernels (register copies in dispatch.cu / expert.cu, bulk copies in pull_tma.cu /
+// expert_pull_tma.cu) write besides the rows themselves: a row's source token, local expert ids and
+// weights, read from the source's stage area, and the padding rows of worst-case or aligned outputs.
 #pragma once
 #include "nvlink/device.cuh"
 
@@ -52,6 +52,21 @@ __device__ __forceinline__ void pull_pad_rows(int R, int R_alloc, int K, int64_t
     for (int k = 0; k < K; ++k) {
       if (out_idx) out_idx[static_cast<size_t>(i) * K + k] = -1;
       if (out_w) out_w[static_cast<size_t>(i) * K + k] = 0.f;
+    }
+  }
+}
+
+// Expert-major outputs: the zero rows that pad each expert's segment up to the alignment (expert x:
+// [offsets[x] + counts[x], offsets[x+1])), a warp per expert (warp gw of NW in the grid).
+__device__ __forceinline__ void expert_pad_rows(int gw, int NW, int lane, int EL, const int64_t* __restrict__ offsets,
+                                                const int64_t* __restrict__ counts, int4* __restrict__ out_x, int n16,
+                                                float* __restrict__ out_scales, int nscales, float* __restrict__ out_w) {
+  for (int x = gw; x < EL; x += NW) {
+    const int64_t p0 = offsets[x] + counts[x], p1 = offsets[x + 1];
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int j = lane; j < n16; j += 32) out_x[static_cast<size_t>(p) * n16 + j] = make_int4(0, 0, 0, 0);
+      for (int j = lane; j < nscales && out_scales; j += 32) out_scales[static_cast<size_t>(p) * nscales + j] = 0.f;
+      if (lane == 0 && out_w) out_w[p] = 0.f;
     }
   }
 }
