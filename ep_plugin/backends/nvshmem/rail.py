@@ -29,11 +29,11 @@ from ..._ext import get_c
 from ...types import FP8_BLOCK
 from . import runtime
 from .faults import ReportsFaults
+from .rail_plan import plan_rail
 from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stream as _current_stream, ptr as _ptr
 
 MAX_NODES = 128   # rail_device.cuh kMaxNodes
 MAX_TOPK = 32     # one lane per k
-AUTO_BLOCKS = 24  # comm.num_sms: auto
 
 
 class _CudaBytes:
@@ -91,12 +91,13 @@ class NvshmemRail(ReportsFaults):
         self.timeout_s = float(cfg.comm.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        num_sms = cfg.comm.num_sms
-        self.num_blocks = min(AUTO_BLOCKS if num_sms == "auto" else int(num_sms), sms)
         one_host = runtime._host_layout(group)[0]  # collective; across hosts the puts need staging areas
+        self.plan = plan_rail(cfg, self.N, P, self.M, hidden, num_experts, self.fp8, sms, one_host)
+        self.num_blocks = self.plan.num_blocks
+        runtime.logger.info("ep_plugin.nvshmem rail: %s", self.plan.why)
         heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8),
                                         int(force_puts or not one_host))
-        runtime.join(group, heap, cfg.comm.rdma)
+        runtime.join(group, heap, cfg.comm.rdma, auto_qps=self.plan.auto_qps)
         self._rt = C.RailRuntime(self.rank, self.world, P, num_experts, self.M, self.max_topk, hidden,
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]

@@ -20,7 +20,7 @@ import atexit
 import logging
 import os
 import socket
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,12 @@ def _host_layout(group) -> Tuple[bool, int, int]:
 
 
 def environment(heap_bytes: int, one_host: bool, rdma_cfg: Any = None, local_rank: int = 0,
-                world: int = 1) -> dict:
+                world: int = 1, auto_qps: Optional[int] = None) -> dict:
     """The NVSHMEM settings this job starts with (user-set variables win, NVLS is always off).
 
     ``rdma_cfg`` (a ``comm.rdma`` section), ``local_rank`` and ``world``: across hosts, the RDMA
-    knobs' variables for this rank (``rdma_env.rdma_environment``). On one host no NIC is used
+    knobs' variables for this rank (``rdma_env.rdma_environment``; ``auto_qps``: what
+    ``qps_per_peer: auto`` resolves to, from the backend's plan). On one host no NIC is used
     (``NVSHMEM_REMOTE_TRANSPORT=none``), so they are not set."""
     env = {"NVSHMEM_DISABLE_NVLS": "1"}
     if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
@@ -62,15 +63,16 @@ def environment(heap_bytes: int, one_host: bool, rdma_cfg: Any = None, local_ran
     if one_host and "NVSHMEM_REMOTE_TRANSPORT" not in os.environ:
         env["NVSHMEM_REMOTE_TRANSPORT"] = "none"
     if not one_host and rdma_cfg is not None:
-        env.update(rdma_environment(rdma_cfg, local_rank, world))
+        env.update(rdma_environment(rdma_cfg, local_rank, world, auto_qps=auto_qps))
     return env
 
 
-def join(group, heap_bytes: int, rdma_cfg: Any = None) -> None:
+def join(group, heap_bytes: int, rdma_cfg: Any = None, *, auto_qps: Optional[int] = None) -> None:
     """Start NVSHMEM over `group` if this process has not yet (collective over the group).
 
     ``rdma_cfg``: the config's ``comm.rdma`` section (None: NVSHMEM's RDMA defaults), applied when the
-    group spans hosts."""
+    group spans hosts; ``auto_qps``: what its ``qps_per_peer: auto`` resolves to (the first buffer to
+    start NVSHMEM decides: QPs are set once per process)."""
     C = get_c()
     if not getattr(C, "HAS_NVSHMEM", False):
         raise BackendUnavailableError("ep_plugin._C is built without NVSHMEM (pip install nvidia-nvshmem-cu13 "
@@ -84,9 +86,9 @@ def join(group, heap_bytes: int, rdma_cfg: Any = None) -> None:
     one_host, local_rank, local_world = _host_layout(group)
     if not one_host:
         check_local_ranks(rdma_cfg, local_world)  # every rank raises alike: none waits on the others
-    env = environment(heap_bytes, one_host, rdma_cfg, local_rank, len(ranks))
+    env = environment(heap_bytes, one_host, rdma_cfg, local_rank, len(ranks), auto_qps)
     if not one_host and rdma_cfg is not None:
-        for var, (mine, user) in shadowed(rdma_cfg, local_rank, len(ranks)).items():
+        for var, (mine, user) in shadowed(rdma_cfg, local_rank, len(ranks), auto_qps=auto_qps).items():
             logger.info("ep_plugin.nvshmem: %s=%s from the environment wins over comm.rdma's %s", var, user, mine)
     os.environ.update(env)  # NVSHMEM_DISABLE_NVLS=1 included, whatever was set before
     torch.cuda.init()
