@@ -53,7 +53,7 @@ def _same_dispatch(a, b, ctx):
 def _register_pull(nv, call):
     """call() with the pulls moving rows by registers instead of bulk copies (TMA, the default)."""
     rt = nv._backend._rt
-    assert rt.tma
+    assert rt.tma and rt.tma_supported == (torch.cuda.get_device_capability()[0] >= 9)  # sm_90 builds
     rt.tma = False
     try:
         return call()

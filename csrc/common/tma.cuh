@@ -6,6 +6,12 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+// Built for an older target (EP_PLUGIN_CUDA_ARCH=80, ...): the bulk-copy kernels still compile, with
+// traps in place of the sm_90 instructions, and the launchers never pick them (tma_supported).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define EP_NO_TMA 1
+#endif
+
 namespace ep {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -13,21 +19,34 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#ifndef EP_NO_TMA
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  __trap();
+#endif
 }
 
 // Makes initialised mbarriers visible to the async proxy (the TMA unit) before its first use.
 __device__ __forceinline__ void fence_mbar_init() {
+#ifndef EP_NO_TMA
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 // Orders this thread's earlier generic-proxy accesses (e.g. acquiring a peer's flag) before later
 // async-proxy ones (bulk copies reading what that peer wrote).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() {
+#ifndef EP_NO_TMA
+  asm volatile("fence.proxy.async;" ::: "memory");
+#endif
+}
 
 // Global -> shared, `bytes` (multiple of 16, both addresses 16-byte aligned); completes on bar, whose
 // phase also expects the bytes.
 __device__ __forceinline__ void tma_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+#ifdef EP_NO_TMA
+  __trap();
+#else
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
   asm volatile(
@@ -35,10 +54,14 @@ __device__ __forceinline__ void tma_load(void* smem_dst, const void* gmem_src, u
           smem_addr(smem_dst)),
       "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+#endif
 }
 
 // Waits until bar completes the phase of the given parity (0, 1, 0, ... per use).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef EP_NO_TMA
+  __trap();
+#else
   uint32_t done = 0;
   while (!done) {
     asm volatile(
@@ -47,25 +70,40 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
   }
+#endif
 }
 
 // Shared -> global, in the current bulk group (closed by tma_commit).
 __device__ __forceinline__ void tma_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
+#ifdef EP_NO_TMA
+  __trap();
+#else
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
                "r"(smem_addr(smem_src)), "r"(bytes)
                : "memory");
+#endif
 }
 
-__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void tma_commit() {
+#ifndef EP_NO_TMA
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
 
 // At most N bulk groups of this thread still reading shared memory (their smem may be reused after).
 template <int N>
 __device__ __forceinline__ void tma_store_wait_read() {
+#ifndef EP_NO_TMA
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#endif
 }
 
 // Every bulk group of this thread complete (its writes done).
-__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void tma_store_wait_all() {
+#ifndef EP_NO_TMA
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
 
 // A ring of slots in shared memory through which one thread streams items (rows, or pieces of a
 // contiguous copy): load item head into slot head % nslot, and when the ring is full, the caller waits

@@ -125,7 +125,7 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
 // chunk, which then bound the chunk (2x H200, 4096 tokens, hidden 7168: FP8 553 us here against 460 us
 // with registers; BF16 588 against 622 us, cold).
 bool expert_pull_tma_fits(int row_bytes, int K, int nscales) {
-  return nscales == 0 && K <= kMaxTopk && ring_slots(row_bytes) > kRingLag;
+  return nscales == 0 && K <= kMaxTopk && ring_slots(row_bytes) > kRingLag && tma_supported();
 }
 
 void launch_expert_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,

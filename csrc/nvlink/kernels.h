@@ -24,7 +24,9 @@ void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* ou
                  int R_alloc, cudaStream_t stream);
 
 // pull_tma.cu: the same pull with the rows moved by bulk copies (TMA) through a shared-memory ring;
-// for rows that leave at least three slots of the ring (pull_tma_fits).
+// for rows that leave at least three slots of the ring (pull_tma_fits), on sm_90+ builds and GPUs
+// (tma_supported).
+bool tma_supported();
 bool pull_tma_fits(int row_bytes);
 void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                      int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,

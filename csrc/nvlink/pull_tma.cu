@@ -101,7 +101,24 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
 
 }  // namespace
 
-bool pull_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRingLag; }
+bool tma_supported() {
+  // The bulk-copy kernels run only where they were built for sm_90+ (EP_PLUGIN_CUDA_ARCH) and the
+  // current GPU is one; cached per device (a launcher calls this on every launch).
+  static int known[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  EP_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return false;
+  if (!known[dev]) {
+    cudaFuncAttributes attr{};
+    int major = 0;
+    EP_CUDA_CHECK(cudaFuncGetAttributes(&attr, pull_tma_kernel));
+    EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    known[dev] = attr.binaryVersion >= 90 && major >= 9 ? 1 : 2;
+  }
+  return known[dev] == 1;
+}
+
+bool pull_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRingLag && tma_supported(); }
 
 void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                      int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,

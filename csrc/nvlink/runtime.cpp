@@ -174,6 +174,11 @@ void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nsc
                ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, stream_of(stream));
 }
 
+bool Runtime::tma_supported() const {
+  set_device();
+  return nvl::tma_supported();
+}
+
 void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
                    uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
                    int num_sms, uintptr_t stream) {

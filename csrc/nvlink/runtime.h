@@ -37,6 +37,7 @@ class Runtime {
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }
   void set_tma(bool on) { tma_ = on; }
+  bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16
   // fused=1: one kernel, senders signal per 8-token chunk and the source reduces each chunk as soon
   // as it is complete (needs recv_src from the dispatch); fused=0: send kernel, then reduce kernel.

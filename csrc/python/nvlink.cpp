@@ -30,6 +30,8 @@ void bind_nvlink(py::module_& m) {
            py::arg("recv_src"), py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"))
       .def_property("tma", &Runtime::tma, &Runtime::set_tma,
                     "the pulls move rows by bulk copies (TMA; rows too large for the ring: registers); False: registers")
+      .def_property_readonly("tma_supported", &Runtime::tma_supported,
+                             "whether this build (EP_PLUGIN_CUDA_ARCH >= 90) and this GPU run the bulk-copy pulls")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("fused"), py::arg("stream"))
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
