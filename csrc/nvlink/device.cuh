@@ -1,6 +1,7 @@
 // What the nvlink kernels share: block size, vectors in flight, where a flag lives, and the
 // block-wide wait for one flag from every peer.
 #pragma once
+#include "common/error.h"
 #include "common/ptx.cuh"
 #include "common/wait.cuh"
 #include "nvlink/nvlink.h"
@@ -15,6 +16,18 @@ constexpr int kPullU = 8;      // 16-byte vectors in flight per lane in the warp
 constexpr int kRingBytes = 176 * 1024;
 constexpr int kRingMaxSlots = 32;
 constexpr int kRingLag = 2;
+// Raises a bulk-copy kernel's dynamic shared-memory limit to kRingBytes, once per device (the
+// attribute belongs to the device's context). `done`: the calling launcher's own flags.
+template <typename Kernel>
+inline void ring_smem_once(Kernel kernel, bool (&done)[64]) {
+  int dev = 0;
+  EP_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool tracked = dev >= 0 && dev < 64;
+  if (tracked && done[dev]) return;
+  EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes));
+  if (tracked) done[dev] = true;
+}
+
 __host__ __device__ inline int ring_slots(int slot_bytes) {
   if (slot_bytes <= 0 || slot_bytes % 16) return 0;
   const int n = kRingBytes / slot_bytes;

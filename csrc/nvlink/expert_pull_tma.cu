@@ -132,12 +132,8 @@ void launch_expert_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes
                             float* out_w, int K, const int* recv_off, const int* recv_src, int* positions,
                             const int64_t* out_idx, int cached, const int* scratch, const int64_t* offsets,
                             const int64_t* counts, cudaStream_t stream) {
-  static bool attr_set = false;  // per process: the kernel's shared memory limit raised once
-  if (!attr_set) {
-    EP_CUDA_CHECK(
-        cudaFuncSetAttribute(expert_pull_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes));
-    attr_set = true;
-  }
+  static bool smem_set[64] = {};
+  ring_smem_once(expert_pull_tma_kernel, smem_set);
   const int nslot = ring_slots(row_bytes);
   expert_pull_tma_kernel<<<blocks, kThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
       c, reinterpret_cast<char*>(out_x), row_bytes, out_scales, nscales, out_w, K, recv_off, recv_src, positions,

@@ -123,11 +123,8 @@ bool pull_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRingLag && t
 void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                      int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                      int R_alloc, cudaStream_t stream) {
-  static bool attr_set = false;  // per process: the kernel's shared memory limit raised once
-  if (!attr_set) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(pull_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes));
-    attr_set = true;
-  }
+  static bool smem_set[64] = {};
+  ring_smem_once(pull_tma_kernel, smem_set);
   const int nslot = ring_slots(row_bytes);
   pull_tma_kernel<<<blocks, kThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
       c, reinterpret_cast<char*>(out_x), row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src,
