@@ -18,9 +18,9 @@ the torch reference (no NVSHMEM build), its rows say "(torch reference engine)".
 Times are the slowest rank's median. Logical GB/s (DeepEP's): BF16 bytes of the rows a rank receives,
 one copy per rank, over the time, bottleneck rank. Floor: remote bytes of the busiest GPU at 478 GB/s.
 Prints one table and writes bench_dispatch_<label>.json (+ .png with matplotlib) to --out.
-The run goes in phases — ours (ep_plugin's low-latency rows at its end, or last: --ep-ll), DeepEP
-normal, DeepEP low-latency — and the JSON is rewritten after each, so a failure or a hang in one (killed
-at --timeout) keeps the rows measured before it.
+The run goes in phases — ours, DeepEP normal, DeepEP low-latency, then ep_plugin's low-latency rows
+(`--ep-ll first` puts them at the end of ours) — and the JSON is rewritten after each, so a failure or a
+hang in one (killed at --timeout) keeps the rows measured before it.
 """
 from __future__ import annotations
 
@@ -524,10 +524,11 @@ def parse_args(argv=None):
                          "host's share of a cold call (hidden_us in the JSON and the log)")
     ap.add_argument("--no-deepep", action="store_true", help="leave DeepEP out (its rows say n/a)")
     ap.add_argument("--no-deepep-ll", action="store_true", help="leave DeepEP's low-latency kernels out")
-    ap.add_argument("--ep-ll", choices=("first", "last", "off"), default="first",
-                    help="ep_plugin's low-latency rows (latency case): at the end of phase 1 (default), after "
-                         "DeepEP's phases with DeepEP's buffers closed (if the two NVSHMEM users clash in one "
-                         "process), or not at all")
+    ap.add_argument("--ep-ll", choices=("first", "last", "off"), default="last",
+                    help="ep_plugin's low-latency rows (latency case): after DeepEP's phases with DeepEP's buffers "
+                         "closed (default: with ours first, DeepEP v1.2.1's low-latency kernels then assert on "
+                         "num_rc_per_pe in the same process, 2x H200 2026-11-23), at the end of phase 1, or not "
+                         "at all")
     ap.add_argument("--timeout", type=float, default=200.0, help="seconds per EP size before the ranks are killed")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and the plot")
     ap.add_argument("--label", default="run", help="names the files: bench_dispatch_<label>.json")
