@@ -31,7 +31,7 @@ import ep_plugin  # noqa: E402
 from bench_inputs import E, H, K, group_limited_topk, quantize_fp8  # noqa: E402
 from bench_launch import init_rank, run_world  # noqa: E402
 from ep_plugin.plan.traffic import hierarchical_rows  # noqa: E402
-from protocols import Protocols, measure  # noqa: E402
+from protocols import Protocols, kernel_breakdown, measure  # noqa: E402
 
 T = 4096
 
@@ -107,18 +107,15 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
 
 def kernel_profile(buf, x, idx, w) -> str:
     """GPU time per kernel of one nvshmem dispatch + combine (torch profiler), where the time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     a = buf.dispatch(x, idx, w)
     buf.combine(a.x, a.handle)
-    torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        a = buf.dispatch(x, idx, w)
-        buf.combine(a.x, a.handle)
-        torch.cuda.synchronize()
-    return "nvshmem dispatch + combine, rank 0, per kernel:\n" + prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+    def pair():
+        r = buf.dispatch(x, idx, w)
+        buf.combine(r.x, r.handle)
+
+    return f"nvshmem dispatch + combine, rank 0, us per kernel: {kernel_breakdown(pair, n=3, top=18)}"
 
 
 def table(rows, world, P) -> str:

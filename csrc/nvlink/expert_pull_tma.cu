@@ -1,5 +1,5 @@
-// expert_pull with bulk copies (TMA): the same result as expert_pull_kernel in expert.cu (positions
-// resolved and written back, weights, FP8 scales, zero padding rows, PULL_DONE released), with each
+// expert_pull with bulk copies (TMA), for BF16 rows: the same result as expert_pull_kernel in expert.cu
+// (positions resolved and written back, weights, zero padding rows, PULL_DONE released), with each
 // received row loaded once into a shared-memory ring (common/tma.cuh's BulkRing) and written by bulk
 // stores into every one of its local experts' positions. The register version reads a row in
 // dependent rounds of 8 loads per lane, one row per warp at a time; here one thread per block keeps
@@ -22,8 +22,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kChunkRows = 64;
 
 __global__ void __launch_bounds__(kThreads)
-expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restrict__ out_scales, int nscales,
-                       float* __restrict__ out_w, int K, const int* __restrict__ recv_off,
+expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restrict__ out_w, int K, const int* __restrict__ recv_off,
                        const int* __restrict__ recv_src, int* __restrict__ positions,
                        const int64_t* __restrict__ out_idx, int cached, const int* __restrict__ scratch,
                        const int64_t* __restrict__ offsets, const int64_t* __restrict__ counts, int nslot) {
@@ -93,18 +92,6 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
       }
     }
     __syncthreads();
-    if (out_scales && n < nchunks && tid >= 32) {  // FP8 scales of chunk n into every position
-      const int a = r0 + n * kChunkRows, b = min(r1, a + kChunkRows);
-      for (int v = mt; v < (b - a) * nscales; v += nmt) {
-        const int j = v / nscales, col = v - j * nscales;
-        const float f = reinterpret_cast<const float*>(c.peers[s_src[n & 1][j]] + c.off_stage_scales)
-            [static_cast<size_t>(s_tok[n & 1][j]) * nscales + col];
-        for (int k = 0; k < K; ++k) {
-          const int p = s_pos[n & 1][j][k];
-          if (p >= 0) out_scales[static_cast<size_t>(p) * nscales + col] = f;
-        }
-      }
-    }
   }
   if (tid == 0) {
     while (!ring.empty()) store_oldest();
@@ -112,7 +99,7 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
     fence_proxy_async();   // ... and ordered before the generic release below
   }
   expert_pad_rows(blockIdx.x * kWarps + warp, NW, lane, EL, offsets, counts, reinterpret_cast<int4*>(out_x),
-                  row_bytes / 16, out_scales, nscales, out_w);
+                  row_bytes / 16, nullptr, 0, out_w);
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;
@@ -121,9 +108,9 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
 
 }  // namespace
 
-// FP8 rows stay with the register kernel: their scales are scattered by the metadata warps after each
-// chunk, which then bound the chunk (2x H200, 4096 tokens, hidden 7168: FP8 553 us here against 460 us
-// with registers; BF16 588 against 622 us, cold).
+// FP8 rows stay with the register kernel: a version of this one that scattered their scales from the
+// metadata warps after each chunk was bound by them (2x H200, 4096 tokens, hidden 7168, cold: FP8
+// 553 us against 460 us with registers; BF16 588 against 622 us).
 bool expert_pull_tma_fits(int row_bytes, int K, int nscales) {
   return nscales == 0 && K <= kMaxTopk && ring_slots(row_bytes) > kRingLag && tma_supported();
 }
@@ -132,11 +119,12 @@ void launch_expert_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes
                             float* out_w, int K, const int* recv_off, const int* recv_src, int* positions,
                             const int64_t* out_idx, int cached, const int* scratch, const int64_t* offsets,
                             const int64_t* counts, cudaStream_t stream) {
+  EP_CHECK_ARG(out_scales == nullptr && nscales == 0, "the bulk-copy expert pull takes BF16 rows only");
   static bool smem_set[64] = {};
   ring_smem_once(expert_pull_tma_kernel, smem_set);
   const int nslot = ring_slots(row_bytes);
   expert_pull_tma_kernel<<<blocks, kThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
-      c, reinterpret_cast<char*>(out_x), row_bytes, out_scales, nscales, out_w, K, recv_off, recv_src, positions,
+      c, reinterpret_cast<char*>(out_x), row_bytes, out_w, K, recv_off, recv_src, positions,
       out_idx, cached, scratch, offsets, counts, nslot);
   EP_CUDA_CHECK(cudaGetLastError());
 }
