@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ep_plugin
 from benchmarks import bench_nvlink_host as bench
@@ -43,17 +42,8 @@ class FillingRuntime(bench.FakeRuntime):
         return super().expert_scratch_ints(num_sms)
 
 
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.fixture
-def gpu(group):
+def gpu(solo):
     """(launch log, current FakeStream, Counter of torch.cuda stand-in calls) inside the fakes."""
     log, stream = [], bench.FakeStream(device=0)
     FillingRuntime.scratch_calls = 0
@@ -391,7 +381,7 @@ def test_backend_refuses_before_any_launch(gpu):
     buf.close()
 
 
-def test_bench_runs(group, capsys):
+def test_bench_runs(solo, capsys):
     bench.main(["-n", "3", "--repeats", "1", "--tokens", "128", "--modes", "bf16", "bf16 async", "-v"])
     out = capsys.readouterr().out
     assert "HOST OVERHEAD ONLY" in out and out.count("current ") == 2 and "stand-in calls" in out
