@@ -37,6 +37,11 @@ class EPEvent:
         self._on_complete = on_complete
         self._check = check  # raises what the kernels reported, once they have finished
 
+    @property
+    def cuda_event(self) -> Optional[torch.cuda.Event]:
+        """The CUDA event of the communication stream, if the call ran on one."""
+        return self._cuda_event
+
     def current_stream_wait(self) -> None:
         for w in self._works:
             w.wait()

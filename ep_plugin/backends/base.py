@@ -128,6 +128,16 @@ class Backend(abc.ABC):
         """combine_weights for [N] per-row weights of an expert-major dispatch: ([T, K], event)."""
         return self.combine_weights(expert_major.collapse_weights(weights, handle.expert), handle, async_op)
 
+    def stream_event(self, stream, tensors) -> EPEvent:
+        """The event of an async call that ran on `stream`: its tensors are kept from reuse until the
+        stream is done (record_stream), and the event raises what the backend's check() reports."""
+        for t in tensors:
+            if t is not None and t.numel():
+                t.record_stream(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return EPEvent(cuda_event=ev, check=self.check)
+
     def check(self) -> None:
         """Raise what finished work reported (EPTimeoutError; ValueError for expert ids out of range
         when the backend checks them); reads host memory only."""

@@ -135,14 +135,7 @@ class HierarchicalBackend(Backend):
 
     def _event(self, s, tensors) -> EPEvent:
         """The event of an async call: on the communication stream, or an empty one (CPU)."""
-        if s is None:
-            return EPEvent()
-        for t in tensors:
-            if t is not None and t.numel():
-                t.record_stream(s)
-        ev = torch.cuda.Event()
-        ev.record(s)
-        return EPEvent(cuda_event=ev, check=self.check)
+        return EPEvent() if s is None else self.stream_event(s, tensors)
 
     def _state(self, handle: Handle) -> HierarchicalState:
         if not isinstance(handle.state, HierarchicalState):

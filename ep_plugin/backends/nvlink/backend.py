@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ..._ext import get_c
 from ...errors import BackendUnavailableError, EPTimeoutError
 from ... import expert_major
-from ...types import (FP8_DTYPES, BackendState, DispatchOutput, EPEvent, ExpertLayout, Handle, HostCounts,
+from ...types import (FP8_DTYPES, BackendState, DispatchOutput, ExpertLayout, Handle, HostCounts,
                       PinnedRing, counts_from_lists)
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
@@ -247,14 +247,10 @@ class NvlinkBackend(Backend):
         return s, sp, cur
 
     def _finish(self, s, tensors):
-        """The event of an async call: its tensors are kept from reuse until the stream is done."""
-        for t in tensors:
-            if t is not None and t.numel():
-                t.record_stream(s)
-        ev = torch.cuda.Event()
-        ev.record(s)
-        self._tail = (s, ev)
-        return EPEvent(cuda_event=ev, check=self.check)
+        """The event of an async call; the next call on another stream waits for it."""
+        event = self.stream_event(s, tensors)
+        self._tail = (s, event.cuda_event)
+        return event
 
     def _state(self, handle: Handle) -> NvlinkState:
         if not isinstance(handle.state, NvlinkState):
