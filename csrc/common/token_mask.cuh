@@ -1,5 +1,6 @@
 // Which ranks a token goes to: the one rule that the layout kernel and the nvlink notify kernel
-// must agree on, or tokens would be counted for one rank and sent to another.
+// (its notify_token_mask, the same rule with batched loads) must agree on, or tokens would be
+// counted for one rank and sent to another.
 #pragma once
 #include <cstdint>
 
@@ -19,7 +20,7 @@ __device__ __forceinline__ Mask token_rank_mask(const int64_t* row, int num_topk
     const int64_t e = row[k];
     if (e < 0 || e >= num_experts) continue;
     if (kCount) atomicAdd(&expert_count[e], 1);
-    mask |= Mask(1) << (e / experts_per_rank);
+    mask |= Mask(1) << (static_cast<int>(e) / experts_per_rank);  // 32-bit: a 64-bit divide is a long subroutine
   }
   return mask;
 }

@@ -2,17 +2,18 @@
 // every peer how many rows (and rows per expert) to expect from it.
 //
 // Protocol, at epoch n = epochs[E_NOTIFY] + 1 (d = epochs[E_DISPATCH], the last finished dispatch):
+//   0. count this rank's tokens per destination rank and per expert (its own input only).
 //   1. wait META_ACK[p] >= n-1 at this rank for every peer p: p has read the counts this rank wrote
 //      into p's meta area last time, so they may be overwritten; and PULL_DONE[p] >= d: p has
 //      finished pulling from this rank's send list, which step 2 rewrites.
-//   2. build send_pos / is_in / send_list (this rank's buffer), write meta[me] = {rows, per-expert
-//      counts} into every peer's meta area, fence, then release COUNT[me] = n at every rank.
+//   2. write meta[me] = {rows, per-expert counts} into every peer's meta area, fence, release
+//      COUNT[me] = n at every rank; then build send_pos / is_in / send_list (this rank's buffer;
+//      peers read the send list only after this rank's stage releases STAGE, behind this kernel).
 //   3. wait COUNT[p] >= n for every peer, read the meta area: receive offsets, counts per local
-//      expert (device outputs and host-mapped info).
-//   4. release META_ACK[me] = n at every peer; epochs[E_NOTIFY] = n.
+//      expert (device outputs).
+//   4. release META_ACK[me] = n at every peer; epochs[E_NOTIFY] = n; the host-mapped info last.
 // A timeout in any wait records the missing peer with K_NOTIFY and returns; the host sees err.
 #include "common/error.h"
-#include "common/token_mask.cuh"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
 
@@ -20,7 +21,41 @@ namespace ep {
 namespace nvl {
 namespace {
 
-constexpr int kNotifyThreads = 1024;
+constexpr int kNotifyThreads = 512;  // 1024 threads leave 64 registers each: the scan spilled
+constexpr int kKeepChunks = 16;  // chunks of 32 tokens per warp whose rank masks (a byte per lane) stay in registers
+
+// A token's rank mask (bit r: some pick lives on rank r) from its K expert ids: token_rank_mask's rule
+// (common/token_mask.cuh), with the ids loaded eight at a time (16-byte loads where K is even and the
+// rows aligned) before the first use.
+template <bool kCount>
+__device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict__ row, int K, bool vec,
+                                                      int EL, int E, int* s_ecnt, bool& bad_id) {
+  unsigned m = 0;
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    int64_t id[8];
+    if (vec) {
+      const longlong2* v = reinterpret_cast<const longlong2*>(row + k0);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const longlong2 p = k0 + 2 * q < K ? __ldg(v + q) : make_longlong2(-1, -1);
+        id[2 * q] = p.x;
+        id[2 * q + 1] = p.y;
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) id[q] = k0 + q < K ? __ldg(row + k0 + q) : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int64_t e = id[q];
+      bad_id |= e < -1 || e >= E;
+      if (e < 0 || e >= E) continue;
+      if (kCount) atomicAdd(&s_ecnt[e], 1);
+      m |= 1u << (static_cast<int>(e) / EL);  // the rule of common/token_mask.cuh
+    }
+  }
+  return m;
+}
 
 __global__ void __launch_bounds__(kNotifyThreads, 1)
 notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __restrict__ send_pos,
@@ -36,37 +71,48 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   for (int i = tid; i < E; i += blockDim.x) s_ecnt[i] = 0;
 
-  // Peers must have consumed my previous meta and finished reading my send list / stage.
-  if (block_wait_peers(c, F_META_ACK, n - 1, me, K_NOTIFY, deadline, &s_fail)) return;
-  if (block_wait_peers(c, F_PULL_DONE, e_prev, me, K_NOTIFY, deadline, &s_fail)) return;
-
-  // Pass 1: per-thread contiguous token range, counts per destination rank and per expert.
-  const int per = (T + blockDim.x - 1) / blockDim.x;
-  const int t0 = min(T, tid * per), t1 = min(T, t0 + per);
-  int cnt[kMaxRanks];
+  // Pass 1 reads only this rank's own input: it runs before the waits, while peers may still be
+  // reading the previous dispatch's send list. Warp w owns a contiguous range of tokens, taken in
+  // chunks of 32 with lane l on the chunk's l-th token: a chunk's loads and stores are contiguous
+  // across lanes (a range per thread made every warp load touch 32 cache lines), and ballots order
+  // the tokens within a chunk.
+  const int per_warp = ((T + nwarps - 1) / nwarps + 31) / 32 * 32;
+  const int w0 = min(T, warp * per_warp), w1 = min(T, w0 + per_warp);
+  const int nchunks = (w1 - w0 + 31) / 32;  // the same in every lane of a warp
+  const bool vec = K % 2 == 0 && (reinterpret_cast<uintptr_t>(topk_idx) & 15) == 0;
+  __syncthreads();  // s_ecnt zeroed
+  int wcnt[kMaxRanks];
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) cnt[r] = 0;
+  for (int r = 0; r < kMaxRanks; ++r) wcnt[r] = 0;
+  static_assert(kMaxRanks <= 8 && kKeepChunks % 4 == 0, "masks are kept as bytes, four to a register");
+  unsigned keep[kKeepChunks / 4];
   bool bad_id = false;  // reported through host memory so that EPBuffer needs no check kernels of its own
-  for (int t = t0; t < t1; ++t) {
-    const int64_t* row = topk_idx + static_cast<size_t>(t) * K;
-    const unsigned m = token_rank_mask<unsigned, true>(row, K, EL, E, s_ecnt);
-    for (int k = 0; k < K; ++k) bad_id |= row[k] < -1 || row[k] >= E;
+  auto count = [&](unsigned m) {
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) cnt[r] += (m >> r) & 1u;
-  }
-  if (bad_id) c.host->bad_expert_ids = 1;
-  // Block-wide exclusive scan of cnt[r] over threads (thread order = token order).
-  int incl[kMaxRanks];
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (r < W) wcnt[r] += __popc(__ballot_sync(kFull, (m >> r) & 1u));
+  };
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int v = cnt[r];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kFull, v, d);
-      if (lane >= d) v += u;
+  for (int j = 0; j < kKeepChunks; ++j) {
+    if (j % 4 == 0) keep[j / 4] = 0;
+    if (j < nchunks) {
+      const int t = w0 + j * 32 + lane;
+      const unsigned m = t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E,
+                                                          s_ecnt, bad_id)
+                                : 0u;
+      keep[j / 4] |= m << (8 * (j % 4));
+      count(m);
     }
-    incl[r] = v;
-    if (lane == 31) s_wsum[warp][r] = v;
+  }
+  for (int j = kKeepChunks; j < nchunks; ++j) {  // more chunks than registers keep: counted here, recomputed below
+    const int t = w0 + j * 32 + lane;
+    count(t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E, s_ecnt, bad_id)
+                 : 0u);
+  }
+  // Exclusive scan of the warps' counts (warp order = token order).
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) s_wsum[warp][r] = wcnt[r];
   }
   __syncthreads();
   if (warp == 0) {
@@ -83,27 +129,13 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
       if (lane == 31) s_total[r] = v;
     }
   }
-  __syncthreads();
-  // Pass 2: the same tokens again (the masks are cheaper to recompute than to keep), now writing
-  // each token's slot per destination.
-  int* send_list = reinterpret_cast<int*>(c.peers[me] + c.off_send_list);
-  int pos[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) pos[r] = s_wsum[warp][r] + incl[r] - cnt[r];
-  for (int t = t0; t < t1; ++t) {
-    const unsigned m = token_rank_mask<unsigned, false>(topk_idx + static_cast<size_t>(t) * K, K, EL, E, nullptr);
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      if (r < W) {
-        const bool in = (m >> r) & 1u;
-        send_pos[static_cast<size_t>(t) * W + r] = in ? pos[r] : -1;
-        is_in[static_cast<size_t>(t) * W + r] = in;
-        if (in) send_list[static_cast<size_t>(r) * c.max_tokens + pos[r]++] = t;
-      }
-    }
-  }
 
-  // Counts to every rank: meta[me] at rank p = {rows for p, per-expert counts of p's experts}.
+  // Peers must have consumed my previous meta and finished reading my send list / stage.
+  if (block_wait_peers(c, F_META_ACK, n - 1, me, K_NOTIFY, deadline, &s_fail)) return;
+  if (block_wait_peers(c, F_PULL_DONE, e_prev, me, K_NOTIFY, deadline, &s_fail)) return;
+
+  // Counts to every rank first (the peers wait on them): meta[me] at rank p = {rows for p,
+  // per-expert counts of p's experts}.
   const int stride = 1 + EL;
   for (int i = tid; i < W * stride; i += blockDim.x) {
     const int p = i / stride, j = i % stride;
@@ -111,33 +143,81 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
     volatile int* dst = reinterpret_cast<int*>(c.peers[p] + c.off_meta) + me * stride + j;
     *dst = v;
   }
-  if (tid < W) c.host->send_counts[tid] = s_total[tid];
-  __threadfence_system();
+  // One system fence per peer, behind a block barrier, makes every thread's meta stores visible
+  // before the flag (a fence in each of the 32 warps costs more than the whole exchange).
   __syncthreads();
-  if (tid < W) st_release_sys(flag_at(c, tid, F_COUNT, me), n);
-  if (block_wait_peers(c, F_COUNT, n, me, K_NOTIFY, deadline, &s_fail)) return;
+  if (tid < W) {
+    __threadfence_system();
+    st_release_sys(flag_at(c, tid, F_COUNT, me), n);
+  }
 
+  // Pass 2, while the counts travel: each token's slot per destination and the send lists, in the
+  // chunks of pass 1 (a lane's slot: its warp's running count plus the lanes below it in the ballot).
+  int* send_list = reinterpret_cast<int*>(c.peers[me] + c.off_send_list);
+  int run[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) run[r] = s_wsum[warp][r];
+  const unsigned below = (1u << lane) - 1u;
+  auto place = [&](int t, unsigned m) {  // every lane of the warp; m = 0 where t >= w1
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r < W) {
+        const bool in = (m >> r) & 1u;
+        const unsigned b = __ballot_sync(kFull, in);
+        const int p = run[r] + __popc(b & below);
+        if (t < w1) {
+          send_pos[static_cast<size_t>(t) * W + r] = in ? p : -1;
+          is_in[static_cast<size_t>(t) * W + r] = in;
+          if (in) send_list[static_cast<size_t>(r) * c.max_tokens + p] = t;
+        }
+        run[r] += __popc(b);
+      }
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kKeepChunks; ++j)
+    if (j < nchunks) place(w0 + j * 32 + lane, (keep[j / 4] >> (8 * (j % 4))) & 0xffu);
+  for (int j = kKeepChunks; j < nchunks; ++j) {
+    const int t = w0 + j * 32 + lane;
+    bool unused = false;
+    place(t, t < w1 ? notify_token_mask<false>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E, nullptr, unused)
+                    : 0u);
+  }
+
+  if (block_wait_peers(c, F_COUNT, n, me, K_NOTIFY, deadline, &s_fail)) return;
+  // The counts received, kept in shared memory (s_ecnt is free again) for the host copy below.
   const int* meta = reinterpret_cast<const int*>(c.peers[me] + c.off_meta);
+  int* s_tpe = s_ecnt;
+  __shared__ int s_recv[kMaxRanks + 1];
   if (tid == 0) {
     int acc = 0;
     for (int s = 0; s < W; ++s) {
       const int v = ld_volatile(meta + s * stride);
       recv_off[s] = acc;
-      c.host->recv_counts[s] = v;
+      s_recv[s] = v;
       acc += v;
     }
     recv_off[W] = acc;
-    c.host->num_recv = acc;
+    s_recv[W] = acc;
   }
   for (int j = tid; j < EL; j += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < W; ++s) sum += ld_volatile(meta + s * stride + 1 + j);
     tpe[j] = sum;
-    c.host->tokens_per_expert[j] = sum;
+    s_tpe[j] = sum;
   }
   __syncthreads();
   if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_META_ACK, me), n);
   if (tid == 0) c.epochs[E_NOTIFY] = n;
+  // Host-mapped writes last, after every release: a system-scope release waits for its thread's
+  // earlier writes to reach host memory over PCIe; the kernel's end publishes these.
+  if (bad_id) c.host->bad_expert_ids = 1;
+  if (tid < W) {
+    c.host->send_counts[tid] = s_total[tid];
+    c.host->recv_counts[tid] = s_recv[tid];
+  }
+  if (tid == 0) c.host->num_recv = s_recv[W];
+  for (int j = tid; j < EL; j += blockDim.x) c.host->tokens_per_expert[j] = s_tpe[j];
 }
 
 }  // namespace

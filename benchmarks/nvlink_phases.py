@@ -1,0 +1,141 @@
+"""Where an nvlink dispatch spends its time: the GPU time of each kernel launch (notify, stage, pull,
+combine), from CUDA events recorded between the runtime's launches while the host is kept ahead of
+the GPU (the calls queued behind a GPU sleep), plus notify on its own at --tokens and at 128 tokens.
+The torch profiler's per-kernel view (bench_dispatch --breakdown) cannot give these: there the ranks
+drift apart and each wait on a peer swallows the drift.
+
+    python3 benchmarks/nvlink_phases.py                 # 2 GPUs, 4096 tokens, hidden 7168, top-8 of 256
+
+Each line: a case, a rank, the time per call over --iters calls, and the median GPU time of each launch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAUNCHES = ("notify", "stage", "pull", "expert_pull", "combine", "combine_expert")
+
+
+class TimedRuntime:
+    """The nvlink runtime with a CUDA event pair around each kernel launch, on the current stream."""
+
+    def __init__(self, rt, log: list):
+        self._rt, self._log = rt, log
+
+    def __getattr__(self, name):
+        fn = getattr(self._rt, name)
+        if name not in LAUNCHES:
+            return fn
+
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._log.append((name, start, end))
+            return out
+        return timed
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import ep_plugin
+
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    buf = ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": K},
+                                    "comm": {"backend": "nvlink", "max_tokens_per_rank": T, "num_sms": args.num_sms}},
+                             hidden=H)
+    backend = buf._backend
+    rt = backend._rt
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(T, E, generator=g).topk(K, 1).indices.cuda()
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    w = torch.rand(T, K, device="cuda")
+    scales = torch.rand(T, H // 128, device="cuda") + 0.5
+    x_fp8 = (x.float().view(T, -1, 128) / scales.unsqueeze(-1)).view(T, H).to(torch.float8_e4m3fn)
+    first = buf.dispatch(x, idx, w)
+    # notify's own outputs, for notify alone
+    send_pos = torch.empty(T, world, dtype=torch.int32, device="cuda")
+    is_in = torch.empty(T, world, dtype=torch.bool, device="cuda")
+    recv_off = torch.empty(world + 1, dtype=torch.int32, device="cuda")
+    tpe = torch.empty(E // world, dtype=torch.int64, device="cuda")
+
+    def notify(n):
+        return lambda: log.append(("notify", *_around(lambda: rt.notify(
+            idx.data_ptr(), n, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(), tpe.data_ptr(),
+            torch.cuda.current_stream().cuda_stream))))
+
+    cases = {
+        "dispatch BF16": lambda: buf.dispatch(x, idx, w),
+        "dispatch FP8": lambda: buf.dispatch((x_fp8, scales), idx, w),
+        "dispatch cached BF16": lambda: buf.dispatch(x, handle=first.handle),
+        "combine BF16": lambda: buf.combine(first.x, first.handle),
+        f"notify alone, {T} tokens": notify(T),
+        "notify alone, 128 tokens": notify(min(128, T)),
+    }
+    log: list = []
+    backend._rt = TimedRuntime(rt, log)
+    try:
+        for name, fn in cases.items():
+            for _ in range(args.warmup):
+                fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            log.clear()
+            torch.cuda._sleep(20_000_000)  # the host queues every call before the first one starts
+            t0, t1 = _around(lambda: [fn() for _ in range(args.iters)])
+            torch.cuda.synchronize()
+            per_launch: dict = {}
+            for launch, start, end in log:
+                per_launch.setdefault(launch, []).append(start.elapsed_time(end) * 1e3)
+            row = (t0.elapsed_time(t1) * 1e3 / args.iters, {k: statistics.median(v) for k, v in per_launch.items()})
+            rows = [None] * world
+            dist.all_gather_object(rows, row)
+            if rank == 0:
+                for r, (per_call, launches) in enumerate(rows):
+                    parts = ", ".join(f"{k} {v:.1f}" for k, v in launches.items())
+                    print(f"{name:28s} rank {r}: {per_call:7.1f} us per call; {parts}", flush=True)
+    finally:
+        backend._rt = rt
+        buf.close()
+        dist.destroy_process_group()
+
+
+def _around(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return start, end
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--num-sms", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    if torch.cuda.device_count() < args.world:
+        raise SystemExit(f"nvlink_phases needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
