@@ -4,6 +4,7 @@ Users import :mod:`ep_plugin.deepspeed` (the documented entry point, which re-ex
 
     section.py   the "ep_plugin" section of the DeepSpeed JSON config and the YAML it names
     layer.py     EPPluginMOELayer: DeepSpeed's gate and experts, ep_plugin's dispatch/combine
+    gate_scan.py the gate's capacity scan (cumsum over tokens) computed along rows on CUDA, same numbers
     convert.py   convert_moe_layers (class swap in place) and initialize (deepspeed.initialize + flag)
     autoep.py    install / uninstall: the one hook that gives DeepSpeed AutoEP comm_backend="ep_plugin"
     autoep_config.py, autoep_exchange.py, autoep_layer.py   its config, exchange and layer

@@ -32,6 +32,7 @@ from deepspeed.utils import groups
 from ...config import EPConfig, MoEConfig, load_config
 from ...telemetry import Report, log_to, training_step
 from ..buffer_cache import get_buffer
+from .gate_scan import fast_gate_scan
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
 _LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
@@ -128,7 +129,10 @@ class EPPluginMOELayer(MOELayer):
 
         # DeepSpeed's own gate, in its sparse form: per route (k, token) the expert (-1 when the
         # capacity limit or used_token drops it) and the normalised combine weight.
-        self.l_aux, _, num_experts, indices_, _, gates_, self.exp_counts = self.gate(tokens, used_token, True, False)
+        # (its capacity scan run by gate_scan: the same numbers, without torch's one-thread-per-column kernel)
+        with fast_gate_scan():
+            self.l_aux, _, num_experts, indices_, _, gates_, self.exp_counts = self.gate(tokens, used_token, True,
+                                                                                         False)
         topk_idx = indices_.t().to(torch.int64).contiguous()  # [S, K]
         topk_weights = gates_.t().float().contiguous()        # [S, K]
 
