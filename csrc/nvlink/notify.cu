@@ -14,6 +14,7 @@
 //   4. release META_ACK[me] = n at every peer; epochs[E_NOTIFY] = n; the host-mapped info last.
 // A timeout in any wait records the missing peer with K_NOTIFY and returns; the host sees err.
 #include "common/error.h"
+#include "common/fast_div.cuh"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
 
@@ -26,10 +27,10 @@ constexpr int kKeepChunks = 16;  // chunks of 32 tokens per warp whose rank mask
 
 // A token's rank mask (bit r: some pick lives on rank r) from its K expert ids: token_rank_mask's rule
 // (common/token_mask.cuh), with the ids loaded eight at a time (16-byte loads where K is even and the
-// rows aligned) before the first use.
+// rows aligned) before the first use, and the rank found by a multiply-high (common/fast_div.cuh).
 template <bool kCount>
 __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict__ row, int K, bool vec,
-                                                      int EL, int E, int* s_ecnt, bool& bad_id) {
+                                                      const FastDiv& ediv, int E, int* s_ecnt, bool& bad_id) {
   unsigned m = 0;
   for (int k0 = 0; k0 < K; k0 += 8) {
     int64_t id[8];
@@ -51,7 +52,7 @@ __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict_
       bad_id |= e < -1 || e >= E;
       if (e < 0 || e >= E) continue;
       if (kCount) atomicAdd(&s_ecnt[e], 1);
-      m |= 1u << (static_cast<int>(e) / EL);  // the rule of common/token_mask.cuh
+      m |= 1u << ediv.div(static_cast<uint32_t>(e));  // the rule of common/token_mask.cuh
     }
   }
   return m;
@@ -66,6 +67,7 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int W = c.world, me = c.rank, EL = c.local_experts, E = c.num_experts;
+  const FastDiv ediv(static_cast<uint32_t>(EL));
   const int n = c.epochs[E_NOTIFY] + 1;
   const int e_prev = c.epochs[E_DISPATCH];
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
@@ -97,7 +99,7 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
     if (j % 4 == 0) keep[j / 4] = 0;
     if (j < nchunks) {
       const int t = w0 + j * 32 + lane;
-      const unsigned m = t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E,
+      const unsigned m = t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E,
                                                           s_ecnt, bad_id)
                                 : 0u;
       keep[j / 4] |= m << (8 * (j % 4));
@@ -106,7 +108,7 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   }
   for (int j = kKeepChunks; j < nchunks; ++j) {  // more chunks than registers keep: counted here, recomputed below
     const int t = w0 + j * 32 + lane;
-    count(t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E, s_ecnt, bad_id)
+    count(t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E, s_ecnt, bad_id)
                  : 0u);
   }
   // Exclusive scan of the warps' counts (warp order = token order).
@@ -180,7 +182,7 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   for (int j = kKeepChunks; j < nchunks; ++j) {
     const int t = w0 + j * 32 + lane;
     bool unused = false;
-    place(t, t < w1 ? notify_token_mask<false>(topk_idx + static_cast<size_t>(t) * K, K, vec, EL, E, nullptr, unused)
+    place(t, t < w1 ? notify_token_mask<false>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E, nullptr, unused)
                     : 0u);
   }
 
