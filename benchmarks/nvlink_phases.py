@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     is_in = torch.empty(T, world, dtype=torch.bool, device="cuda")
     recv_off = torch.empty(world + 1, dtype=torch.int32, device="cuda")
     tpe = torch.empty(E // world, dtype=torch.int64, device="cuda")
+    log: list = []  # (launch, start event, end event) of the calls being timed
 
     def notify(n):
         return lambda: log.append(("notify", *_around(lambda: rt.notify(
@@ -81,7 +82,6 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }
-    log: list = []
     backend._rt = TimedRuntime(rt, log)
     try:
         for name, fn in cases.items():

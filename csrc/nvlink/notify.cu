@@ -10,8 +10,8 @@
 //      COUNT[me] = n at every rank; then build send_pos / is_in / send_list (this rank's buffer;
 //      peers read the send list only after this rank's stage releases STAGE, behind this kernel).
 //   3. wait COUNT[p] >= n for every peer, read the meta area: receive offsets, counts per local
-//      expert (device outputs).
-//   4. release META_ACK[me] = n at every peer; epochs[E_NOTIFY] = n; the host-mapped info last.
+//      expert (device outputs and host-mapped info).
+//   4. release META_ACK[me] = n at every peer; epochs[E_NOTIFY] = n.
 // A timeout in any wait records the missing peer with K_NOTIFY and returns; the host sees err.
 #include "common/error.h"
 #include "common/fast_div.cuh"
@@ -187,39 +187,29 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   }
 
   if (block_wait_peers(c, F_COUNT, n, me, K_NOTIFY, deadline, &s_fail)) return;
-  // The counts received, kept in shared memory (s_ecnt is free again) for the host copy below.
   const int* meta = reinterpret_cast<const int*>(c.peers[me] + c.off_meta);
-  int* s_tpe = s_ecnt;
-  __shared__ int s_recv[kMaxRanks + 1];
   if (tid == 0) {
     int acc = 0;
     for (int s = 0; s < W; ++s) {
       const int v = ld_volatile(meta + s * stride);
       recv_off[s] = acc;
-      s_recv[s] = v;
+      c.host->recv_counts[s] = v;
       acc += v;
     }
     recv_off[W] = acc;
-    s_recv[W] = acc;
+    c.host->num_recv = acc;
   }
   for (int j = tid; j < EL; j += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < W; ++s) sum += ld_volatile(meta + s * stride + 1 + j);
     tpe[j] = sum;
-    s_tpe[j] = sum;
+    c.host->tokens_per_expert[j] = sum;
   }
+  if (tid < W) c.host->send_counts[tid] = s_total[tid];
+  if (bad_id) c.host->bad_expert_ids = 1;
   __syncthreads();
   if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_META_ACK, me), n);
   if (tid == 0) c.epochs[E_NOTIFY] = n;
-  // Host-mapped writes last, after every release: a system-scope release waits for its thread's
-  // earlier writes to reach host memory over PCIe; the kernel's end publishes these.
-  if (bad_id) c.host->bad_expert_ids = 1;
-  if (tid < W) {
-    c.host->send_counts[tid] = s_total[tid];
-    c.host->recv_counts[tid] = s_recv[tid];
-  }
-  if (tid == 0) c.host->num_recv = s_recv[W];
-  for (int j = tid; j < EL; j += blockDim.x) c.host->tokens_per_expert[j] = s_tpe[j];
 }
 
 }  // namespace

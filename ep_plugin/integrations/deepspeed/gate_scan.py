@@ -17,6 +17,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from deepspeed.moe import sharded_moe
 
 # Narrow masks only: with many columns the outer-dimension kernel already has threads enough.
 MAX_COLUMNS = 1024
@@ -55,8 +56,6 @@ _SHIM = _TorchWithRowScan()
 def fast_gate_scan() -> Iterator[None]:
     """While the block runs, ``torch.cumsum`` in deepspeed.moe.sharded_moe is scan_rows (restored on
     exit, also after an exception). Not under torch.compile, which traces the gate as it is."""
-    from deepspeed.moe import sharded_moe
-
     if torch.compiler.is_compiling() or sharded_moe.__dict__.get("torch") is not torch:
         yield  # compiled, or someone else has replaced it: leave it alone
         return
