@@ -100,6 +100,11 @@ class FakeRuntime:
         self._log("pull", (out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached,
                            R_alloc, num_sms, stream))
 
+    def stage_pull(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx, out_w,
+                   recv_off, recv_src, cached, R_alloc, num_sms, stream):
+        self._log("stage_pull", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
+                                 out_w, recv_off, recv_src, cached, R_alloc, num_sms, stream))
+
     def expert_pull(self, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, positions,
                     cached, R_alloc, alignment, scratch, offsets, counts, num_sms, stream):
         self._log("expert_pull", (out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src,

@@ -1,6 +1,7 @@
 """Where an nvlink dispatch spends its time: the GPU time of each kernel launch (notify, stage, pull,
 combine), from CUDA events recorded between the runtime's launches while the host is kept ahead of
 the GPU (the calls queued behind a GPU sleep), plus notify on its own at --tokens and at 128 tokens.
+Rows marked "fused" run stage and pull as one stage_pull kernel (comm.dispatch_kernel: fused).
 The torch profiler's per-kernel view (bench_dispatch --breakdown) cannot give these: there the ranks
 drift apart and each wait on a peer swallows the drift.
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAUNCHES = ("notify", "stage", "pull", "expert_pull", "combine", "combine_expert")
+LAUNCHES = ("notify", "stage", "pull", "stage_pull", "expert_pull", "combine", "combine_expert")
 
 
 class TimedRuntime:
@@ -74,10 +75,22 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             idx.data_ptr(), n, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(), tpe.data_ptr(),
             torch.cuda.current_stream().cuda_stream))))
 
+    def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
+        def call():
+            mode, backend.dispatch_mode = backend.dispatch_mode, "fused"
+            try:
+                fn()
+            finally:
+                backend.dispatch_mode = mode
+        return call
+
     cases = {
         "dispatch BF16": lambda: buf.dispatch(x, idx, w),
+        "dispatch BF16, fused": fused(lambda: buf.dispatch(x, idx, w)),
         "dispatch FP8": lambda: buf.dispatch((x_fp8, scales), idx, w),
+        "dispatch FP8, fused": fused(lambda: buf.dispatch((x_fp8, scales), idx, w)),
         "dispatch cached BF16": lambda: buf.dispatch(x, handle=first.handle),
+        "dispatch cached BF16, fused": fused(lambda: buf.dispatch(x, handle=first.handle)),
         "combine BF16": lambda: buf.combine(first.x, first.handle),
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),

@@ -204,6 +204,7 @@ ERRORS = [
     ({"comm": {"combine_kernel": "fusd"}}, "comm.combine_kernel",
      ["split | fused", "did you mean 'fused'"]),
     ({"comm": {"combine_kernel": 1}}, "comm.combine_kernel", ["split | fused"]),
+    ({"comm": {"dispatch_kernel": "fusde"}}, "comm.dispatch_kernel", ["did you mean 'fused'", "split | fused"]),
     ({"moe": {"score_function": "softmx"}}, "moe.score_function",
      ["softmax | sigmoid | sqrtsoftplus", "did you mean 'softmax'"]),
 ]
@@ -295,12 +296,12 @@ def test_each_choice_list_is_defined_once():
 
 # ---------------------------------------------------------------------- environment overrides
 
-WORST_CASE, COMBINE = "EP_PLUGIN_NVLINK_WORST_CASE", "EP_PLUGIN_NVLINK_COMBINE"
+WORST_CASE, COMBINE, DISPATCH = "EP_PLUGIN_NVLINK_WORST_CASE", "EP_PLUGIN_NVLINK_COMBINE", "EP_PLUGIN_NVLINK_DISPATCH"
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in (WORST_CASE, COMBINE, "EP_PLUGIN_CONFIG_DIR"):
+    for var in (WORST_CASE, COMBINE, DISPATCH, "EP_PLUGIN_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -321,6 +322,17 @@ def test_env_combine_overrides_combine_kernel(clean_env, kernel):
     other = "fused" if kernel == "split" else "split"
     assert load_config({"comm": {"combine_kernel": other}}).comm.combine_kernel == kernel
     assert load_config("deepseek_v3").comm.combine_kernel == kernel
+
+
+@pytest.mark.parametrize("kernel", ["split", "fused"])
+def test_env_dispatch_overrides_dispatch_kernel(clean_env, kernel):
+    clean_env.setenv(DISPATCH, kernel)
+    other = "fused" if kernel == "split" else "split"
+    assert load_config({"comm": {"dispatch_kernel": other}}).comm.dispatch_kernel == kernel
+    assert load_config("deepseek_v3").comm.dispatch_kernel == kernel
+    clean_env.setenv(DISPATCH, "fuse")
+    with pytest.raises(ConfigError, match="EP_PLUGIN_NVLINK_DISPATCH='fuse'.*comm.dispatch_kernel.*did you mean 'fused'"):
+        load_config("tiny")
 
 
 def test_env_unset_or_empty_is_no_override(clean_env):

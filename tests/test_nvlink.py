@@ -100,6 +100,8 @@ def body_contract(rank, world):
             check_modes(nv, ref, rank, world, E, K, hidden)
         nv.close()
         ref.close()
+        if hidden in (2048, 7168):
+            check_stage_pull(rank, world, E, K, hidden)
     # the benchmark's shape: 4096 tokens, hidden 7168, 256 experts, top-8
     nv, ref = _buf("nvlink", 256, 8, 7168, max_tokens=4096), _buf("torch", 256, 8, 7168, max_tokens=4096)
     for seed in (7, 8):
@@ -169,6 +171,46 @@ def check_fp8(nv, ref, rank, world, E, K, hidden, T):
     # cached FP8
     c = nv.dispatch((data, scales), handle=a.handle)
     assert torch.equal(c.x[0].view(torch.uint8), ad.view(torch.uint8)) and torch.equal(c.x[1], asc)
+
+
+def check_stage_pull(rank, world, E, K, hidden):
+    """comm.dispatch_kernel fused: a rank-major dispatch without host sync (and a cached one) runs stage
+    and pull as one kernel (stage_pull): the same rows as stage, then pull, also when only some ranks
+    use it (each protocol releases the other's flags), fresh and cached, BF16 and FP8."""
+    nv, ref = _buf("nvlink", E, K, hidden, host_sync=False, dispatch_kernel="fused"), _buf("torch", E, K, hidden)
+    be = nv._backend
+    seed = 300
+    for fused in ((True,) * world, (False,) * world, tuple(r % 2 == 0 for r in range(world))):
+        be.dispatch_mode = "fused" if fused[rank] else "split"
+        for tokens, mode in ((300, "random"), (512, "skew"), ([0] + [33] * (world - 1), "starve_last"), (1, "random")):
+            seed += 1
+            ctx = f"rank {rank} fused {fused} tokens {tokens} mode {mode}"
+            _, _, _, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, seed, mode)
+            a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+            R = b.x.shape[0]
+            assert int(a.handle.num_recv_device) == R, ctx
+            assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx
+            assert torch.equal(a.topk_weights[:R], b.topk_weights), ctx
+            assert (a.topk_idx[R:] == -1).all() and (a.topk_weights[R:] == 0).all(), ctx
+            w2 = torch.rand_like(w)
+            c = nv.dispatch(x * 2, None, w2, handle=a.handle)
+            d = ref.dispatch(x * 2, None, w2, handle=b.handle)
+            assert torch.equal(c.x[:R], d.x) and torch.equal(c.topk_weights[:R], d.topk_weights), ctx + " cached"
+            y = nv.combine(a.x, a.handle)
+            torch.testing.assert_close(y.float(), ref.combine(b.x, b.handle).float(), atol=2e-2, rtol=1e-2,
+                                       msg=ctx + " combine")
+    be.dispatch_mode = "fused"
+    T = 200
+    _, _, _, x, idx, w = _inputs(world, rank, T, hidden, E, K, seed=301)
+    scales = x.float().abs().view(T, hidden // 128, 128).amax(-1).clamp(min=1e-4) / 448.0
+    data = (x.float().view(T, -1, 128) / scales.unsqueeze(-1)).view(T, hidden).to(torch.float8_e4m3fn)
+    a, b = nv.dispatch((data, scales), idx, w), ref.dispatch((data, scales), idx, w)
+    R = b.x[0].shape[0]
+    assert torch.equal(a.x[0][:R].view(torch.uint8), b.x[0].view(torch.uint8)) and torch.equal(a.x[1][:R], b.x[1])
+    c = nv.dispatch((data, scales), handle=a.handle)
+    assert torch.equal(c.x[0][:R].view(torch.uint8), b.x[0].view(torch.uint8)) and torch.equal(c.x[1][:R], b.x[1])
+    nv.close()
+    ref.close()
 
 
 @pytest.mark.parametrize("world", [2, 4])

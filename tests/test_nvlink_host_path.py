@@ -67,6 +67,22 @@ def names(log):
     return [c[0] for c in log]
 
 
+def launches(log):
+    """name -> args of each launch in `log`; a stage_pull (stage and rank-major pull in one kernel) is
+    given as the stage and the pull it stands for, with their own argument orders."""
+    out = {}
+    for name, a in log:
+        if name == "stage_pull":
+            (x, T_, row_bytes, scales, nscales, idx, w, K_, out_x, out_s, out_idx, out_w, recv_off, recv_src, cached,
+             R_alloc, sms, stream) = a
+            out["stage"] = (x, T_, row_bytes, scales, nscales, idx, w, K_, sms, stream)
+            out["pull"] = (out_x, row_bytes, out_s, nscales, out_idx, out_w, K_, recv_off, recv_src, cached, R_alloc,
+                           sms, stream)
+        else:
+            out[name] = a
+    return out
+
+
 def ptr(t):
     return 0 if t is None else t.data_ptr()
 
@@ -84,7 +100,7 @@ def check_fresh_tensors(res, stream_ptr, log, rows, x, w):
     # the valid row count is recv_off[W], a device scalar viewing it
     assert h.num_recv_device.shape == () and h.num_recv_device.data_ptr() == st.recv_off.data_ptr() + 4 * W
     data, scales = x if isinstance(x, tuple) else (x, None)
-    assert dict(log)["stage"] == (data.data_ptr(), T, H * data.element_size(), ptr(scales),
+    assert launches(log)["stage"] == (data.data_ptr(), T, H * data.element_size(), ptr(scales),
                                   0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w), K, SMS,
                                   stream_ptr)
 
@@ -97,7 +113,7 @@ def test_worst_case_rank_major(gpu):
     assert names(log) == ["notify", "stage", "pull"]
     check_fresh_tensors(res, stream.cuda_stream, log, R, x, w)
     h, st = res.handle, res.handle.state
-    assert dict(log)["pull"] == (res.x.data_ptr(), H * 2, 0, 0, res.topk_idx.data_ptr(), res.topk_weights.data_ptr(),
+    assert launches(log)["pull"] == (res.x.data_ptr(), H * 2, 0, 0, res.topk_idx.data_ptr(), res.topk_weights.data_ptr(),
                                  K, st.recv_off.data_ptr(), st.recv_src.data_ptr(), 0, R, SMS, stream.cuda_stream)
     assert res.x.shape == (R, H) and res.x.dtype == torch.bfloat16 and res.x.is_contiguous()
     assert res.topk_idx is h.recv_topk_idx
@@ -111,7 +127,7 @@ def test_worst_case_rank_major(gpu):
     # without weights: none staged, none pulled
     log.clear()
     res2 = buf.dispatch(x, idx)
-    assert res2.topk_weights is None and dict(log)["stage"][6] == 0 and dict(log)["pull"][5] == 0
+    assert res2.topk_weights is None and launches(log)["stage"][6] == 0 and launches(log)["pull"][5] == 0
     buf.close()
 
 
@@ -147,14 +163,47 @@ def test_cached_dispatch(gpu):
     c = buf.dispatch(x, None, w, handle=h)
     assert names(log) == ["stage", "pull"]
     st = h.state
-    assert dict(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, h.topk_idx.data_ptr(), w.data_ptr(), K, SMS,
-                                  stream.cuda_stream)
-    assert dict(log)["pull"] == (c.x.data_ptr(), H * 2, 0, 0, 0, c.topk_weights.data_ptr(), K, st.recv_off.data_ptr(),
+    assert launches(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, h.topk_idx.data_ptr(), w.data_ptr(), K, SMS,
+                                      stream.cuda_stream)
+    assert launches(log)["pull"] == (c.x.data_ptr(), H * 2, 0, 0, 0, c.topk_weights.data_ptr(), K, st.recv_off.data_ptr(),
                                  st.recv_src.data_ptr(), 1, R, SMS, stream.cuda_stream)
     assert c.x.shape == (R, H) and c.topk_weights.shape == (R, K) and c.topk_idx is h.recv_topk_idx
     log.clear()
     c2 = buf.dispatch(x, handle=h)
-    assert c2.topk_weights is None and dict(log)["stage"][5:7] == (0, 0) and dict(log)["pull"][5] == 0
+    assert c2.topk_weights is None and launches(log)["stage"][5:7] == (0, 0) and launches(log)["pull"][5] == 0
+    buf.close()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_dispatch_kernel(gpu, fp8):
+    """comm.dispatch_kernel fused: a rank-major dispatch without host sync, and a cached one, launch
+    stage and pull as one stage_pull with the same pointers; host-synced and expert-major ones do not."""
+    log, stream, _ = gpu
+    buf = make_buf(dispatch_kernel="fused")
+    x, idx, w = inputs(fp8)
+    res = buf.dispatch(x, idx, w)
+    assert names(log) == ["notify", "stage_pull"]
+    check_fresh_tensors(res, stream.cuda_stream, log, R, x, w)
+    st = res.handle.state
+    out, out_s = res.x if fp8 else (res.x, None)
+    assert launches(log)["pull"] == (out.data_ptr(), H * out.element_size(), ptr(out_s), H // 128 if fp8 else 0,
+                                     res.topk_idx.data_ptr(), res.topk_weights.data_ptr(), K,
+                                     st.recv_off.data_ptr(), st.recv_src.data_ptr(), 0, R, SMS, stream.cuda_stream)
+    log.clear()
+    c = buf.dispatch(x, None, w, handle=res.handle)
+    assert names(log) == ["stage_pull"]
+    out, out_s = c.x if fp8 else (c.x, None)
+    assert launches(log)["pull"] == (out.data_ptr(), H * out.element_size(), ptr(out_s), H // 128 if fp8 else 0, 0,
+                                     c.topk_weights.data_ptr(), K, st.recv_off.data_ptr(), st.recv_src.data_ptr(), 1,
+                                     R, SMS, stream.cuda_stream)
+    log.clear()
+    buf.dispatch(x, idx, w, layout="expert")
+    assert names(log) == ["notify", "stage", "expert_pull"]
+    buf.close()
+    buf = make_buf(dispatch_kernel="fused", host_sync=True)
+    log.clear()
+    buf.dispatch(x, idx, w)
+    assert names(log) == ["notify", "stage", "pull"]
     buf.close()
 
 
@@ -167,11 +216,11 @@ def test_fp8_rows(gpu):
     assert out.dtype == torch.float8_e4m3fn and out.shape == (R, H)
     assert out_s.dtype == torch.float32 and out_s.shape == (R, H // 128) and out_s.is_contiguous()
     check_fresh_tensors(res, stream.cuda_stream, log, R, (data, scales), w)
-    pull = dict(log)["pull"]
+    pull = launches(log)["pull"]
     assert pull[:4] == (out.data_ptr(), H, out_s.data_ptr(), H // 128)
     log.clear()
     c = buf.dispatch((data, scales), handle=res.handle)
-    assert c.x[1].shape == (R, H // 128) and dict(log)["pull"][2:4] == (c.x[1].data_ptr(), H // 128)
+    assert c.x[1].shape == (R, H // 128) and launches(log)["pull"][2:4] == (c.x[1].data_ptr(), H // 128)
     buf.close()
 
 

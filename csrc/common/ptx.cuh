@@ -28,6 +28,25 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
   asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// Hand-offs between the warps of one block through shared memory, without a block-wide barrier:
+// the release store publishes the writer's earlier shared-memory writes to whoever acquires it.
+__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
+  asm volatile("st.release.cta.shared::cta.s32 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+// A barrier among `threads` threads (whole warps) of the block, `id` in 1..15 (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Nanoseconds, comparable across the SMs of a GPU: deadlines for waits.
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;

@@ -39,6 +39,12 @@ __device__ __forceinline__ int* flag_at(const Ctx& c, int owner, int kind, int s
   return reinterpret_cast<int*>(c.peers[owner] + c.off_flags) + kind * kMaxRanks + src;
 }
 
+// STAGE_READY[src][sub] in owner's buffer: src has staged tokens [sub * kStageSub, ...) (rows, scales,
+// topk ids and weights) for dispatch epoch value it holds.
+__device__ __forceinline__ int* stage_ready_at(const Ctx& c, int owner, int src, int sub) {
+  return reinterpret_cast<int*>(c.peers[owner] + c.off_stage_ready) + static_cast<size_t>(src) * c.stage_subs + sub;
+}
+
 // Every thread waits for flag[kind][p] >= target at this rank for p in [0, W) except `skip`
 // (thread p waits for peer p). Returns true when the block must stop (timeout or abort); a timeout
 // is recorded against kernel_id.

@@ -6,7 +6,8 @@
 // offsets are in place):
 //   stage: wait PULL_DONE[p] >= e-1 at this rank for every peer p (p no longer reads the stage
 //          area about to be overwritten); copy rows, FP8 scales, topk ids and weights; the last
-//          block releases STAGE[me] = e at every rank, itself included.
+//          block releases LISTS[me], STAGE[me] and every STAGE_READY[me][sub] = e at every rank,
+//          itself included (the last for a peer running stage_pull_tma.cu's kernel).
 //   pull : wait STAGE[p] >= e for every rank p, itself included; copy the rows (and their local
 //          expert ids and weights) out of the sources' stage areas; the last block releases
 //          PULL_DONE[me] = e at every rank and sets epochs[E_DISPATCH] = e.
@@ -51,7 +52,14 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
     for (size_t i = gtid; i < n; i += gsize) dst[i] = w[i];
   }
   if (last_block(c.counters + C_STAGE)) {
-    if (threadIdx.x < c.world) st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
+    if (threadIdx.x < c.world) {
+      st_release_sys(flag_at(c, threadIdx.x, F_LISTS, c.rank), e);
+      st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
+    }
+    // and every sub-chunk, so that a peer in stage_pull (stage_pull_tma.cu) pulls from this stage too
+    const int nsub = (T + kStageSub - 1) / kStageSub;
+    for (int i = threadIdx.x; i < nsub * c.world; i += blockDim.x)
+      st_release_sys(stage_ready_at(c, i / nsub, c.rank, i % nsub), e);
   }
 }
 

@@ -32,6 +32,14 @@ void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float
                      int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                      int R_alloc, cudaStream_t stream);
 
+// stage_pull_tma.cu: stage and the bulk-copy pull in one kernel, side by side (sub-chunk flags), for
+// rows that fit the bulk-copy ring on sm_90+ (stage_pull_tma_fits); same outputs as stage + pull.
+bool stage_pull_tma_fits(int row_bytes);
+void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
+                           int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
+                           float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
+                           int cached, int R_alloc, cudaStream_t stream);
+
 // expert.cu: the expert-major receive (meta, then rows into their experts' segments).
 size_t expert_scratch_ints(int blocks, int local_experts);
 void launch_expert_meta(const Ctx& c, int blocks, int64_t* out_idx, const int* recv_off, int* recv_src,

@@ -9,6 +9,8 @@
 //            flag STAGE to every peer.
 //   pull   : every rank reads the rows addressed to it straight out of the sources' stage areas
 //            (16-byte loads over NVLink, a warp per row) into its output tensor, then flags PULL_DONE.
+//   stage_pull (stage_pull_tma.cu): stage and pull in one kernel, side by side: the source flags each
+//            staged 32-token sub-chunk (STAGE_READY) and the receivers pull it at once.
 //   combine: each rank writes the rows it received back into the source's IPC combine area at slot
 //            [its rank, position] (remote stores), flags COMBINE; the source sums the slots per
 //            token in float (its own rows read in place) and flags REDUCE_DONE.
@@ -30,13 +32,15 @@ namespace nvl {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxTopk = 32;
-enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_NUM };
+// F_LISTS: the source's send lists (notify) are complete, before any of its sub-chunks is staged.
+enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_LISTS, F_NUM };
 enum EpochKind { E_NOTIFY = 0, E_DISPATCH, E_COMBINE, E_NUM };
 enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_META, C_NUM };
 // HostInfo::err_kernel: the step whose wait timed out (0: none), and its name in error messages.
 enum KernelId { K_NOTIFY = 1, K_STAGE, K_PULL, K_SEND, K_REDUCE, K_NUM };
 constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "combine-send", "combine-reduce"};
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
+constexpr int kStageSub = 32;  // tokens per STAGE_READY flag (a staged sub-chunk)
 
 // Host-mapped (pinned) results and error state, written by the kernels, read by the host.
 struct HostInfo {
@@ -58,6 +62,8 @@ struct Ctx {
   int hidden;
   size_t off_flags, off_meta, off_send_list, off_stage_x, off_stage_scales, off_stage_idx,
       off_stage_w, off_combine, off_arrive;
+  size_t off_stage_ready;     // int [kMaxRanks][stage_subs]: STAGE_READY[src][sub], written by src
+  int stage_subs;             // sub-chunks of kStageSub tokens in max_tokens
   size_t stage_row_cap;       // bytes per staged row available (hidden * 2)
   int* epochs;                // [E_NUM] local device
   unsigned* counters;         // [C_NUM] local device

@@ -47,6 +47,9 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   off = align_up(off + sizeof(int) * static_cast<size_t>(world) * max_tokens);
   ctx_.off_arrive = off;
   off = align_up(off + sizeof(int) * kMaxRanks * (static_cast<size_t>(max_tokens) / kChunk + 1));
+  ctx_.off_stage_ready = off;
+  ctx_.stage_subs = (max_tokens + kStageSub - 1) / kStageSub;
+  off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.stage_subs));
   ctx_.off_stage_x = off;
   ctx_.stage_row_cap = static_cast<size_t>(hidden) * 2;
   off = align_up(off + ctx_.stage_row_cap * max_tokens);
@@ -190,6 +193,29 @@ void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nsc
   launch(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
          ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
          R_alloc, stream_of(stream));
+}
+
+void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                         uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
+                         uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
+                         int num_sms, uintptr_t stream) {
+  set_device();
+  if (!(tma_ && stage_pull_tma_fits(row_bytes))) {
+    stage(x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream);
+    pull(out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached, R_alloc, num_sms,
+         stream);
+    return;
+  }
+  check_open();
+  check_tokens(T);
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
+               hidden_ / 128);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  launch_stage_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
+                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
+                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,

@@ -33,6 +33,13 @@ class Runtime {
   void pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
             uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
             int num_sms, uintptr_t stream);
+  // stage + pull of a rank-major dispatch whose outputs exist already (worst-case sized, or a cached
+  // dispatch): one kernel that pulls each sub-chunk as soon as its source has staged it where the
+  // bulk-copy pull applies (tma() and the row fits its ring), else stage then pull.
+  void stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                  uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
+                  uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc, int num_sms,
+                  uintptr_t stream);
   // whether the pulls (rank-major, expert-major) move rows by bulk copies (TMA, the default; rows too
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }

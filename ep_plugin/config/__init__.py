@@ -21,7 +21,7 @@ values.
 from ..errors import ConfigError
 from .io import list_presets, load_config, preset_path
 from .schema import (
-    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, SCORE_FUNCTIONS,
+    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     VALIDATE_MODES, CommConfig, EPConfig, MoEConfig, OverlapConfig,
 )
 
@@ -40,5 +40,6 @@ __all__ = [
     "DISPATCH_DTYPES",
     "COMBINE_DTYPES",
     "COMBINE_KERNELS",
+    "DISPATCH_KERNELS",
     "VALIDATE_MODES",
 ]

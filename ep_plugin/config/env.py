@@ -6,6 +6,7 @@ EP_PLUGIN_NVLINK_WORST_CASE  comm.host_sync       1 | true | yes | on: host_sync
                                                   never waits on the host; its outputs are sized
                                                   for the worst case); 0 | false | no | off: true
 EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  split | fused
+EP_PLUGIN_NVLINK_DISPATCH    comm.dispatch_kernel split | fused
 EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name>.yaml presets
                                                   before the ones shipped in the package
 
@@ -22,11 +23,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
-from .schema import COMBINE_KERNELS
+from .schema import COMBINE_KERNELS, DISPATCH_KERNELS
 from .validate import fmt_allowed, suggest
 
 WORST_CASE = "EP_PLUGIN_NVLINK_WORST_CASE"
 COMBINE = "EP_PLUGIN_NVLINK_COMBINE"
+DISPATCH = "EP_PLUGIN_NVLINK_DISPATCH"
 CONFIG_DIR = "EP_PLUGIN_CONFIG_DIR"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -43,18 +45,20 @@ def _worst_case_to_host_sync(text: str) -> bool:
                       f"{' | '.join(_TRUE)} (never wait on the host) or {' | '.join(_FALSE)}")
 
 
-def _combine_kernel(text: str) -> str:
-    if text in COMBINE_KERNELS:
-        return text
-    raise ConfigError(f"{COMBINE}={text!r} (environment): overrides comm.combine_kernel; not an "
-                      f"allowed value{suggest(text, COMBINE_KERNELS)}; allowed: "
-                      f"{fmt_allowed(COMBINE_KERNELS)}")
+def _kernel_choice(var: str, key: str, allowed: Tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text in allowed:
+            return text
+        raise ConfigError(f"{var}={text!r} (environment): overrides {key}; not an allowed value"
+                          f"{suggest(text, allowed)}; allowed: {fmt_allowed(allowed)}")
+    return parse
 
 
 # variable -> (dotted config key, parser of its stripped text)
 OVERRIDES: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     WORST_CASE: ("comm.host_sync", _worst_case_to_host_sync),
-    COMBINE: ("comm.combine_kernel", _combine_kernel),
+    COMBINE: ("comm.combine_kernel", _kernel_choice(COMBINE, "comm.combine_kernel", COMBINE_KERNELS)),
+    DISPATCH: ("comm.dispatch_kernel", _kernel_choice(DISPATCH, "comm.dispatch_kernel", DISPATCH_KERNELS)),
 }
 
 

@@ -16,6 +16,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCH_DTYPES = ("bf16", "fp8")
 COMBINE_DTYPES = ("bf16",)
 COMBINE_KERNELS = ("split", "fused")
+DISPATCH_KERNELS = ("split", "fused")
 VALIDATE_MODES = ("device", "full")
 AUTO = "auto"
 
@@ -92,6 +93,9 @@ class CommConfig:
     # True: the host waits for the counts so that outputs have their exact size (one sync per dispatch).
     host_sync: bool = False
     combine_kernel: str = "split"  # one of COMBINE_KERNELS: send + reduce kernels, or one fused
+    # nvlink, rank-major dispatch without a host sync (and cached dispatches): stage, then pull
+    # ("split"), or one kernel that pulls each sub-chunk as soon as its source has staged it ("fused").
+    dispatch_kernel: str = "split"  # one of DISPATCH_KERNELS
     # device: expert ids outside [-1, E) are found on the device and raised at the next synchronising
     # call; full: checked on the host before any kernel (one host sync per dispatch).
     validate: str = "device"  # one of VALIDATE_MODES
@@ -147,6 +151,6 @@ SECTIONS: Dict[str, type] = {"moe": MoEConfig, "comm": CommConfig, "overlap": Ov
 
 __all__ = [
     "MoEConfig", "CommConfig", "LowLatencyConfig", "RdmaConfig", "OverlapConfig", "EPConfig", "SECTIONS", "AUTO",
-    "SCORE_FUNCTIONS", "BACKEND_NAMES", "DISPATCH_DTYPES", "COMBINE_DTYPES", "COMBINE_KERNELS",
+    "SCORE_FUNCTIONS", "BACKEND_NAMES", "DISPATCH_DTYPES", "COMBINE_DTYPES", "COMBINE_KERNELS", "DISPATCH_KERNELS",
     "VALIDATE_MODES",
 ]

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
 from .schema import (
-    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, SCORE_FUNCTIONS,
+    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     SECTIONS, VALIDATE_MODES, EPConfig, RdmaConfig,
 )
 
@@ -64,6 +64,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "timeout_s": ("float", "a float > 0 (seconds)"),
         "host_sync": _BOOL,
         "combine_kernel": ("enum", COMBINE_KERNELS),
+        "dispatch_kernel": ("enum", DISPATCH_KERNELS),
         "validate": ("enum", VALIDATE_MODES),
         "stats": _BOOL,
         "stats_interval": _OPT_POS_INT,

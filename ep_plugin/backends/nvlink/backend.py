@@ -7,7 +7,10 @@ handles gathered over the process group. Protocol and kernels: csrc/nvlink/.
 Dispatch = notify (counts, positions) -> stage (own rows into the IPC stage area) -> pull (each
 rank reads the rows addressed to it from the sources' stage areas, straight into its output
 tensor; the rows move by bulk copies (TMA) through a shared-memory ring, csrc/nvlink/pull_tma.cu,
-where a row fits it, `Runtime.tma` = False for register copies). Combine = every rank writes its rows back into the source's combine area at
+where a row fits it, `Runtime.tma` = False for register copies). With `comm.dispatch_kernel: fused`,
+when the outputs exist before the counts (no host sync, or a cached dispatch), stage and the
+rank-major pull are one kernel, csrc/nvlink/stage_pull_tma.cu: each 32-token sub-chunk is pulled as
+soon as its source has staged it. Combine = every rank writes its rows back into the source's combine area at
 [its rank, position]; the source sums per token in float and writes BF16. `comm.combine_kernel`
 picks a send kernel then a reduce kernel ("split", the default) or one fused kernel in which the
 source reduces each 8-token chunk as soon as its rows have arrived. On 4x H200 (2026-11-22) split
@@ -159,6 +162,7 @@ class NvlinkBackend(Backend):
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
+        self.dispatch_mode = cfg.comm.dispatch_kernel
         if cfg.comm.dispatch_dtype == "fp8":  # the caller promised FP8 pairs: refuse BF16 rows early
             self.capabilities = dataclasses.replace(self.capabilities, row_dtypes=())
         self._rt = C.NvlinkRuntime(self.device, self.rank, self.world, self.max_tokens, hidden,
@@ -307,9 +311,14 @@ class NvlinkBackend(Backend):
             self._notify_ev.record(s)
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
-        rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
-                 topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K,
-                 self.num_sms, sp)
+        stage_args = (x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
+                      topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K)
+        # Outputs sized before the counts exist: with comm.dispatch_kernel fused, stage and a rank-major
+        # pull go in one launch (stage_pull), each sub-chunk pulled once staged. Otherwise stage now,
+        # ahead of the host's wait for the counts.
+        together = worst and alignment is None and self.dispatch_mode == "fused"
+        if not together:
+            rt.stage(*stage_args, self.num_sms, sp)
         if worst:
             R = W * self.max_tokens
         else:
@@ -332,7 +341,11 @@ class NvlinkBackend(Backend):
         recv_src = torch.empty(R, dtype=torch.int32, device=dev)
         s_ptr = out_s.data_ptr() if out_s is not None else 0
         w_ptr = out_w.data_ptr() if out_w is not None else 0
-        if alignment is None:
+        if together:
+            rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
+                          recv_src.data_ptr(), 0, R, self.num_sms, sp)
+            layout = None
+        elif alignment is None:
             rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K, recv_off.data_ptr(),
                     recv_src.data_ptr(), 0, R, self.num_sms, sp)
             layout = None
@@ -374,7 +387,8 @@ class NvlinkBackend(Backend):
 
     def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool = False):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
-        the handle's rank-major rows, or straight to its expert-major positions."""
+        the handle's rank-major rows (one stage_pull launch with comm.dispatch_kernel fused), or straight
+        to its expert-major positions."""
         st = self._state(handle)
         T, K = x.shape[0], handle.topk_idx.shape[1]
         if T != handle.num_tokens:
@@ -384,8 +398,11 @@ class NvlinkBackend(Backend):
         row_bytes = x.shape[1] * x.element_size()
         idx_ptr = handle.topk_idx.data_ptr() if topk_weights is not None else 0
         rt = self._rt
-        rt.stage(x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales, idx_ptr,
-                 topk_weights.data_ptr() if topk_weights is not None else 0, K, self.num_sms, sp)
+        stage_args = (x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales, idx_ptr,
+                      topk_weights.data_ptr() if topk_weights is not None else 0, K)
+        together = not expert and self.dispatch_mode == "fused"
+        if not together:
+            rt.stage(*stage_args, self.num_sms, sp)
         lay, dev = handle.expert, x.device
         N = lay.num_rows if expert else handle.num_recv
         out_x = torch.empty(N, self.hidden, dtype=x.dtype, device=dev)
@@ -400,6 +417,9 @@ class NvlinkBackend(Backend):
             rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                            st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
                            lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms, sp)
+        elif together:
+            rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
+                          st.recv_src.data_ptr(), 1, N, self.num_sms, sp)
         else:
             rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                     st.recv_src.data_ptr(), 1, N, self.num_sms, sp)

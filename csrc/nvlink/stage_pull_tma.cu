@@ -1,0 +1,271 @@
+// stage_pull: stage and pull of a rank-major dispatch in one kernel, side by side, where stage then
+// pull (dispatch.cu, pull_tma.cu) run one after the other (comm.dispatch_kernel: fused).
+//
+// Why: on 2x H200 (4096 tokens, hidden 7168, 24 SMs) stage took 66 us and the pull 192 us, and no
+// pull could start before the last block of every rank's stage had finished. Here each block has two
+// halves:
+//   warps 16..31 (stage): copy this rank's tokens into its stage area in sub-chunks of kStageSub
+//     tokens (rows, FP8 scales, topk ids, weights) and release STAGE_READY[me][sub] = e at every rank
+//     after each one. Sub-chunk s is block s % grid's, so the grid stages in token order, a round of
+//     one sub-chunk per block at a time.
+//   warps 0..15 (pull, as pull_tma.cu): warps 1..15 resolve batches of 32 received rows (source
+//     token, local ids, weights, FP8 scales), each row once STAGE_READY of its token's sub-chunk has
+//     arrived, and hand each batch to thread 0 through a ring of kSlots batches in shared memory;
+//     thread 0 streams the batch's rows through the bulk-copy ring (common/tma.cuh's BulkRing).
+//     Batch b is block b % grid's: the grid pulls in receive order (by source, then in the source's
+//     token order), behind the sources' staging.
+// Contiguous shares per block (instead of the strides) left the pulls waiting on the middle of
+// other blocks' shares: 173 us against 140 us at W=1 (one H200, 4096 tokens, hidden 7168).
+//
+// Protocol, at dispatch epoch e = epochs[E_DISPATCH] + 1 (notify has run):
+//   - the whole block waits PULL_DONE[p] >= e - 1 for every peer p (p no longer reads the stage area);
+//   - block 0 releases LISTS[me] = e at every rank: this rank's send lists (notify) are complete;
+//   - a fresh pull reads a source's send list after LISTS[src] >= e, a row's data after
+//     STAGE_READY[src][sub] >= e;
+//   - the last block releases STAGE[me] and PULL_DONE[me] = e at every rank and sets
+//     epochs[E_DISPATCH] = e (STAGE for a peer running the separate pull).
+// The separate stage kernel releases LISTS and every STAGE_READY too, so ranks may mix the two.
+// A timeout records the missing peer (K_STAGE or K_PULL), stops the block's waits through s_fail and
+// the abort word, and the block returns without releasing.
+#include "common/copy.cuh"
+#include "common/error.h"
+#include "common/tma.cuh"
+#include "nvlink/device.cuh"
+#include "nvlink/kernels.h"
+#include "nvlink/pull_meta.cuh"
+
+namespace ep {
+namespace nvl {
+namespace {
+
+constexpr int kHalf = 512;           // threads per half: pull (warps 0..15), stage (warps 16..31)
+constexpr int kFusedThreads = 2 * kHalf;
+constexpr int kMetaWarps = kHalf / 32 - 1;
+constexpr int kBatch = 32;           // received rows per hand-off: a lane each
+constexpr int kSlots = 16;           // batches resolved ahead of thread 0
+constexpr int kStageBarrier = 1;     // named barrier of the stage half
+constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
+
+struct StageIn {
+  const int4* x;
+  int T;
+  const float* scales;
+  const int64_t* idx;
+  const float* w;
+};
+
+struct PullOut {
+  char* x;
+  float* scales;
+  int64_t* idx;
+  float* w;
+  const int* recv_off;
+  int* recv_src;
+  int cached, R_alloc;
+};
+
+__device__ __forceinline__ bool failed(const int* s_fail) { return *static_cast<const volatile int*>(s_fail) != 0; }
+
+// Waits for a peer's flag from one lane; a timeout is recorded against kernel_id and fails the block.
+__device__ __forceinline__ bool lane_wait(const Ctx& c, const int* flag, int target, int peer, int kernel_id,
+                                          unsigned long long deadline, int* s_fail) {
+  const int r = wait_geq(flag, target, deadline, c.aborted);
+  if (r == kArrived) return true;
+  if (r == kTimedOut) record_timeout(c, peer, kernel_id);
+  *static_cast<volatile int*>(s_fail) = 1;
+  return false;
+}
+
+// The stage half: sub-chunks blockIdx.x, + gridDim.x, ... of this rank's tokens (the grid stages them in
+// token order, a round of gridDim.x sub-chunks at a time), each released at every rank when done.
+__device__ void stage_half(const Ctx& c, const StageIn& in, int row_bytes, int nscales, int K, int e, int stid) {
+  const int nsub = (in.T + kStageSub - 1) / kStageSub;
+  char* base = c.peers[c.rank];
+  const size_t n16 = row_bytes / 16;
+  for (int sub = blockIdx.x; sub < nsub; sub += gridDim.x) {
+    const int t0 = sub * kStageSub, nt = min(kStageSub, in.T - t0);
+    grid_copy<8>(in.x + t0 * n16, reinterpret_cast<int4*>(base + c.off_stage_x) + t0 * n16, nt * n16, stid, kHalf);
+    if (in.scales) {
+      float* dst = reinterpret_cast<float*>(base + c.off_stage_scales) + static_cast<size_t>(t0) * nscales;
+      for (int i = stid; i < nt * nscales; i += kHalf) dst[i] = in.scales[static_cast<size_t>(t0) * nscales + i];
+    }
+    if (in.idx) {
+      int64_t* dst = reinterpret_cast<int64_t*>(base + c.off_stage_idx) + static_cast<size_t>(t0) * K;
+      for (int i = stid; i < nt * K; i += kHalf) dst[i] = in.idx[static_cast<size_t>(t0) * K + i];
+    }
+    if (in.w) {
+      float* dst = reinterpret_cast<float*>(base + c.off_stage_w) + static_cast<size_t>(t0) * K;
+      for (int i = stid; i < nt * K; i += kHalf) dst[i] = in.w[static_cast<size_t>(t0) * K + i];
+    }
+    named_barrier(kStageBarrier, kHalf);  // the half's writes of this sub-chunk, before its release
+    // (a system fence before the release measured 3 us slower per dispatch at W=1 and adds no order)
+    if (stid < c.world) st_release_sys(stage_ready_at(c, stid, c.rank, sub), e);
+  }
+}
+
+// Resolves received row i (lane's row of a batch): its source and token, its local ids and weights,
+// once the source has staged the token. False when a wait failed.
+__device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, const PullOut& out, int K, int e, int i,
+                                            unsigned long long deadline, int* s_fail, unsigned& lists_ok,
+                                            int& ok_src, int& ok_sub, int& src, int& tok) {
+  const int W = c.world, me = c.rank;
+  src = find_src(s_off, W, i);
+  if (!out.cached && !((lists_ok >> src) & 1u)) {
+    if (!lane_wait(c, flag_at(c, me, F_LISTS, src), e, src, K_PULL, deadline, s_fail)) return false;
+    lists_ok |= 1u << src;
+  }
+  tok = pull_row_token(c, s_off, src, i, out.cached, out.recv_src);
+  const int sub = tok / kStageSub;
+  if (src != ok_src || sub != ok_sub) {
+    if (!lane_wait(c, stage_ready_at(c, me, src, sub), e, src, K_PULL, deadline, s_fail)) return false;
+    ok_src = src;
+    ok_sub = sub;
+  }
+  if (out.idx || out.w) {
+    const int64_t lo = static_cast<int64_t>(me) * c.local_experts, hi = lo + c.local_experts;
+    pull_row_meta(c, src, tok, i, K, lo, hi, out.idx, out.w);
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kFusedThreads, 1)
+stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot) {
+  extern __shared__ __align__(128) char s_ring[];
+  __shared__ uint64_t s_bar[kRingMaxSlots];
+  __shared__ int s_dst[kRingMaxSlots];  // the output row of each ring slot's item
+  __shared__ int s_src[kSlots][kBatch], s_tok[kSlots][kBatch];
+  __shared__ int s_ready[kSlots];  // batch number resolved into the slot
+  __shared__ int s_taken;          // batches thread 0 has issued
+  __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int W = c.world, me = c.rank;
+  const int e = c.epochs[E_DISPATCH] + 1;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  BulkRing<kRingLag> ring{s_ring, s_bar, nslot, row_bytes};
+  if (tid == 0) {
+    ring.init();
+    s_taken = 0;
+  }
+  if (tid < kSlots) s_ready[tid] = -1;
+  if (tid <= W) s_off[tid] = out.recv_off[tid];
+  if (block_wait_peers(c, F_PULL_DONE, e - 1, me, K_STAGE, deadline, &s_fail)) return;
+  // Received rows in batches of kBatch, batch blockIdx.x + q * gridDim.x being this block's q-th: the
+  // grid pulls in receive order, a round at a time, as the sources stage in token order.
+  const int R = s_off[W];
+  const int nbatch = ((R + kBatch - 1) / kBatch - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  auto batch_at = [&](int q) { return (static_cast<int>(blockIdx.x) + q * static_cast<int>(gridDim.x)) * kBatch; };
+
+  if (warp >= kHalf / 32) {  // ---- stage half
+    const int stid = tid - kHalf;
+    if (blockIdx.x == 0 && stid < W) st_release_sys(flag_at(c, stid, F_LISTS, me), e);
+    stage_half(c, in, row_bytes, nscales, K, e, stid);
+    // rows [R, R_alloc) of a worst-case output route nowhere
+    for (int i = R + blockIdx.x * kHalf + stid; i < out.R_alloc; i += gridDim.x * kHalf) {
+      for (int k = 0; k < K; ++k) {
+        if (out.idx) out.idx[static_cast<size_t>(i) * K + k] = -1;
+        if (out.w) out.w[static_cast<size_t>(i) * K + k] = 0.f;
+      }
+    }
+  } else if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
+    unsigned lists_ok = 0;
+    int ok_src = -1, ok_sub = -1;
+    for (int m = warp - 1; m < nbatch; m += kMetaWarps) {
+      const int slot = m % kSlots;
+      if (lane == 0)  // the slot's previous batch has been issued
+        while (ld_acquire_cta_shared(&s_taken) < m - kSlots + 1 && !failed(&s_fail)) {
+        }
+      __syncwarp();
+      if (failed(&s_fail)) break;
+      const int a = batch_at(m), nrows = min(kBatch, R - a), i = a + lane;
+      int src = 0, tok = 0;
+      if (lane < nrows)
+        resolve_row(c, s_off, out, K, e, i, deadline, &s_fail, lists_ok, ok_src, ok_sub, src, tok);
+      __syncwarp();
+      if (failed(&s_fail)) break;
+      s_src[slot][lane] = src;
+      s_tok[slot][lane] = tok;
+      if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
+        const int total = nrows * nscales;
+        for (int v0 = 0; v0 < total; v0 += 32 * kScaleU) {
+          float f[kScaleU];
+#pragma unroll
+          for (int u = 0; u < kScaleU; ++u) {
+            const int vi = v0 + u * 32 + lane;
+            const int j = min(vi / nscales, kBatch - 1);
+            const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+            if (vi < total)
+              f[u] = reinterpret_cast<const float*>(c.peers[s] + c.off_stage_scales)[static_cast<size_t>(t) * nscales +
+                                                                                      (vi - j * nscales)];
+          }
+#pragma unroll
+          for (int u = 0; u < kScaleU; ++u) {
+            const int vi = v0 + u * 32 + lane;
+            if (vi < total) out.scales[static_cast<size_t>(a) * nscales + vi] = f[u];
+          }
+        }
+      }
+      __threadfence_block();
+      __syncwarp();
+      if (lane == 0) st_release_cta_shared(&s_ready[slot], m);
+    }
+  } else if (lane == 0) {  // ---- thread 0: stream the resolved batches through the ring
+    auto store_oldest = [&]() {
+      const int dst = s_dst[ring.slot_of(ring.tail)];
+      tma_store(out.x + static_cast<size_t>(dst) * row_bytes, ring.wait_oldest(), row_bytes);
+      ring.pop();
+    };
+    for (int m = 0; m < nbatch; ++m) {
+      const int slot = m % kSlots;
+      bool ok = true;
+      while (ld_acquire_cta_shared(&s_ready[slot]) != m)
+        if (failed(&s_fail)) {
+          ok = false;
+          break;
+        }
+      if (!ok) break;
+      fence_proxy_async();  // the sources' stage writes, acquired by the metadata warps, before the bulk loads
+      const int a = batch_at(m), nrows = min(kBatch, R - a);
+      for (int j = 0; j < nrows; ++j) {
+        while (ring.full()) store_oldest();
+        s_dst[ring.slot_of(ring.head)] = a + j;
+        ring.load(c.peers[s_src[slot][j]] + c.off_stage_x + static_cast<size_t>(s_tok[slot][j]) * row_bytes,
+                  row_bytes);
+      }
+      st_release_cta_shared(&s_taken, m + 1);
+    }
+    while (!ring.empty()) store_oldest();  // loads in flight complete even after a failure
+    tma_store_wait_all();  // out.x written before PULL_DONE and the kernel's end
+    fence_proxy_async();   // ... and ordered before the generic release below
+  }
+  __syncthreads();
+  if (failed(&s_fail)) return;
+  if (last_block(c.counters + C_PULL)) {
+    if (tid < W) {
+      st_release_sys(flag_at(c, tid, F_STAGE, me), e);
+      st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
+    }
+    if (tid == 0) c.epochs[E_DISPATCH] = e;
+  }
+}
+
+}  // namespace
+
+bool stage_pull_tma_fits(int row_bytes) { return pull_tma_fits(row_bytes); }
+
+void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
+                           int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
+                           float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
+                           int cached, int R_alloc, cudaStream_t stream) {
+  static bool smem_set[64] = {};
+  ring_smem_once(stage_pull_tma_kernel, smem_set);
+  const int nslot = ring_slots(row_bytes);
+  const StageIn in{x, T, scales, topk_idx, weights};
+  const PullOut out{reinterpret_cast<char*>(out_x), out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc};
+  stage_pull_tma_kernel<<<blocks, kFusedThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
+      c, in, out, row_bytes, nscales, K, nslot);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace nvl
+}  // namespace ep
