@@ -19,8 +19,9 @@ and runs every local expert on exactly its rows. Reported per case:
   rows_sent: rows this rank puts on the wire per direction (DeepSpeed: experts x capacity,
             padding included; ep_plugin: kept tokens, one per destination rank);
   max_abs_diff: largest output difference between the two paths (same inputs and gate RNG).
-With --profile, also where a layer step's GPU time goes: the top kernels of each path (torch
-profiler, rank 0, per step), printed and kept under "profile" in the JSON.
+With --profile, also where a layer step's time goes: the top kernels of each path and the top host
+ops by their own CPU time (torch profiler, rank 0, per step), printed and kept under
+"profile_us_per_step" and "host_us_per_step" in the JSON.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from protocols import kernel_breakdown  # noqa: E402
+from protocols import host_breakdown, kernel_breakdown  # noqa: E402
 
 
 def parse():
@@ -212,8 +213,10 @@ def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
                  "max_abs_diff": float(diff.item()), "output_scale": scale}
             if a.profile and not a.cpu:
                 r["profile_us_per_step"] = prof = kernel_breakdown(layer_step(layer), n=5, top=12)
+                r["host_us_per_step"] = host = host_breakdown(layer_step(layer), n=5, top=12)
                 if rank == 0:
                     print(f"  profile {name} drop_tokens={drop} (us per step): {prof}", flush=True)
+                    print(f"  host ops {name} drop_tokens={drop} (us per step): {host}", flush=True)
             results.append(r)
             if rank == 0:
                 print(f"ep{ep} (world {world}) drop_tokens={drop!s:5} {name:18} layer fwd+bwd {t_layer:8.3f} ms   "

@@ -202,6 +202,25 @@ def failed(error: str, protocols=PROTOCOLS) -> Dict:
     return out
 
 
+def host_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
+    """Average host time per op (us per call, the op's own CPU time, children excluded) over n calls,
+    via the torch profiler: the `top` largest, and "total". Where a step's time goes when its kernels
+    add up to less than the step (the GPU waiting for the host)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        out = {ev.key[:60]: round(ev.self_cpu_time_total / n, 2) for ev in prof.key_averages()
+               if ev.self_cpu_time_total}
+        total = round(sum(out.values()), 1)
+        return {**dict(sorted(out.items(), key=lambda kv: -kv[1])[:top]), "total": total}
+    except Exception as exc:  # profiler unavailable: not fatal
+        return {"error": _short(exc)}
+
+
 def kernel_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
     """Average device time per kernel name (us per call) over n calls, via the torch profiler: the
     `top` largest, and "total" (every kernel)."""

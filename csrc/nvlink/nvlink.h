@@ -10,7 +10,7 @@
 //   pull   : every rank reads the rows addressed to it straight out of the sources' stage areas
 //            (16-byte loads over NVLink, a warp per row) into its output tensor, then flags PULL_DONE.
 //   stage_pull (stage_pull_tma.cu): stage and pull in one kernel, side by side: the source flags each
-//            staged 32-token sub-chunk (STAGE_READY) and the receivers pull it at once.
+//            staged sub-chunk of kStageSub tokens (STAGE_READY) and the receivers pull it at once.
 //   combine: each rank writes the rows it received back into the source's IPC combine area at slot
 //            [its rank, position] (remote stores), flags COMBINE; the source sums the slots per
 //            token in float (its own rows read in place) and flags REDUCE_DONE.
@@ -40,7 +40,7 @@ enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_ME
 enum KernelId { K_NOTIFY = 1, K_STAGE, K_PULL, K_SEND, K_REDUCE, K_NUM };
 constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "combine-send", "combine-reduce"};
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
-constexpr int kStageSub = 32;  // tokens per STAGE_READY flag (a staged sub-chunk)
+constexpr int kStageSub = 16;  // tokens per STAGE_READY flag (a staged sub-chunk)
 
 // Host-mapped (pinned) results and error state, written by the kernels, read by the host.
 struct HostInfo {

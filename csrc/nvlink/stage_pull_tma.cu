@@ -8,14 +8,17 @@
 //     tokens (rows, FP8 scales, topk ids, weights) and release STAGE_READY[me][sub] = e at every rank
 //     after each one. Sub-chunk s is block s % grid's, so the grid stages in token order, a round of
 //     one sub-chunk per block at a time.
-//   warps 0..15 (pull, as pull_tma.cu): warps 1..15 resolve batches of 32 received rows (source
+//   warps 0..15 (pull, as pull_tma.cu): warps 1..15 resolve batches of kBatch received rows (source
 //     token, local ids, weights, FP8 scales), each row once STAGE_READY of its token's sub-chunk has
 //     arrived, and hand each batch to thread 0 through a ring of kSlots batches in shared memory;
 //     thread 0 streams the batch's rows through the bulk-copy ring (common/tma.cuh's BulkRing).
 //     Batch b is block b % grid's: the grid pulls in receive order (by source, then in the source's
 //     token order), behind the sources' staging.
-// Contiguous shares per block (instead of the strides) left the pulls waiting on the middle of
-// other blocks' shares: 173 us against 140 us at W=1 (one H200, 4096 tokens, hidden 7168).
+// Measured on one H200 at W=1 (4096 tokens, hidden 7168, 24 SMs; local copies, so no overlap can win
+// there: both halves are bound by the SMs' memory bandwidth): contiguous shares per block instead of
+// the strides left the pulls waiting on the middle of other blocks' shares (173 us against 140);
+// 16-token sub-chunks and 16-row batches against 32: BF16 140.5 / 141.5 us, FP8 117.7 / 129.9,
+// cached 125.1 / 132.8 (stage then pull: 134.3, 119.0, 128.3).
 //
 // Protocol, at dispatch epoch e = epochs[E_DISPATCH] + 1 (notify has run):
 //   - the whole block waits PULL_DONE[p] >= e - 1 for every peer p (p no longer reads the stage area);
@@ -41,7 +44,7 @@ namespace {
 constexpr int kHalf = 512;           // threads per half: pull (warps 0..15), stage (warps 16..31)
 constexpr int kFusedThreads = 2 * kHalf;
 constexpr int kMetaWarps = kHalf / 32 - 1;
-constexpr int kBatch = 32;           // received rows per hand-off: a lane each
+constexpr int kBatch = 16;           // received rows per hand-off: a lane each (at most 32)
 constexpr int kSlots = 16;           // batches resolved ahead of thread 0
 constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
@@ -183,8 +186,10 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
         resolve_row(c, s_off, out, K, e, i, deadline, &s_fail, lists_ok, ok_src, ok_sub, src, tok);
       __syncwarp();
       if (failed(&s_fail)) break;
-      s_src[slot][lane] = src;
-      s_tok[slot][lane] = tok;
+      if (lane < kBatch) {
+        s_src[slot][lane] = src;
+        s_tok[slot][lane] = tok;
+      }
       if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
         const int total = nrows * nscales;
         for (int v0 = 0; v0 < total; v0 += 32 * kScaleU) {

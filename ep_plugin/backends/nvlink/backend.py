@@ -9,7 +9,7 @@ rank reads the rows addressed to it from the sources' stage areas, straight into
 tensor; the rows move by bulk copies (TMA) through a shared-memory ring, csrc/nvlink/pull_tma.cu,
 where a row fits it, `Runtime.tma` = False for register copies). With `comm.dispatch_kernel: fused`,
 when the outputs exist before the counts (no host sync, or a cached dispatch), stage and the
-rank-major pull are one kernel, csrc/nvlink/stage_pull_tma.cu: each 32-token sub-chunk is pulled as
+rank-major pull are one kernel, csrc/nvlink/stage_pull_tma.cu: each 16-token sub-chunk is pulled as
 soon as its source has staged it. Combine = every rank writes its rows back into the source's combine area at
 [its rank, position]; the source sums per token in float and writes BF16. `comm.combine_kernel`
 picks a send kernel then a reduce kernel ("split", the default) or one fused kernel in which the
