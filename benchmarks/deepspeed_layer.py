@@ -54,6 +54,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=10, help="routing varies per step: warm the allocator and GEMM heuristics")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test)")
+    p.add_argument("--drop-tokens", default="both", choices=["both", "true", "false"],
+                   help="which drop_tokens settings to time (one per process takes the other's warm-up out: "
+                        "GEMM heuristics and the allocator carry over from the first to the second)")
     p.add_argument("--profile", action="store_true", help="top GPU kernels per layer step of each path")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "deepspeed_layer.json"))
@@ -130,7 +133,7 @@ def bench(a, ep, rank, world, device, dtype, timer, MoE, epds):
     from ep_plugin.integrations.deepspeed.layer import wire_dtype
     E, H, world_ep = a.experts_per_rank * ep, a.hidden, ep
     results = []
-    for drop in (True, False):
+    for drop in {"both": (True, False), "true": (True,), "false": (False,)}[a.drop_tokens]:
         torch.manual_seed(0)
         expert = torch.nn.Sequential(torch.nn.Linear(H, a.ffn), torch.nn.GELU(), torch.nn.Linear(a.ffn, H))
         ref = MoE(H, expert, num_experts=E, ep_size=ep, k=a.k, capacity_factor=a.capacity_factor,

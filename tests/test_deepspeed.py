@@ -65,8 +65,11 @@ def _close(a, b, what, atol=1e-5, rtol=1e-5):
     assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{what}: max abs diff {err}"
 
 
-def _layer_cases(rank, world, device="cpu", backend="torch"):
+def _layer_cases(rank, world, device="cpu", backend="torch", align=None):
     import deepspeed
+    if align is not None:  # padded expert segments (zero rows, weight 0) must change nothing
+        from ep_plugin.integrations.deepspeed import layer as ds_layer
+        ds_layer.expert_alignment = lambda *args: align
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     tol = 1e-5
     if device == "cuda":  # GEMM kernels differ with the row count (DeepSpeed pads): looser fp32 match
@@ -89,7 +92,8 @@ def _layer_cases(rank, world, device="cpu", backend="torch"):
             # Exactly the routes DeepSpeed keeps travel: compare with the gate's own sparse routes.
             torch.manual_seed(seed)
             kept = (layer.gate(x.reshape(-1, H), None, True, False)[3] >= 0).sum().reshape(1)
-            got = torch.tensor([sum(seen[0])], device=kept.device)
+            got = torch.tensor([sum(layer._ep_counts)], device=kept.device)
+            assert sum(seen[0]) % (align or 1) == 0 and sum(seen[0]) >= sum(layer._ep_counts)
             torch.distributed.all_reduce(kept), torch.distributed.all_reduce(got)
             assert got.item() == kept.item(), f"{got.item()} rows received, DeepSpeed keeps {kept.item()} routes"
             if drop:
@@ -166,8 +170,9 @@ def _capacity_and_cast_cases(rank, device, backend):
     assert layer.ep_buffer(H) is not buf
 
 
-def test_layer_matches_deepspeed():
-    spawn(_layer_cases, 2, timeout=240)
+@pytest.mark.parametrize("align", [None, 8])
+def test_layer_matches_deepspeed(align):
+    spawn(_layer_cases, 2, "cpu", "torch", align, timeout=240)
 
 
 @pytest.mark.gpu

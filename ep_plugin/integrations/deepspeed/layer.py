@@ -1,7 +1,9 @@
 """EPPluginMOELayer: DeepSpeed's ``MOELayer`` with its two padded all-to-alls replaced by EPBuffer.
 
-gate (DeepSpeed's, sparse routes) -> EPBuffer.dispatch (expert-major: rows grouped by local expert)
--> each local expert on exactly its rows, times its weight -> EPBuffer.combine (sums each token's rows). A route is kept iff DeepSpeed keeps it (capacity-dropped
+gate (DeepSpeed's, sparse routes) -> EPBuffer.dispatch (expert-major: rows grouped by local expert,
+each segment padded with zero rows of weight 0 to a multiple of expert_alignment()) -> each local expert
+on its segment, times its weight -> EPBuffer.combine (sums each token's rows; padding rows belong to
+no token). A route is kept iff DeepSpeed keeps it (capacity-dropped
 routes come out of the gate as expert -1), so outputs and gradients equal DeepSpeed's.
 
 Buffers: one EPBuffer per (group, config, hidden) from the shared cache
@@ -31,10 +33,27 @@ from deepspeed.utils import groups
 
 from ...config import EPConfig, MoEConfig, load_config
 from ...telemetry import Report, log_to, training_step
+from ...expert_major import padded
 from ..buffer_cache import get_buffer
 from .gate_scan import fast_gate_scan
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
+# Each local expert's rows are padded (zero rows, weight 0) to a multiple of expert_alignment(), so
+# that its GEMMs come in a few shapes: the per-expert row count changes every step, and the host picks
+# a GEMM algorithm for every new shape (one H200, EP1: a fresh process spent ~2 ms more host time per
+# step in aten::mm/addmm over its first 40 steps, the layer step 10.7 ms instead of 6.4 ms once warm).
+MAX_EXPERT_ALIGNMENT = 128
+
+
+def expert_alignment(tokens: int, k: int, ep_size: int, num_experts: int) -> int:
+    """The padding multiple of a local expert's rows: a power of two at most MAX_EXPERT_ALIGNMENT and at
+    most an eighth of the rows an expert gets on average (tokens * k * ep_size / num_experts), so the
+    padding stays a small share of the work; 1 for small batches."""
+    per_expert = tokens * k * ep_size // max(1, num_experts)
+    a = 1
+    while a * 2 <= min(MAX_EXPERT_ALIGNMENT, per_expert // 8):
+        a *= 2
+    return a
 _LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
 
 
@@ -88,6 +107,7 @@ class EPPluginMOELayer(MOELayer):
 
     _ep_cfg: EPConfig
     _ep_monitor = None  # a DeepSpeed monitor for the stats reports (attach_monitor)
+    _ep_counts: list = []  # rows per local expert of the last forward (host ints, before padding)
 
     def _set_ep_group(self, ep_group):
         # convert_moe_layers may have created the groups already; the engine then sets them again.
@@ -149,12 +169,16 @@ class EPPluginMOELayer(MOELayer):
         # Synchronous: the experts need the rows right away, so an async dispatch (overlap.async_dispatch)
         # would only add an event to wait on.
         # Expert-major: one row per (token, local expert), grouped by expert, with its weight.
-        res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx, topk_weights, async_op=False, layout="expert")
+        align = expert_alignment(tokens.shape[0], topk_idx.shape[1], buf.world, num_experts)
+        res = buf.dispatch(tokens.to(sent).contiguous(), topk_idx, topk_weights, async_op=False, layout="expert",
+                           expert_alignment=align)
         if timed:
             self.timers(FIRST_ALLTOALL_TIMER).stop()
             self.time_falltoall = self.timers(FIRST_ALLTOALL_TIMER).elapsed(reset=False)
 
-        counts = [int(c) for c in res.tokens_per_expert]  # host values: splitting needs no device sync
+        # host values (splitting needs no device sync): rows per local expert, and its padded segment
+        self._ep_counts = [int(c) for c in res.tokens_per_expert]
+        counts = padded(self._ep_counts, align)
         n = sum(counts)  # the rows in use (all of them: the layer's buffer waits for exact sizes)
         rows = res.x[:n].to(tokens.dtype)  # the experts' parameters are in the layer's dtype
         expert_out = self._ep_run_experts(rows, res.topk_weights[:n], counts)
@@ -177,9 +201,10 @@ class EPPluginMOELayer(MOELayer):
             _LOG_REPORT(report)
 
     def _ep_run_experts(self, rows: torch.Tensor, weights: torch.Tensor, counts) -> torch.Tensor:
-        """Run each local expert on exactly its rows; return weight * expert(row) per row.
+        """Run each local expert on its segment of rows; return weight * expert(row) per row.
 
-        rows [N, H] grouped by local expert (counts: rows per expert, host ints); weights [N] float32.
+        rows [N, H] grouped by local expert (counts: rows per expert segment, padding included, host ints;
+        a padding row is zero with weight 0, so it adds nothing to outputs or gradients); weights [N] float32.
         Multiplies in float32 and returns rows' dtype; the combine sums each token's rows (float32).
         """
         outs = []
