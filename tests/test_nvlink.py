@@ -242,28 +242,30 @@ def body_graph_autograd_errors(rank, world):
     torch.cuda.set_device(rank)
     E, K, H = 8 * world, 4, 2048
     ref = _buf("torch", E, K, H)
-    # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings
-    nv = _buf("nvlink", E, K, H, max_tokens=256)
-    T = 256
-    g, (sx, sidx, sw), res, y = _captured(nv, T, H, K)
-    Rmax = world * 256
-    assert res.x.shape == (Rmax, H) and res.handle.num_recv == Rmax
-    for seed in range(3):
-        _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=40 + seed, mode="random" if seed < 2 else "skew")
-        sx.copy_(x), sidx.copy_(idx), sw.copy_(w)
-        g.replay()
-        torch.cuda.synchronize()
-        b = ref.dispatch(x, idx, w)
-        R = int(res.num_recv.item())
-        assert R == b.x.shape[0], (R, b.x.shape)
-        assert torch.equal(res.x[:R], b.x) and torch.equal(res.topk_idx[:R], b.topk_idx)
-        assert torch.equal(res.topk_weights[:R], b.topk_weights)
-        assert bool((res.topk_idx[R:] == -1).all()) and bool((res.topk_weights[R:] == 0).all())
-        assert res.num_tokens_per_expert.tolist() == list(b.tokens_per_expert)
-        yb = ref.combine((b.x.float() * 2).to(torch.bfloat16), b.handle)
-        torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2)
-    del g
-    nv.close()
+    # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings;
+    # both dispatch kernels (stage, then pull; stage_pull)
+    for kernel in ("split", "fused"):
+        nv = _buf("nvlink", E, K, H, max_tokens=256, dispatch_kernel=kernel)
+        T = 256
+        g, (sx, sidx, sw), res, y = _captured(nv, T, H, K)
+        Rmax = world * 256
+        assert res.x.shape == (Rmax, H) and res.handle.num_recv == Rmax
+        for seed in range(3):
+            _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=40 + seed, mode="random" if seed < 2 else "skew")
+            sx.copy_(x), sidx.copy_(idx), sw.copy_(w)
+            g.replay()
+            torch.cuda.synchronize()
+            b = ref.dispatch(x, idx, w)
+            R = int(res.num_recv.item())
+            assert R == b.x.shape[0], (R, b.x.shape)
+            assert torch.equal(res.x[:R], b.x) and torch.equal(res.topk_idx[:R], b.topk_idx)
+            assert torch.equal(res.topk_weights[:R], b.topk_weights)
+            assert bool((res.topk_idx[R:] == -1).all()) and bool((res.topk_weights[R:] == 0).all())
+            assert res.num_tokens_per_expert.tolist() == list(b.tokens_per_expert)
+            yb = ref.combine((b.x.float() * 2).to(torch.bfloat16), b.handle)
+            torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=kernel)
+        del g
+        nv.close()
 
     # ---- comm.host_sync: false outside a graph: same types as the synced mode, counts read lazily
     nv = _buf("nvlink", E, K, H, max_tokens=256, host_sync=False)
