@@ -202,45 +202,46 @@ def failed(error: str, protocols=PROTOCOLS) -> Dict:
     return out
 
 
-def host_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
-    """Average host time per op (us per call, the op's own CPU time, children excluded) over n calls,
-    via the torch profiler: the `top` largest, and "total". Where a step's time goes when its kernels
-    add up to less than the step (the GPU waiting for the host)."""
+def _profiled_averages(fn: Callable[[], object], n: int, activity: str, per_event, top: int) -> Dict[str, float]:
+    """Runs fn n times under the torch profiler (activity "CPU" or "CUDA"); per_event(event) gives
+    (name, us over the n calls) or None; returns the `top` largest per-call averages and "total"."""
     try:
         from torch.profiler import ProfilerActivity, profile
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-        out = {ev.key[:60]: round(ev.self_cpu_time_total / n, 2) for ev in prof.key_averages()
-               if ev.self_cpu_time_total}
-        total = round(sum(out.values()), 1)
-        return {**dict(sorted(out.items(), key=lambda kv: -kv[1])[:top]), "total": total}
-    except Exception as exc:  # profiler unavailable: not fatal
-        return {"error": _short(exc)}
-
-
-def kernel_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
-    """Average device time per kernel name (us per call) over n calls, via the torch profiler: the
-    `top` largest, and "total" (every kernel)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
             for _ in range(n):
                 fn()
             torch.cuda.synchronize()
         out: Dict[str, float] = {}
         for ev in prof.key_averages():
-            dt = getattr(ev, "self_device_time_total", None)  # kernels only: an op's own device time is 0
-            if dt is None:
-                dt = getattr(ev, "self_cuda_time_total", 0)
-            if dt:
-                name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
-                name = name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60]
-                out[name] = round(out.get(name, 0.0) + dt / n, 2)
+            got = per_event(ev)
+            if got:
+                out[got[0]] = round(out.get(got[0], 0.0) + got[1] / n, 2)
         total = round(sum(out.values()), 1)
         return {**dict(sorted(out.items(), key=lambda kv: -kv[1])[:top]), "total": total}
     except Exception as exc:  # profiler unavailable: not fatal
         return {"error": _short(exc)}
+
+
+def host_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
+    """Average host time per op (us per call, the op's own CPU time, children excluded) over n calls,
+    via the torch profiler: the `top` largest, and "total". Where a step's time goes when its kernels
+    add up to less than the step (the GPU waiting for the host)."""
+    return _profiled_averages(fn, n, "CPU", lambda ev: (ev.key[:60], ev.self_cpu_time_total)
+                              if ev.self_cpu_time_total else None, top)
+
+
+def _kernel_time(ev):
+    dt = getattr(ev, "self_device_time_total", None)  # kernels only: an op's own device time is 0
+    if dt is None:
+        dt = getattr(ev, "self_cuda_time_total", 0)
+    if not dt:
+        return None
+    name = ev.key.replace("(anonymous namespace)::", "").replace("void ", "")
+    return name.split("(")[0].split("<")[0].split("::")[-1][:60] or ev.key[:60], dt
+
+
+def kernel_breakdown(fn: Callable[[], object], n: int = 10, top: int = 8) -> Dict[str, float]:
+    """Average device time per kernel name (us per call) over n calls, via the torch profiler: the
+    `top` largest, and "total" (every kernel)."""
+    return _profiled_averages(fn, n, "CUDA", _kernel_time, top)

@@ -316,22 +316,15 @@ def test_env_worst_case_overrides_host_sync(clean_env, text, host_sync):
     assert load_config(None, {"comm.host_sync": not host_sync}).comm.host_sync is host_sync
 
 
+@pytest.mark.parametrize("var,key", [(COMBINE, "combine_kernel"), (DISPATCH, "dispatch_kernel")])
 @pytest.mark.parametrize("kernel", ["split", "fused"])
-def test_env_combine_overrides_combine_kernel(clean_env, kernel):
-    clean_env.setenv(COMBINE, kernel)
+def test_env_overrides_kernel_choice(clean_env, var, key, kernel):
+    clean_env.setenv(var, kernel)
     other = "fused" if kernel == "split" else "split"
-    assert load_config({"comm": {"combine_kernel": other}}).comm.combine_kernel == kernel
-    assert load_config("deepseek_v3").comm.combine_kernel == kernel
-
-
-@pytest.mark.parametrize("kernel", ["split", "fused"])
-def test_env_dispatch_overrides_dispatch_kernel(clean_env, kernel):
-    clean_env.setenv(DISPATCH, kernel)
-    other = "fused" if kernel == "split" else "split"
-    assert load_config({"comm": {"dispatch_kernel": other}}).comm.dispatch_kernel == kernel
-    assert load_config("deepseek_v3").comm.dispatch_kernel == kernel
-    clean_env.setenv(DISPATCH, "fuse")
-    with pytest.raises(ConfigError, match="EP_PLUGIN_NVLINK_DISPATCH='fuse'.*comm.dispatch_kernel.*did you mean 'fused'"):
+    assert getattr(load_config({"comm": {key: other}}).comm, key) == kernel
+    assert getattr(load_config("deepseek_v3").comm, key) == kernel
+    clean_env.setenv(var, "fuse")
+    with pytest.raises(ConfigError, match=f"{var}='fuse'.*comm.{key}.*did you mean 'fused'"):
         load_config("tiny")
 
 
