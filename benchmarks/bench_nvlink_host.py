@@ -89,8 +89,9 @@ class FakeRuntime:
     def close(self):
         pass
 
-    def notify(self, topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream):
-        self._log("notify", (topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream))
+    def notify(self, topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0):
+        # logged with the stream last, as every other launch
+        self._log("notify", (topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off, stream))
 
     def stage(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream):
         self._log("stage", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream))

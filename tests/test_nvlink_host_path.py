@@ -31,10 +31,14 @@ class FillingRuntime(bench.FakeRuntime):
 
     scratch_calls = 0
 
-    def notify(self, topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream):
-        super().notify(topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream)
-        (ctypes.c_int64 * E_L).from_address(tpe)[:] = TPE
-        (ctypes.c_int32 * (W + 1)).from_address(recv_off)[:] = RECV_OFF
+    def notify(self, topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0):
+        super().notify(topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off)
+        for at in (tpe, host_tpe):  # the kernel writes the pinned copies too, when given
+            if at:
+                (ctypes.c_int64 * E_L).from_address(at)[:] = TPE
+        for at in (recv_off, host_recv_off):
+            if at:
+                (ctypes.c_int32 * (W + 1)).from_address(at)[:] = RECV_OFF
         (ctypes.c_bool * (T_ * W)).from_address(is_in)[:] = [bool(v) for row in IS_IN[:T_] for v in row]
 
     def expert_scratch_ints(self, num_sms):
@@ -91,8 +95,10 @@ def check_fresh_tensors(res, stream_ptr, log, rows, x, w):
     """notify/stage pointers and the handle's tensors of a fresh dispatch of (x, idx, w) (launches in `log`)."""
     h, st = res.handle, res.handle.state
     notify = dict(log)["notify"]
+    pinned = h.counts._pinned if not h.exact else {}  # no host sync: notify writes the pinned ring slot
     assert notify == (h.topk_idx.data_ptr(), T, K, st.send_pos.data_ptr(), h.is_token_in_rank.data_ptr(),
-                      st.recv_off.data_ptr(), h.num_tokens_per_expert.data_ptr(), stream_ptr)
+                      st.recv_off.data_ptr(), h.num_tokens_per_expert.data_ptr(),
+                      ptr(pinned.get("tokens_per_expert")), ptr(pinned.get("recv_off")), stream_ptr)
     for t, shape, dtype in ((st.send_pos, (T, W), torch.int32), (h.is_token_in_rank, (T, W), torch.bool),
                             (st.recv_off, (W + 1,), torch.int32), (h.num_tokens_per_expert, (E_L,), torch.int64),
                             (st.recv_src, (rows,), torch.int32), (h.recv_topk_idx, (rows, K), torch.int64)):
@@ -311,15 +317,15 @@ def test_streams_and_async(gpu):
     log.clear()
     buf.dispatch(x, idx, w)
     assert all(c[1][-1] == 0x7000 for c in log) and tally["current_stream"] == made + 1
-    # async: the communication stream, the counts copied there, an event; then a synchronous call on the
-    # current stream waits for it
+    # async: the communication stream (notify writes the pinned counts: no copy, no stream switched to),
+    # an event; then a synchronous call on the current stream waits for it
     bench.FakeStreamContext.entered = []
     try:
         log.clear()
         a = buf.dispatch(x, idx, w, async_op=True)
         comm = be._comm_stream
         assert comm.cuda_stream != stream.cuda_stream and all(c[1][-1] == comm.cuda_stream for c in log)
-        assert bench.FakeStreamContext.entered == [comm]
+        assert bench.FakeStreamContext.entered == []
         assert a.event is not None and a.handle.counts._event.recorded is comm
         assert tally["record_stream"] == 11  # every input and output, the handle's tensors too
         a.event.current_stream_wait()

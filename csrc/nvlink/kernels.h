@@ -12,9 +12,10 @@ namespace ep {
 namespace nvl {
 
 // notify.cu: one block. topk_idx [T,K] int64 -> send_pos [T,W] int32, is_in [T,W] bool,
-// recv_off [W+1] int32, tpe [local_experts] int64; counts into the host-mapped info.
+// recv_off [W+1] int32, tpe [local_experts] int64; counts into the host-mapped info, and copies of
+// tpe and recv_off into host_tpe / host_recv_off (pinned host memory, device view) when not null.
 void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* send_pos, bool* is_in,
-                   int* recv_off, int64_t* tpe, cudaStream_t stream);
+                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, cudaStream_t stream);
 
 // dispatch.cu: stage this rank's rows into its IPC stage area; pull the rows addressed to it.
 void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,

@@ -60,7 +60,8 @@ __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict_
 
 __global__ void __launch_bounds__(kNotifyThreads, 1)
 notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __restrict__ send_pos,
-              bool* __restrict__ is_in, int* __restrict__ recv_off, int64_t* __restrict__ tpe) {
+              bool* __restrict__ is_in, int* __restrict__ recv_off, int64_t* __restrict__ tpe,
+              int64_t* __restrict__ host_tpe, int* __restrict__ host_recv_off) {
   extern __shared__ int s_ecnt[];  // [num_experts]
   __shared__ int s_wsum[32][kMaxRanks];
   __shared__ int s_total[kMaxRanks];
@@ -193,16 +194,19 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
     for (int s = 0; s < W; ++s) {
       const int v = ld_volatile(meta + s * stride);
       recv_off[s] = acc;
+      if (host_recv_off) host_recv_off[s] = acc;
       c.host->recv_counts[s] = v;
       acc += v;
     }
     recv_off[W] = acc;
+    if (host_recv_off) host_recv_off[W] = acc;
     c.host->num_recv = acc;
   }
   for (int j = tid; j < EL; j += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < W; ++s) sum += ld_volatile(meta + s * stride + 1 + j);
     tpe[j] = sum;
+    if (host_tpe) host_tpe[j] = sum;
     c.host->tokens_per_expert[j] = sum;
   }
   if (tid < W) c.host->send_counts[tid] = s_total[tid];
@@ -215,12 +219,13 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
 }  // namespace
 
 void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* send_pos, bool* is_in,
-                   int* recv_off, int64_t* tpe, cudaStream_t stream) {
+                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, cudaStream_t stream) {
   // Per-expert counts live in shared memory, within the default 48 KiB a launch may ask for.
   const size_t smem = sizeof(int) * c.num_experts;
   EP_CHECK_ARG(smem <= 48 * 1024, "too many experts for the notify kernel: num_experts=%d, at most %d",
                c.num_experts, static_cast<int>(48 * 1024 / sizeof(int)));
-  notify_kernel<<<1, kNotifyThreads, smem, stream>>>(c, topk_idx, T, K, send_pos, is_in, recv_off, tpe);
+  notify_kernel<<<1, kNotifyThreads, smem, stream>>>(c, topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe,
+                                                     host_recv_off);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

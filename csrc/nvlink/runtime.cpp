@@ -154,14 +154,27 @@ void Runtime::check_row_bytes(int row_bytes) const {
                "row bytes must be a multiple of 16 and at most hidden*2 = %zu, got %d", ctx_.stage_row_cap, row_bytes);
 }
 
+namespace {
+// The device view of pinned host memory (the same address under unified addressing); an error for
+// memory that is not pinned, before a kernel could fault on it.
+template <typename T>
+T* mapped(uintptr_t host) {
+  if (!host) return nullptr;
+  void* dev = nullptr;
+  EP_CUDA_CHECK(cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(host), 0));
+  return static_cast<T*>(dev);
+}
+}  // namespace
+
 void Runtime::notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
-                     uintptr_t recv_off, uintptr_t tpe, uintptr_t stream) {
+                     uintptr_t recv_off, uintptr_t tpe, uintptr_t stream, uintptr_t host_tpe,
+                     uintptr_t host_recv_off) {
   check_open();
   check_tokens(T);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
   set_device();
   launch_notify(ctx_, ptr<const int64_t>(topk_idx), T, K, ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off),
-                ptr<int64_t>(tpe), stream_of(stream));
+                ptr<int64_t>(tpe), mapped<int64_t>(host_tpe), mapped<int>(host_recv_off), stream_of(stream));
 }
 
 void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,

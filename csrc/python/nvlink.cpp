@@ -21,7 +21,8 @@ void bind_nvlink(py::module_& m) {
       })
       .def("close", &Runtime::close)
       .def("notify", &Runtime::notify, py::arg("topk_idx"), py::arg("T"), py::arg("K"), py::arg("send_pos"),
-           py::arg("is_in"), py::arg("recv_off"), py::arg("tpe"), py::arg("stream"))
+           py::arg("is_in"), py::arg("recv_off"), py::arg("tpe"), py::arg("stream"), py::arg("host_tpe") = 0,
+           py::arg("host_recv_off") = 0)
       .def("stage", &Runtime::stage, py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"),
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("num_sms"),
            py::arg("stream"))

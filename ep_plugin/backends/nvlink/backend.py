@@ -106,33 +106,32 @@ def _recv_counts(c: "_DispatchCounts"):
 
 
 class _DispatchCounts(HostCounts):
-    """The host counts of a dispatch that did not wait on the host: what HostCounts(device=...) makes
-    (tokens_per_expert and recv_off copied into a ring slot, an event right behind the copies;
-    send_counts and recv_counts derived on first read), built for the one case the dispatch has.
-    HostCounts' generic constructor looks up the current stream and enters a stream context around
-    the copies (several us of Python between notify and stage); here the stream and the capture
-    state are known, and the stream is switched only for the communication stream of an async call."""
+    """The host counts of a dispatch that did not wait on the host: tokens_per_expert and recv_off in
+    a pinned ring slot, written there by the notify kernel itself (no copy after it), with an event
+    recorded right behind notify (`written`); send_counts and recv_counts derived on first read. What
+    HostCounts(device=...) gives, without its stream lookup and two copies (several us between notify
+    and the next kernel at 128 tokens)."""
 
-    def __init__(self, tpe: torch.Tensor, recv_off: torch.Tensor, is_in: torch.Tensor, stream, switch: bool,
-                 capturing: bool, ring: PinnedRing):
+    def __init__(self, is_in: torch.Tensor, capturing: bool, ring: PinnedRing):
         # the state HostCounts.get/materialize read, as HostCounts.__init__ leaves it
         self._lists = {}
         self._derived = {"send_counts": _send_counts, "recv_counts": _recv_counts}
         self._is_in = is_in
         self._capturing = capturing
         self._pinned, self._event = {}, None
-        if capturing:  # the device tensors are the only form; reading a host list raises
-            return
-        pinned, event = ring.take(self)
-        self._pinned, self._event = pinned, event
-        if switch:
-            with torch.cuda.stream(stream):
-                pinned["tokens_per_expert"].copy_(tpe, non_blocking=True)
-                pinned["recv_off"].copy_(recv_off, non_blocking=True)
-        else:
-            pinned["tokens_per_expert"].copy_(tpe, non_blocking=True)
-            pinned["recv_off"].copy_(recv_off, non_blocking=True)
-        event.record(stream)
+        if not capturing:  # captured: the device tensors are the only form; reading a host list raises
+            self._pinned, self._event = ring.take(self)
+
+    def host_ptrs(self):
+        """(tokens_per_expert, recv_off) pinned buffers for notify to write, or (0, 0) under capture."""
+        if not self._pinned:
+            return 0, 0
+        return self._pinned["tokens_per_expert"].data_ptr(), self._pinned["recv_off"].data_ptr()
+
+    def written(self, stream) -> None:
+        """notify, which writes the pinned buffers, has been queued on `stream`."""
+        if self._event is not None:
+            self._event.record(stream)
 
 
 class NvlinkBackend(Backend):
@@ -302,12 +301,15 @@ class NvlinkBackend(Backend):
         else:
             send_pos, is_in, recv_off, tpe = self._notify_tensors(T, dev)
         rt = self._rt
-        rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
-                  tpe.data_ptr(), sp)
         worst = self.worst_case or capturing
-        if worst:  # the counts' copy goes right behind notify, so the host may read them before the rows land
-            counts = _DispatchCounts(tpe, recv_off, is_in, s, async_op, capturing, self._ring)
+        if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
+            counts = _DispatchCounts(is_in, capturing, self._ring)
+            rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
+                      tpe.data_ptr(), sp, *counts.host_ptrs())
+            counts.written(s)
         else:
+            rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
+                      tpe.data_ptr(), sp)
             self._notify_ev.record(s)
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
