@@ -20,8 +20,8 @@ Modes
 - `comm.host_sync: false` (the default), and always while a CUDA graph is being captured: no host
   synchronisation. Outputs are sized for the worst case R_max = world * comm.max_tokens_per_rank
   rows; only the first R rows are valid (R = `res.num_recv`, a device scalar), the padding rows have
-  topk_idx -1 and weight 0. The host counts come from a non-blocking copy into a reused pinned ring
-  (types.HostCounts, types.PinnedRing), read on demand.
+  topk_idx -1 and weight 0. The host counts are written by notify itself into a slot of a reused
+  pinned ring (types.HostCounts, types.PinnedRing), read on demand after its event.
 - `comm.host_sync: true`: dispatch waits on the host for the notify step (to size the outputs
   [R, H] exactly), like DeepEP's normal kernels. combine never waits on the host.
 - Expert-major (`dispatch_expert`, EPBuffer's layout="expert"): pull is replaced by expert_meta +
