@@ -59,22 +59,36 @@ SMS = 132
 
 class FakeRuntime:
     """Stands in for ep_plugin._C.LowLatencyRuntime: the same methods, no work. `calls` (when a list)
-    records ("dispatch"|"combine", phases, args) of each launch, for the tests."""
+    records ("dispatch"|"combine", phases, args) of each launch, for the tests; `heap_sets`: output sets
+    in (host) memory the fake owns, as the real one has them in the heap, and `out_sets` (when a list)
+    records each dispatch launch's set."""
 
     calls: Optional[list] = None
+    heap_sets = False
+    out_sets: Optional[list] = None
 
-    def __init__(self, rank, world, num_experts, max_tokens, max_topk, hidden, timeout_s, num_blocks):
+    def __init__(self, rank, world, num_experts, max_tokens, max_topk, hidden, timeout_s, num_blocks, output_sets=0):
         self.max_tokens, self.max_topk = max_tokens, max_topk
+        rows = num_experts * max_tokens  # EL * W*M, the layout of ll_runtime.cu's sets (on 256-byte bounds)
+        self._offsets = (0, rows * hidden, 2 * rows * hidden, 2 * rows * hidden + (4 * rows + 255) // 256 * 256)
+        nbytes = self._offsets[3] + 4 * rows
+        self._sets = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(output_sets if self.heap_sets else 0)]
+        self.sets = len(self._sets)
 
     @staticmethod
-    def heap_bytes(world, num_experts, max_tokens, max_topk, hidden):
+    def heap_bytes(world, num_experts, max_tokens, max_topk, hidden, output_sets=0):
         return 0
 
+    def set_pointers(self, i):
+        return [self._sets[i].data_ptr() + o for o in self._offsets]
+
     def dispatch(self, x, topk_idx, T, K, use_fp8, round_scale, phases, out_x, out_scales, recv_count, src_info,
-                 layout_range, row_slot, recv_stats, stream):
+                 layout_range, row_slot, recv_stats, stream, out_set=-1):
         if self.calls is not None:
             self.calls.append(("dispatch", phases, (x, topk_idx, T, K, use_fp8, round_scale, out_x, out_scales,
                                                     recv_count, src_info, layout_range, row_slot, recv_stats)))
+        if self.out_sets is not None:
+            self.out_sets.append(out_set)
 
     def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream):
         if self.calls is not None:
@@ -94,10 +108,12 @@ class FakeRuntime:
 
 
 @contextlib.contextmanager
-def fake_gpu(device: str = "meta", calls: Optional[list] = None):
+def fake_gpu(device: str = "meta", calls: Optional[list] = None, out_sets: Optional[list] = None):
     """Patch what the NVSHMEM engine and EPBuffer need from a GPU (module docstring); EPBuffer's low-latency
-    engine becomes an NvshmemLowLatency over FakeRuntime. Restores everything on exit."""
-    rt_cls = type("FakeRuntimeRec", (FakeRuntime,), {"calls": calls})
+    engine becomes an NvshmemLowLatency over FakeRuntime (with output sets when `out_sets` is a list, which
+    then records each dispatch launch's set). Restores everything on exit."""
+    rt_cls = type("FakeRuntimeRec", (FakeRuntime,), {"calls": calls, "out_sets": out_sets,
+                                                      "heap_sets": out_sets is not None})
     fake_c = SimpleNamespace(HAS_NVSHMEM=True, LowLatencyRuntime=rt_cls)
     fake_runtime_mod = SimpleNamespace(join=lambda *a, **k: None, mark_fault=lambda: None, faulted=lambda: False)
     saved = []

@@ -155,6 +155,53 @@ def test_output_layouts_and_ring(calls):
     buf.close()
 
 
+@pytest.fixture
+def heap_calls(solo):
+    """As `calls`, with output sets in the fake runtime: (launches, each dispatch launch's set)."""
+    log, sets = [], []
+    with bench.fake_gpu("cpu", log, sets):
+        yield log, sets
+
+
+def test_output_sets_in_the_heap(heap_calls):
+    """output_buffers 2 with sets in the heap: the outputs are views of the sets (the senders write there),
+    BF16 and FP8 dispatches take the sets in one turn, and every launch names its set."""
+    calls, sets = heap_calls
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, w = inputs()
+    outs = []
+    for use_fp8 in (False, True, False):
+        outs.append(buf.low_latency_dispatch(x, idx, use_fp8=use_fp8))
+    eng = engine_of(buf)
+    assert eng.output_sets == 2 and sets == [0, 1, 0]
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV)] * 3
+    S = H // 128
+    for (recv_x, count, handle, _, _), i in zip(outs, (0, 1, 0)):
+        data_ptr, scales_ptr, src_ptr, slot_ptr = eng._rt.set_pointers(i)
+        data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        assert data.data_ptr() == data_ptr and tuple(data.shape) == (E_L, M, H) and data.is_contiguous()
+        assert handle.src_info.data_ptr() == src_ptr and handle.state["row_slot"].data_ptr() == slot_ptr
+        if scales is not None:
+            assert data.dtype == torch.float8_e4m3fn and scales.data_ptr() == scales_ptr
+            assert tuple(scales.shape) == (E_L, M, S) and scales.stride() == (S * M, 1, M)
+        else:
+            assert data.dtype == torch.bfloat16
+    # the views alias the set's bytes: what a sender writes there is what the caller reads
+    bf16 = outs[0][0]
+    bf16[1, 2].fill_(3.5)
+    assert torch.equal(outs[2][0][1, 2], bf16[1, 2]) and bool((outs[2][0][1, 2] == 3.5).all())
+    # with a hook: the send half already names the set, and the receive half too
+    calls.clear()
+    sets.clear()
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, use_fp8=False, return_recv_hook=True)
+    hook()
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND), ("dispatch", RECV)] and sets == [1, 1]
+    assert handle.src_info.data_ptr() == eng._rt.set_pointers(1)[2]
+    y, _, _ = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
+    assert tuple(y.shape) == (6, H)
+    buf.close()
+
+
 def test_cached_forms_still_refuse_a_changed_handle_and_raise_pending_errors(calls):
     """The deep_ep layer goes past EPBuffer's checks for a form it checked: the per-call handle checks and
     the engine's pending errors must still apply."""

@@ -9,6 +9,17 @@
 //   comb_rows[p][M*KMAX]   BF16 rows sent back, at token * KMAX + k
 // RDMA staging (only when a peer is not reachable over P2P): stage_rows[M] slots, stage_cnt[E] ints,
 // comb_stage[EL*W*M] rows: NVSHMEM puts need a symmetric source.
+//
+// Output sets (comm.low_latency.output_buffers = N > 0, every peer P2P; ll_dispatch_direct.cu): instead
+// of the slots, N sets of the dispatch's outputs live in the heap and the senders write each row
+// straight into its final row there, so no receive copy runs:
+//   cnt_all[p][W][E]       int, every source's rows per global expert, sent to every rank first
+//   cnt_flag[p][W]         u64, source s sets [s] to epoch + 1 once its counts are there
+//   out_set[i]             data [EL][W*M][H] BF16, or FP8 [EL][W*M][H] + scales [EL][H/128][W*M] float32
+//                          in the same bytes; src_info [EL][W*M] int; row_slot [EL][W*M] int
+// A row's place: the rows of lower source ranks for that expert first (cnt_all), then this source's
+// in token order. The host picks the set of each call (the same on every rank); a set is rewritten N
+// dispatches later.
 #pragma once
 #include <cuda_bf16.h>
 #include <nvshmem.h>
@@ -27,6 +38,7 @@ namespace ll {
 constexpr int kMaxRanks = 64;
 constexpr int kThreads = 512;
 constexpr int kHeaderBytes = 16;
+constexpr int kMaxSets = 8;  // output sets in the heap at most
 constexpr int kSend = 1, kRecv = 2;  // phases of one launch
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;
 
@@ -43,6 +55,9 @@ struct Ctx {
   char* peer[kMaxRanks];      // nvshmem_ptr(heap, r): P2P address, or nullptr (RDMA)
   long long disp_flag[2], disp_cnt[2], disp_slots[2], comb_flag[2], comb_rows[2];
   long long stage_rows, stage_cnt, comb_stage;  // -1 when every peer is P2P
+  int sets;                                      // output sets in the heap (0: slots and a receive copy)
+  long long cnt_all[2], cnt_flag[2], out_set[kMaxSets];
+  long long set_scales, set_src_info, set_row_slot;  // offsets inside a set
   int* state;
   int* aborted;
   HostInfo* host;

@@ -1,33 +1,16 @@
 // Low-latency dispatch: a copy per (token, expert) into the owner's slot for (expert, this source),
 // then counts and one signal per destination; the receive half packs each expert's rows in source
 // order into the caller's [EL, W*M, H] tensor. One kernel does either half or both (kSend|kRecv).
-#include <cuda_fp8.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
 #include "nvshmem/ll_device.cuh"
 #include "nvshmem/ll_kernels.h"
+#include "nvshmem/ll_send.cuh"
 
 namespace ep {
 namespace ll {
 namespace {
-
-// Per 128 channels: amax over 16 lanes holding 8 BF16 each (all 32 lanes call it).
-__device__ __forceinline__ float group_amax(float a) {
-#pragma unroll
-  for (int d = 8; d >= 1; d >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, d));
-  return a;
-}
-
-__device__ __forceinline__ void unpack_bf16(const int4& v, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 // The send half for the tokens of this block. s_topk holds the T*K expert ids (int), -1 where a
 // (token, k) goes nowhere (invalid id or left-out owner).
@@ -40,22 +23,11 @@ __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_top
   const int EL = c.local_experts;
   const int n16 = c.hidden / 8;  // 16-byte units of a BF16 row
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    if (threadIdx.x < K) s_slot[threadIdx.x] = 0;
     if (threadIdx.x == 0) s_rdma = 0;
-    __syncthreads();
-    // slot index of (t, k) at its expert: entries of earlier tokens routed to the same expert
-    for (int j = threadIdx.x; j < t * K; j += blockDim.x) {
-      const int e = s_topk[j];
-      if (e < 0) continue;
-      for (int k = 0; k < K; ++k)
-        if (s_topk[t * K + k] == e) atomicAdd(&s_slot[k], 1);
-    }
-    __syncthreads();
+    token_slots(s_topk, t, K, s_slot);
     if (threadIdx.x < K) {
       const int k = threadIdx.x, e = s_topk[t * K + k];
       char* dst = nullptr;
-      for (int k2 = 0; k2 < k; ++k2)  // an expert listed twice for one token: one slot each
-        if (e >= 0 && s_topk[t * K + k2] == e) ++s_slot[k];
       if (e >= 0) {
         const int d = e / EL;
         const long long off = slot_offset(c, p, e % EL, c.rank, s_slot[k]);
@@ -85,28 +57,8 @@ __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_top
           if (rdma) st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, v);
         }
       } else {
-        float f[8];
-        unpack_bf16(v, f);
-        float a = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(f[i]));
-        const float amax = fmaxf(group_amax(a), 1e-4f);
-        // The float32 steps torch takes for DeepEP's reference cast on CUDA: `amax / 448.0` is a
-        // multiply by the rounded reciprocal, `448.0 / amax` is reciprocal(amax) * 448.
-        constexpr float kInv448 = 1.f / 448.f;
-        float scale, inv;
-        if (round_scale) {
-          scale = exp2f(ceilf(log2f(amax * kInv448)));
-          inv = 1.f / scale;
-        } else {
-          scale = amax * kInv448;
-          inv = (1.f / amax) * 448.f;
-        }
-        uint2 q;
-        unsigned char* qb = reinterpret_cast<unsigned char*>(&q);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          qb[i] = static_cast<unsigned char>(__nv_cvt_float_to_fp8(f[i] * inv, __NV_SATFINITE, __NV_E4M3));
+        float scale;
+        const uint2 q = cast_fp8_unit(v, round_scale, &scale);
         if (active) {
           const int group = j / 16;
           const bool writes_scale = (j % 16) == 0;
@@ -241,15 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
-    const int E = c.num_experts, EL = c.local_experts;
-    bool bad = false;
-    for (int j = threadIdx.x; j < T * K; j += blockDim.x) {
-      const long long e = topk_idx[j];
-      bad |= e < -1 || e >= E;
-      s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
-    }
-    if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;
-    __syncthreads();
+    load_topk(c, topk_idx, T * K, s_topk);
     bool any_rdma = false;
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) send_counts(c, p, s_topk, T * K, s_topk + T * K);

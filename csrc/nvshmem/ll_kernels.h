@@ -21,6 +21,12 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases,
                             int round_scale, DispatchOut o);
 
+// Into output set `set` of the heap (Ctx::sets > 0): the outputs' x, scales, src_info and row_slot
+// are the set's; o gives recv_count, layout_range and recv_stats. The receive half runs in block 0.
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_direct(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K,
+                                                               int phases, int round_scale, int set, DispatchOut o);
+
 __global__ void __launch_bounds__(kThreads, 1) combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
                            const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y);
 

@@ -15,18 +15,32 @@ namespace {
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 int slot_bytes_for(int hidden) { return static_cast<int>(align16(kHeaderBytes + 2ull * hidden)); }
 
-// Offsets of ll_device.cuh's layout; returns the total. stage: the RDMA staging areas.
-size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage) {
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// Offsets of ll_device.cuh's layout; returns the total. stage: the RDMA staging areas; sets: output
+// sets in place of the slots (ll_dispatch_direct.cu).
+size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets) {
   const size_t slot = slot_bytes_for(H);
   size_t at = 0;
   auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
-  long long disp_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2];
+  long long disp_flag[2], cnt_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2], cnt_all[2];
   for (int p = 0; p < 2; ++p) {
     disp_flag[p] = take(8ull * W);
+    cnt_flag[p] = take(8ull * W);
     comb_flag[p] = take(8ull * W);
     disp_cnt[p] = take(4ull * E);
-    disp_slots[p] = take(slot * E * M);
+    disp_slots[p] = sets > 0 ? -1 : take(slot * E * M);
+    cnt_all[p] = sets > 0 ? take(4ull * W * E) : -1;
     comb_rows[p] = take(2ull * H * M * KMAX);
+  }
+  // a set: data (BF16 rows; FP8 rows and their scales in the same bytes), src_info, row_slot
+  const size_t rows = static_cast<size_t>(E) * M;  // EL * W*M
+  const size_t set_scales = align256(rows * H), set_src_info = align256(2 * rows * H);
+  const size_t set_row_slot = set_src_info + align256(4 * rows);
+  long long out_set[kMaxSets];
+  for (int i = 0; i < kMaxSets; ++i) {  // 256-byte aligned: torch tensors view them
+    at = i < sets ? align256(at) : at;
+    out_set[i] = i < sets ? take(set_row_slot + 4 * rows) : -1;
   }
   long long stage_rows = -1, stage_cnt = -1, comb_stage = -1;
   if (stage) {
@@ -37,6 +51,8 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage) {
   if (c != nullptr) {
     for (int p = 0; p < 2; ++p) {
       c->disp_flag[p] = disp_flag[p];
+      c->cnt_flag[p] = cnt_flag[p];
+      c->cnt_all[p] = cnt_all[p];
       c->comb_flag[p] = comb_flag[p];
       c->disp_cnt[p] = disp_cnt[p];
       c->disp_slots[p] = disp_slots[p];
@@ -45,6 +61,11 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage) {
     c->stage_rows = stage_rows;
     c->stage_cnt = stage_cnt;
     c->comb_stage = comb_stage;
+    c->sets = sets;
+    for (int i = 0; i < kMaxSets; ++i) c->out_set[i] = out_set[i];
+    c->set_scales = static_cast<long long>(set_scales);
+    c->set_src_info = static_cast<long long>(set_src_info);
+    c->set_row_slot = static_cast<long long>(set_row_slot);
   }
   return at;
 }
@@ -56,12 +77,15 @@ size_t smem_bytes(int T, int K, int E) {
 
 }  // namespace
 
-size_t Runtime::heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden) {
-  return layout(nullptr, world, num_experts, max_tokens, max_topk, hidden, false);
+size_t Runtime::heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden, int output_sets) {
+  // room for the slots too: a job without P2P everywhere uses them instead of the sets
+  const size_t plain = layout(nullptr, world, num_experts, max_tokens, max_topk, hidden, false, 0);
+  const size_t sets = layout(nullptr, world, num_experts, max_tokens, max_topk, hidden, false, output_sets);
+  return plain > sets ? plain : sets;
 }
 
 Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_topk, int hidden, double timeout_s,
-                 int num_blocks)
+                 int num_blocks, int output_sets)
     : world_(world), max_tokens_(max_tokens), max_topk_(max_topk), hidden_(hidden), num_blocks_(num_blocks) {
   EP_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "LowLatencyRuntime: call nvshmem_init first");
   EP_CHECK_ARG(world >= 1 && world <= kMaxRanks, "LowLatencyRuntime: world must be in [1, %d], got %d", kMaxRanks, world);
@@ -74,20 +98,22 @@ Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_t
   EP_CHECK_ARG(max_tokens > 0, "LowLatencyRuntime: max_tokens must be positive, got %d", max_tokens);
   EP_CHECK_ARG(max_topk > 0 && max_topk <= 32, "LowLatencyRuntime: max_topk must be in [1, 32], got %d", max_topk);
   EP_CHECK_ARG(num_blocks > 0, "LowLatencyRuntime: num_blocks must be positive, got %d", num_blocks);
+  EP_CHECK_ARG(output_sets >= 0 && output_sets <= kMaxSets, "LowLatencyRuntime: output_sets must be in [0, %d], got %d",
+               kMaxSets, output_sets);
   EP_CHECK_ARG(static_cast<long long>(world) * max_tokens * max_topk < (1ll << 31),
                "LowLatencyRuntime: world * max_tokens * max_topk must stay below 2^31");
   Ctx* c = new Ctx{};
   ctx_ = c;
   // Every rank takes the same decision (staging or not): in a job spanning nodes every rank has a
   // peer without P2P, and nvshmem_ptr is null exactly for those.
-  bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, false);
+  bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, false, output_sets);
   heap_ = static_cast<char*>(nvshmem_malloc(bytes_));  // collective
   EP_CHECK(heap_ != nullptr, "nvshmem_malloc(%zu) failed for the low-latency buffers (raise NVSHMEM_SYMMETRIC_SIZE)",
            bytes_);
   for (int r = 0; r < world; ++r) all_p2p_ = all_p2p_ && nvshmem_ptr(heap_, r) != nullptr;
   if (!all_p2p_) {  // peers across nodes: add the staging areas (every rank of such a job lacks P2P to some peer)
     nvshmem_free(heap_);
-    bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, true);
+    bytes_ = layout(c, world, num_experts, max_tokens, max_topk, hidden, true, 0);  // sets need P2P everywhere
     heap_ = static_cast<char*>(nvshmem_malloc(bytes_));
     EP_CHECK(heap_ != nullptr, "nvshmem_malloc(%zu) failed for the low-latency buffers", bytes_);
   }
@@ -116,6 +142,8 @@ Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_t
   EP_CHECK_ARG(smem <= 200 * 1024, "LowLatencyRuntime: max_tokens * max_topk + 2 * experts too large for shared memory");
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch_direct<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch_direct<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::combine, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 }
 
@@ -162,7 +190,7 @@ void Runtime::check_call(int T, int K) const {
 
 void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
                        uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
-                       uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream) {
+                       uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set) {
   check_call(T, K);
   EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency dispatch: phases must be 1, 2 or 3, got %d", phases);
   EP_CHECK_ARG(!use_fp8 || hidden_ % 128 == 0, "low-latency FP8 dispatch needs hidden %% 128 == 0, got %d", hidden_);
@@ -174,10 +202,18 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int4* in = reinterpret_cast<const int4*>(x);
   const int64_t* idx = reinterpret_cast<const int64_t*>(topk_idx);
-  if (use_fp8)
+  if (out_set >= 0) {
+    EP_CHECK_ARG(out_set < c.sets, "low-latency dispatch: output set %d, the buffer has %d", out_set, c.sets);
+    const int blocks = phases == kRecv ? 1 : num_blocks_;  // the receive half is block 0's
+    if (use_fp8)
+      launch(::ep::ll::dispatch_direct<true>, blocks, phases, smem, s, c, in, idx, T, K, phases, round_scale, out_set, o);
+    else
+      launch(::ep::ll::dispatch_direct<false>, blocks, phases, smem, s, c, in, idx, T, K, phases, round_scale, out_set, o);
+  } else if (use_fp8) {
     launch(::ep::ll::dispatch<true>, num_blocks_, phases, smem, s, c, in, idx, T, K, phases, round_scale, o);
-  else
+  } else {
     launch(::ep::ll::dispatch<false>, num_blocks_, phases, smem, s, c, in, idx, T, K, phases, round_scale, o);
+  }
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -203,6 +239,16 @@ void Runtime::set_mask(const std::vector<int>& left_out) {
   }
   host_report::set_mask(local_ + kMask, mask, host_);
 }
+
+std::vector<uintptr_t> Runtime::set_pointers(int i) const {
+  const Ctx& c = *static_cast<Ctx*>(ctx_);
+  EP_CHECK_ARG(i >= 0 && i < c.sets, "LowLatencyRuntime: output set %d, the buffer has %d", i, c.sets);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(heap_) + static_cast<uintptr_t>(c.out_set[i]);
+  return {base, base + static_cast<uintptr_t>(c.set_scales), base + static_cast<uintptr_t>(c.set_src_info),
+          base + static_cast<uintptr_t>(c.set_row_slot)};
+}
+
+int Runtime::sets() const { return ctx_ == nullptr ? 0 : static_cast<Ctx*>(ctx_)->sets; }
 
 int Runtime::error() const { return host_report::error(host_); }
 int Runtime::error_kernel() const { return host_report::error_kernel(host_); }

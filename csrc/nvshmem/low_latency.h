@@ -21,14 +21,19 @@ struct HostInfo;
 
 class Runtime {
  public:
+  // output_sets > 0: that many sets of the dispatch's outputs in the heap, written by the senders
+  // directly (ll_device.cuh, "Output sets"); only where every peer is P2P (else sets() is 0).
   Runtime(int rank, int world, int num_experts, int max_tokens, int max_topk, int hidden, double timeout_s,
-          int num_blocks);
+          int num_blocks, int output_sets);
   ~Runtime();
-  static size_t heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden);
+  static size_t heap_bytes(int world, int num_experts, int max_tokens, int max_topk, int hidden, int output_sets);
 
   void dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
                 uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
-                uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream);
+                uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set);
+  // out_set >= 0: into that output set (out_x, out_scales, src_info, row_slot unused: the set's)
+  int sets() const;
+  std::vector<uintptr_t> set_pointers(int i) const;  // set i's data, scales, src_info, row_slot
   void combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
                int T, int K, int phases, uintptr_t y, uintptr_t stream);
   void set_mask(const std::vector<int>& left_out);  // clears a recorded timeout too (synchronous)

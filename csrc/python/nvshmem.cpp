@@ -33,15 +33,17 @@ void bind_nvshmem(py::module_& m) {
   using LL = ll::Runtime;
   py::class_<LL>(m, "LowLatencyRuntime",
                  "The low-latency kernels' buffers and launches (csrc/nvshmem/low_latency.h); collective to build")
-      .def(py::init<int, int, int, int, int, int, double, int>(), py::arg("rank"), py::arg("world"),
+      .def(py::init<int, int, int, int, int, int, double, int, int>(), py::arg("rank"), py::arg("world"),
            py::arg("num_experts"), py::arg("max_tokens"), py::arg("max_topk"), py::arg("hidden"),
-           py::arg("timeout_s"), py::arg("num_blocks"))
+           py::arg("timeout_s"), py::arg("num_blocks"), py::arg("output_sets") = 0)
       .def_static("heap_bytes", &LL::heap_bytes, py::arg("world"), py::arg("num_experts"), py::arg("max_tokens"),
-                  py::arg("max_topk"), py::arg("hidden"))
+                  py::arg("max_topk"), py::arg("hidden"), py::arg("output_sets") = 0)
       .def("dispatch", &LL::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("T"), py::arg("K"),
            py::arg("use_fp8"), py::arg("round_scale"), py::arg("phases"), py::arg("out_x"), py::arg("out_scales"),
            py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"), py::arg("row_slot"),
-           py::arg("recv_stats"), py::arg("stream"))
+           py::arg("recv_stats"), py::arg("stream"), py::arg("out_set") = -1)
+      .def_property_readonly("sets", &LL::sets)
+      .def("set_pointers", &LL::set_pointers, py::arg("i"))
       .def("combine", &LL::combine, py::arg("x"), py::arg("row_slot"), py::arg("recv_count"), py::arg("topk_idx"),
            py::arg("weights"), py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"))
       .def("set_mask", &LL::set_mask, py::arg("left_out"))

@@ -61,7 +61,7 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
     (csrc/nvshmem/ll_runtime.cu, every peer reachable over P2P), BF16 rows:
 
         slot = align16(16 + 2 * H)                       # header + BF16 row (an FP8 row + scales fits)
-        half = 2 * align16(8 * W)                        # dispatch and combine signal words
+        half = 3 * align16(8 * W)                        # signal words: dispatch, its counts, combine
              + align16(4 * E)                            # rows per (source, local expert)
              + align16(E * M * slot)                     # dispatch slots: E_l experts x W sources x M
              + align16(2 * H * M * topk)                 # combine rows: M tokens x topk slots
@@ -80,7 +80,7 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
     if E % W:
         raise ValueError(f"num_experts ({E}) must be divisible by num_ranks ({W})")
     slot = _align16(_HEADER_BYTES + 2 * H)
-    half = 2 * _align16(8 * W) + _align16(4 * E) + _align16(E * M * slot) + _align16(2 * H * M * int(topk))
+    half = 3 * _align16(8 * W) + _align16(4 * E) + _align16(E * M * slot) + _align16(2 * H * M * int(topk))
     return 2 * half
 
 

@@ -22,6 +22,13 @@ comm.timeout_s. Set `fused_launch = False` on such a setup; the split launches n
 A wait past comm.timeout_s records the missing rank in host-mapped memory; check() raises it as
 EPTimeoutError (once), and set_mask() lets the others go on without that rank.
 
+Output sets. With comm.low_latency.output_buffers = N (1..MAX_OUTPUT_SETS) and every peer reachable
+over P2P, the dispatch's outputs are N sets in the NVSHMEM heap (views made once, heap_views.py) and the
+senders write each row into its final place there (ll_dispatch_direct.cu): no receive copy. The host
+picks the set of each dispatch in turn, the same on every rank; a set is rewritten N dispatches later
+(of either precision: BF16 and FP8 outputs of one set share its bytes), and its tensors are valid
+until close().
+
 The host path is short on purpose (a cold call at 128 tokens is host-bound; benchmarks/bench_ll_host.py
 times it): pointers of reused outputs are computed once, nothing is built that the call does not return.
 """
@@ -36,10 +43,12 @@ from ..._ext import get_c
 from ...types import FP8_BLOCK, LowLatencyHandle
 from . import runtime
 from .faults import ReportsFaults
+from .heap_views import heap_tensor
 from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stream as _current_stream
 
 SEND_RECV = SEND | RECV
 MAX_RANKS = 64
+MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 
 
 class NvshmemLowLatency(ReportsFaults):
@@ -68,38 +77,63 @@ class NvshmemLowLatency(ReportsFaults):
         self.max_topk = max(int(cfg.moe.topk), MIN_TOPK_CAPACITY)
         self.timeout_s = float(cfg.comm.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden)
-        runtime.join(group, heap, cfg.comm.rdma)
-        blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
-                                       self.timeout_s, blocks)
-        self._reported = False
         # comm.low_latency.output_buffers = N > 0: outputs come from N sets allocated once and used in
         # turn (a call's outputs stay valid for the next N - 1 calls of its kind); 0: fresh tensors.
         self.output_buffers = int(getattr(cfg.comm.low_latency, "output_buffers", 0) or 0)
+        sets = self.output_buffers if self.output_buffers <= MAX_OUTPUT_SETS else 0
+        heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden, sets)
+        runtime.join(group, heap, cfg.comm.rdma)
+        blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
+                                       self.timeout_s, blocks, sets)
+        self.output_sets = int(self._rt.sets)  # 0 where a peer lacks P2P: the slots and a receive copy instead
+        self._reported = False
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
         self.fused_launch = self.output_buffers > 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
-        self._dispatch_turn = [0, 0]
+        self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
         self._y_sets = None                 # the N combine outputs [M, H]
         self._y_views = {}                  # T -> their [:T] views, made once per T
         self._y_turn = 0
 
     def _dispatch_outputs(self, use_fp8: bool, dev):
-        """(recv_x, recv_count, src_info, layout_range, state, pointers): fresh, or the next set."""
+        """(recv_x, recv_count, src_info, layout_range, state, pointers, output set or -1): fresh, or the
+        next set (in the heap when output_sets)."""
         n = self.output_buffers
         if not n:
             return self._new_dispatch_outputs(use_fp8, dev)
         kind = 1 if use_fp8 else 0
         sets = self._dispatch_sets[kind]
         if sets is None:
-            sets = self._dispatch_sets[kind] = [self._new_dispatch_outputs(use_fp8, dev) for _ in range(n)]
-        i = self._dispatch_turn[kind]
-        self._dispatch_turn[kind] = i + 1 if i + 1 < n else 0
+            make = self._heap_dispatch_outputs if self.output_sets else self._new_dispatch_outputs
+            sets = self._dispatch_sets[kind] = [make(use_fp8, dev, i) for i in range(n)]
+        turn = 0 if self.output_sets else kind  # heap sets: one turn for both precisions (they share bytes)
+        i = self._dispatch_turn[turn]
+        self._dispatch_turn[turn] = i + 1 if i + 1 < n else 0
         return sets[i]
 
-    def _new_dispatch_outputs(self, use_fp8: bool, dev):
+    def _heap_dispatch_outputs(self, use_fp8: bool, dev, i: int):
+        """Output set i of the heap as tensors; recv_count and layout_range are this rank's own tensors."""
+        EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
+        data_ptr, scales_ptr, src_ptr, slot_ptr = self._rt.set_pointers(i)
+        if use_fp8:
+            data = heap_tensor(data_ptr, (EL, WM, H), torch.float8_e4m3fn, dev)
+            # the transpose of a contiguous [EL, S, WM] (the contract)
+            recv_x = (data, heap_tensor(scales_ptr, (EL, H // FP8_BLOCK, WM), torch.float32, dev).transpose(1, 2))
+        else:
+            recv_x = heap_tensor(data_ptr, (EL, WM, H), torch.bfloat16, dev)
+            scales_ptr = 0
+        src_info = heap_tensor(src_ptr, (EL, WM), torch.int32, dev)
+        row_slot = heap_tensor(slot_ptr, (EL, WM), torch.int32, dev)
+        recv_count = torch.empty(EL, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
+        count_ptr = recv_count.data_ptr()
+        state = {"row_slot": row_slot, "recv_count": recv_count, "ptrs": (slot_ptr, count_ptr)}
+        ptrs = (data_ptr, scales_ptr, count_ptr, src_ptr, layout_range.data_ptr(), slot_ptr)
+        return recv_x, recv_count, src_info, layout_range, state, ptrs, i
+
+    def _new_dispatch_outputs(self, use_fp8: bool, dev, _i: int = 0):
         EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
         # torch.empty(*sizes) parses faster than torch.empty(sizes); each tensor costs ~1-2 us of host
         if use_fp8:
@@ -120,7 +154,7 @@ class NvshmemLowLatency(ReportsFaults):
         # combine reads the two pointers from the handle's state: no data_ptr() calls there
         state = {"row_slot": row_slot, "recv_count": recv_count, "ptrs": (row_slot_ptr, count_ptr)}
         ptrs = (data.data_ptr(), scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
-        return recv_x, recv_count, src_info, layout_range, state, ptrs
+        return recv_x, recv_count, src_info, layout_range, state, ptrs, -1
 
     def _combine_output(self, T: int, dev):
         n = self.output_buffers
@@ -145,22 +179,27 @@ class NvshmemLowLatency(ReportsFaults):
         fp8 = 1 if use_fp8 else 0
         stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
         if self.fused_launch and not hook:
-            recv_x, recv_count, src_info, layout_range, state, ptrs = self._dispatch_outputs(use_fp8, x.device)
+            recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV, *ptrs,
-                        stats_ptr, _current_stream())
+                        stats_ptr, _current_stream(), out_set)
             recv = None
         else:
             stream = _current_stream()
-            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
-                        0, 0, 0, 0, 0, 0, 0, stream)
-            recv_x, recv_count, src_info, layout_range, state, ptrs = self._dispatch_outputs(use_fp8, x.device)
+            if self.output_sets:  # the senders need the set: outputs first (views made once, no allocation)
+                recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
+                rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
+                            0, 0, 0, 0, 0, 0, 0, stream, out_set)
+            else:
+                rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
+                            0, 0, 0, 0, 0, 0, 0, stream)
+                recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             # the receive half reads no input (x and topk_idx may go once the send half is queued)
             if not hook:
-                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream)
+                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream, out_set)
                 recv = None
             else:
                 def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
-                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream())
+                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set)
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
                                   topk=K, use_fp8=use_fp8, backend=self.name, state=state)

@@ -1,0 +1,95 @@
+// What both low-latency dispatch kernels (ll_dispatch.cu: into per-source slots; ll_dispatch_direct.cu:
+// straight into the owners' output sets) do alike on the send side: the in-kernel FP8 cast of one
+// 16-byte unit of a BF16 row, and each (token, k)'s index among the rows this rank sends its expert.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "nvshmem/ll_device.cuh"
+
+namespace ep {
+namespace ll {
+
+// Per 128 channels: amax over 16 lanes holding 8 BF16 each (all 32 lanes call it).
+__device__ __forceinline__ float group_amax(float a) {
+#pragma unroll
+  for (int d = 8; d >= 1; d >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, d));
+  return a;
+}
+
+__device__ __forceinline__ void unpack_bf16(const int4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// The FP8 bytes of 8 BF16 channels and their 128-channel group's scale. Every lane of the warp calls
+// it (the amax shuffles span 16 lanes); lanes past the row pass zeros.
+__device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, float* scale_out) {
+  float f[8];
+  unpack_bf16(v, f);
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(f[i]));
+  const float amax = fmaxf(group_amax(a), 1e-4f);
+  // The float32 steps torch takes for DeepEP's reference cast on CUDA: `amax / 448.0` is a
+  // multiply by the rounded reciprocal, `448.0 / amax` is reciprocal(amax) * 448.
+  constexpr float kInv448 = 1.f / 448.f;
+  float scale, inv;
+  if (round_scale) {
+    scale = exp2f(ceilf(log2f(amax * kInv448)));
+    inv = 1.f / scale;
+  } else {
+    scale = amax * kInv448;
+    inv = (1.f / amax) * 448.f;
+  }
+  uint2 q;
+  unsigned char* qb = reinterpret_cast<unsigned char*>(&q);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    qb[i] = static_cast<unsigned char>(__nv_cvt_float_to_fp8(f[i] * inv, __NV_SATFINITE, __NV_E4M3));
+  *scale_out = scale;
+  return q;
+}
+
+// slot[k] = the index of (t, k) among this rank's rows for its expert: entries of earlier tokens
+// routed to the same expert, then earlier k of token t naming it again (one row each). By the whole
+// block; slot is shared memory of at least K ints, valid after the call's last barrier.
+__device__ inline void token_slots(const int* s_topk, int t, int K, int* slot) {
+  if (threadIdx.x < K) slot[threadIdx.x] = 0;
+  __syncthreads();
+  for (int j = threadIdx.x; j < t * K; j += blockDim.x) {
+    const int e = s_topk[j];
+    if (e < 0) continue;
+    for (int k = 0; k < K; ++k)
+      if (s_topk[t * K + k] == e) atomicAdd(&slot[k], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < K) {
+    const int k = threadIdx.x, e = s_topk[t * K + k];
+    for (int k2 = 0; k2 < k; ++k2)
+      if (e >= 0 && s_topk[t * K + k2] == e) ++slot[k];
+  }
+  __syncthreads();
+}
+
+// s_topk[T*K] <- topk_idx as ints, -1 where an entry goes nowhere (id -1, out of range, or owned by
+// a left-out rank); ids outside [-1, E) are flagged to the host. By the whole block.
+__device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int TK, int* s_topk) {
+  const int E = c.num_experts, EL = c.local_experts;
+  bool bad = false;
+  for (int j = threadIdx.x; j < TK; j += blockDim.x) {
+    const long long e = topk_idx[j];
+    bad |= e < -1 || e >= E;
+    s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
+  }
+  if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;
+  __syncthreads();
+}
+
+}  // namespace ll
+}  // namespace ep
