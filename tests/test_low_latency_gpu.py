@@ -67,10 +67,10 @@ def _no_nvshmem_engine(buf, out_dir, rank) -> bool:
     return True
 
 
-def _buf(backend, E_l, K, hidden, timeout_s=20.0):
+def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0):
     cfg = {"moe": {"num_experts": E_l * WORLD, "topk": K},
            "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s,
-                    "low_latency": {"max_tokens_per_rank": M}}}
+                    "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers}}}
     return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
 
 
@@ -177,16 +177,19 @@ CASES = [  # (tokens per rank, routing)
 ]
 
 
-def body_matches_reference(rank, world, out_dir):
+def body_matches_reference(rank, world, out_dir, output_buffers=0):
+    """output_buffers 2: the engine's outputs are sets in its heap, written by the senders directly."""
     seed = 0
     for E_l, K, hidden, fp8 in SHAPES:
-        auto, ref = _buf("auto", E_l, K, hidden), _buf("torch", E_l, K, hidden)
+        auto, ref = _buf("auto", E_l, K, hidden, output_buffers=output_buffers), _buf("torch", E_l, K, hidden)
         for tokens, mode in CASES:
             for use_fp8, round_scale in ([(False, False)] + ([(True, False), (True, True)] if fp8 else [])):
                 seed += 1
                 check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
                 if seed == 1 and _no_nvshmem_engine(auto, out_dir, rank):
                     return
+                if seed == 1 and output_buffers:  # two GPUs of one host: P2P, so the sets are in the heap
+                    assert auto._low_latency.output_sets == output_buffers
         # receive hooks, with compute on the stream before each hook
         for use_fp8 in ((False, True) if fp8 else (False,)):
             seed += 1
@@ -238,6 +241,11 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
 def test_nvshmem_engine_matches_reference(tmp_path):
     _need_nvshmem_engine()
     _spawn_on_gpus(body_matches_reference, tmp_path, timeout=580)
+
+
+def test_output_sets_match_reference(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_on_gpus(body_matches_reference, tmp_path, 2, timeout=580)
 
 
 def body_mask(rank, world, out_dir):
