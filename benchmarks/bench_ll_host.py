@@ -66,6 +66,7 @@ class FakeRuntime:
     calls: Optional[list] = None
     heap_sets = False
     out_sets: Optional[list] = None
+    self_pos_log: Optional[list] = None  # (kind, phases, self_pos) of each launch
 
     def __init__(self, rank, world, num_experts, max_tokens, max_topk, hidden, timeout_s, num_blocks, output_sets=0):
         self.max_tokens, self.max_topk = max_tokens, max_topk
@@ -83,16 +84,20 @@ class FakeRuntime:
         return [self._sets[i].data_ptr() + o for o in self._offsets]
 
     def dispatch(self, x, topk_idx, T, K, use_fp8, round_scale, phases, out_x, out_scales, recv_count, src_info,
-                 layout_range, row_slot, recv_stats, stream, out_set=-1):
+                 layout_range, row_slot, recv_stats, stream, out_set=-1, self_pos=0):
         if self.calls is not None:
             self.calls.append(("dispatch", phases, (x, topk_idx, T, K, use_fp8, round_scale, out_x, out_scales,
                                                     recv_count, src_info, layout_range, row_slot, recv_stats)))
         if self.out_sets is not None:
             self.out_sets.append(out_set)
+        if self.self_pos_log is not None:
+            self.self_pos_log.append(("dispatch", phases, self_pos))
 
-    def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream):
+    def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream, self_pos=0):
         if self.calls is not None:
             self.calls.append(("combine", phases, (x, row_slot, recv_count, topk_idx, weights, T, K, y)))
+        if self.self_pos_log is not None:
+            self.self_pos_log.append(("combine", phases, self_pos))
 
     def take_bad_expert_ids(self):
         return 0
@@ -108,12 +113,14 @@ class FakeRuntime:
 
 
 @contextlib.contextmanager
-def fake_gpu(device: str = "meta", calls: Optional[list] = None, out_sets: Optional[list] = None):
+def fake_gpu(device: str = "meta", calls: Optional[list] = None, out_sets: Optional[list] = None,
+             self_pos_log: Optional[list] = None):
     """Patch what the NVSHMEM engine and EPBuffer need from a GPU (module docstring); EPBuffer's low-latency
     engine becomes an NvshmemLowLatency over FakeRuntime (with output sets when `out_sets` is a list, which
     then records each dispatch launch's set). Restores everything on exit."""
     rt_cls = type("FakeRuntimeRec", (FakeRuntime,), {"calls": calls, "out_sets": out_sets,
-                                                      "heap_sets": out_sets is not None})
+                                                      "heap_sets": out_sets is not None,
+                                                      "self_pos_log": self_pos_log})
     fake_c = SimpleNamespace(HAS_NVSHMEM=True, LowLatencyRuntime=rt_cls)
     fake_runtime_mod = SimpleNamespace(join=lambda *a, **k: None, mark_fault=lambda: None, faulted=lambda: False)
     saved = []

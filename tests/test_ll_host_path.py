@@ -83,7 +83,8 @@ def test_phases_and_pointers_without_hook(calls, output_buffers, use_fp8):
     else:
         (k1, p1, a1), (k2, p2, a2) = calls
         assert (k1, p1, k2, p2) == ("combine", SEND, "combine", RECV)
-        assert a1 == send + (0, 0, 6, K, 0) and a2 == (0, 0, 0) + recv
+        # the receive half reads this rank's own rows from the input (no hook: nothing runs in between)
+        assert a1 == send + (0, 0, 6, K, 0) and a2 == (rows.data_ptr(), 0, 0) + recv
     buf.close()
 
 
@@ -200,6 +201,31 @@ def test_output_sets_in_the_heap(heap_calls):
     y, _, _ = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
     assert tuple(y.shape) == (6, H)
     buf.close()
+
+
+@pytest.mark.parametrize("output_buffers", [0, 2])
+def test_own_rows_skip_the_send_unless_hooked(solo, output_buffers):
+    """Every dispatch launch records where this rank's own (token, k) rows land (the handle's self_pos);
+    a combine without a hook passes it to both halves (its own rows are read from the input, not sent),
+    a hooked one passes none (the input may change before the hook runs)."""
+    log = []
+    with bench.fake_gpu("cpu", None, None, log):
+        buf = ep_plugin.EPBuffer(None, cfg(output_buffers), hidden=H)
+        x, idx, w = inputs()
+        rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+        for hook in (False, True):
+            log.clear()
+            _, _, handle, _, dhook = buf.low_latency_dispatch(x, idx, use_fp8=False, return_recv_hook=hook)
+            if hook:
+                dhook()
+            own = handle.state["self_pos"]
+            assert own.dtype == torch.int32 and own.numel() == M * engine_of(buf).max_topk
+            assert [p for k, _, p in log if k == "dispatch"][-1] == own.data_ptr()
+            _, _, chook = buf.low_latency_combine(rows, idx, w, handle, return_recv_hook=hook)
+            if hook:
+                chook()
+            assert {p for k, _, p in log if k == "combine"} == ({0} if hook else {own.data_ptr()})
+        buf.close()
 
 
 def test_cached_forms_still_refuse_a_changed_handle_and_raise_pending_errors(calls):

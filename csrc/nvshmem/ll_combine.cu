@@ -12,7 +12,7 @@ namespace ll {
 namespace {
 
 __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slot, const int* recv_count,
-                          int* smem, bool* any_rdma) {
+                          bool skip_self, int* smem, bool* any_rdma) {
   const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
   const int MK = M * c.max_topk;
   int* s_cnt = smem;
@@ -31,7 +31,7 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
     const long long in_row = static_cast<long long>(el) * WM + (r - s_off[el]);
     const int slot = row_slot[in_row];
     const int s = slot / MK, at = slot % MK;
-    if (left_out(c, s)) continue;
+    if (left_out(c, s) || (skip_self && s == c.rank)) continue;  // own rows: the receive half reads x
     const int4* src = x + in_row * n16;
     const long long off = c.comb_rows[p] + static_cast<long long>(at) * c.hidden * 2;
     char* base = c.peer[s];
@@ -48,13 +48,14 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
 
 
 __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
-                              int4* y) {
+                              int4* y, const int4* x, const int* self_pos) {
   const int W = c.world, EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
   __shared__ int s_ok[kMaxRanks];
   __shared__ float s_w[32];
   __shared__ int s_k[32];
+  __shared__ const int4* s_row[32];  // where row q of the token is read
   __shared__ int s_nk;
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
@@ -68,6 +69,9 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
         if (e < 0 || e >= E || !s_ok[static_cast<int>(e) / EL]) continue;
         s_k[nk] = k;
         s_w[nk] = weights[static_cast<long long>(t) * K + k];
+        s_row[nk] = self_pos != nullptr && static_cast<int>(e) / EL == c.rank
+                        ? x + static_cast<long long>(self_pos[t * c.max_topk + k]) * (c.hidden / 8)
+                        : reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, k));
         ++nk;
       }
       s_nk = nk;
@@ -84,7 +88,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 #pragma unroll
         for (int u = 0; u < 8; ++u)
           if (q0 + u < nk)
-            v[u] = ld_nc_v4(reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, s_k[q0 + u])) + j);
+            v[u] = ld_nc_v4(s_row[q0 + u] + j);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           if (q0 + u >= nk) break;
@@ -112,13 +116,13 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
-               const float* weights, int T, int K, int phases, int4* y) {
+               const float* weights, int T, int K, int phases, int4* y, const int* self_pos) {
   extern __shared__ int smem[];
   if (phases & kSend) {
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, smem, &any_rdma);
+    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma);
     if (any_rdma) nvshmem_quiet();
     if (last_block(ticket(c, kTicketCombSend))) {
       signal_ranks(c, c.comb_flag[p], epoch);
@@ -128,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (phases & kRecv) {
     __syncthreads();
-    reduce_tokens(c, topk_idx, weights, T, K, y);
+    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos);
     if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
       c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
   }

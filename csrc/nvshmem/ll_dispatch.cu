@@ -168,6 +168,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
       const int4 h = ld_nc_v4(reinterpret_cast<const int4*>(slot));
       o.src_info[out_row] = h.x;
       o.row_slot[out_row] = (s * M + h.x) * c.max_topk + h.y;
+      if (s == c.rank && o.self_pos != nullptr) o.self_pos[h.x * c.max_topk + h.y] = static_cast<int>(out_row);
     }
     const int4* src = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     int4* dst = reinterpret_cast<int4*>(o.x + out_row * (kFp8 ? c.hidden : c.hidden * 2));

@@ -41,7 +41,7 @@ __device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_to
 // The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out).
 template <bool kFp8>
 __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int* s_topk, int T, int K,
-                          int round_scale, const int* s_low) {
+                          int round_scale, const int* s_low, int* self_pos) {
   __shared__ int s_slot[32];
   __shared__ char* s_dst[32];      // the owner's set, or nullptr (nowhere)
   __shared__ long long s_at[32];   // el * W*M + row in that set
@@ -63,6 +63,7 @@ __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int
           at = static_cast<long long>(e % EL) * WM + row;
           reinterpret_cast<int*>(dst + c.set_src_info)[at] = t;
           reinterpret_cast<int*>(dst + c.set_row_slot)[at] = (c.rank * c.max_tokens + t) * c.max_topk + k;
+          if (e / EL == c.rank && self_pos != nullptr) self_pos[t * c.max_topk + k] = static_cast<int>(at);
         }
       }
       s_dst[k] = dst;
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
-    if (!s_lost) send_rows<kFp8>(c, p, set, x, s_topk, T, K, round_scale, s_low);
+    if (!s_lost) send_rows<kFp8>(c, p, set, x, s_topk, T, K, round_scale, s_low, o.self_pos);
     if (last_block(ticket(c, kTicketDispSend))) {
       signal_ranks(c, c.disp_flag[p], epoch);
       __syncthreads();

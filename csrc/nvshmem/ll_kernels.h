@@ -15,6 +15,7 @@ struct DispatchOut {   // the caller's tensors (recv half)
   long long* layout_range;  // [EL, W]
   int* row_slot;       // [EL, W*M]: (source * M + token) * KMAX + k, for combine
   int* recv_stats;     // [EL] or nullptr
+  int* self_pos;       // [M * KMAX] or nullptr: where (token, k) of this rank's own experts landed (el * W*M + row)
 };
 
 template <bool kFp8>
@@ -27,8 +28,11 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_direct(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K,
                                                                int phases, int round_scale, int set, DispatchOut o);
 
+// self_pos (the dispatch's DispatchOut::self_pos, or nullptr): the rows of this rank's own experts are
+// not sent; the receive half reads them from x at self_pos (x then stays valid until it has run).
 __global__ void __launch_bounds__(kThreads, 1) combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
-                           const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y);
+                           const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y,
+                           const int* self_pos);
 
 }  // namespace ll
 }  // namespace ep

@@ -190,14 +190,15 @@ void Runtime::check_call(int T, int K) const {
 
 void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
                        uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
-                       uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set) {
+                       uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set,
+                       uintptr_t self_pos) {
   check_call(T, K);
   EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency dispatch: phases must be 1, 2 or 3, got %d", phases);
   EP_CHECK_ARG(!use_fp8 || hidden_ % 128 == 0, "low-latency FP8 dispatch needs hidden %% 128 == 0, got %d", hidden_);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   DispatchOut o{reinterpret_cast<char*>(out_x), reinterpret_cast<float*>(out_scales), reinterpret_cast<int*>(recv_count),
                 reinterpret_cast<int*>(src_info), reinterpret_cast<long long*>(layout_range),
-                reinterpret_cast<int*>(row_slot), reinterpret_cast<int*>(recv_stats)};
+                reinterpret_cast<int*>(row_slot), reinterpret_cast<int*>(recv_stats), reinterpret_cast<int*>(self_pos)};
   const size_t smem = smem_bytes(T, K, c.num_experts);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int4* in = reinterpret_cast<const int4*>(x);
@@ -218,7 +219,7 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
-                      int T, int K, int phases, uintptr_t y, uintptr_t stream) {
+                      int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos) {
   check_call(T, K);
   EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency combine: phases must be 1, 2 or 3, got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
@@ -226,7 +227,8 @@ void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uin
   launch(::ep::ll::combine, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,
          reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
          reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
-         reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y));
+         reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y),
+         reinterpret_cast<const int*>(self_pos));
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -30,12 +30,15 @@ class Runtime {
 
   void dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp8, int round_scale, int phases,
                 uintptr_t out_x, uintptr_t out_scales, uintptr_t recv_count, uintptr_t src_info,
-                uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set);
+                uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set,
+                uintptr_t self_pos);
   // out_set >= 0: into that output set (out_x, out_scales, src_info, row_slot unused: the set's)
   int sets() const;
   std::vector<uintptr_t> set_pointers(int i) const;  // set i's data, scales, src_info, row_slot
+  // self_pos (0: none): the dispatch recorded where (token, k) of this rank's own experts landed; the
+  // send half skips those rows and the receive half reads them from x (both halves get x then)
   void combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
-               int T, int K, int phases, uintptr_t y, uintptr_t stream);
+               int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos);
   void set_mask(const std::vector<int>& left_out);  // clears a recorded timeout too (synchronous)
   int error() const;
   int error_kernel() const;

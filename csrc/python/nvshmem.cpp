@@ -41,11 +41,12 @@ void bind_nvshmem(py::module_& m) {
       .def("dispatch", &LL::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("T"), py::arg("K"),
            py::arg("use_fp8"), py::arg("round_scale"), py::arg("phases"), py::arg("out_x"), py::arg("out_scales"),
            py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"), py::arg("row_slot"),
-           py::arg("recv_stats"), py::arg("stream"), py::arg("out_set") = -1)
+           py::arg("recv_stats"), py::arg("stream"), py::arg("out_set") = -1, py::arg("self_pos") = 0)
       .def_property_readonly("sets", &LL::sets)
       .def("set_pointers", &LL::set_pointers, py::arg("i"))
       .def("combine", &LL::combine, py::arg("x"), py::arg("row_slot"), py::arg("recv_count"), py::arg("topk_idx"),
-           py::arg("weights"), py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"))
+           py::arg("weights"), py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"),
+           py::arg("self_pos") = 0)
       .def("set_mask", &LL::set_mask, py::arg("left_out"))
       .def("error", &LL::error)
       .def("error_kernel", &LL::error_kernel)

@@ -128,8 +128,10 @@ class NvshmemLowLatency(ReportsFaults):
         row_slot = heap_tensor(slot_ptr, (EL, WM), torch.int32, dev)
         recv_count = torch.empty(EL, dtype=torch.int32, device=dev)
         layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
+        self_pos = torch.empty(self.max_tokens * self.max_topk, dtype=torch.int32, device=dev)
         count_ptr = recv_count.data_ptr()
-        state = {"row_slot": row_slot, "recv_count": recv_count, "ptrs": (slot_ptr, count_ptr)}
+        state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos,
+                 "ptrs": (slot_ptr, count_ptr, self_pos.data_ptr())}
         ptrs = (data_ptr, scales_ptr, count_ptr, src_ptr, layout_range.data_ptr(), slot_ptr)
         return recv_x, recv_count, src_info, layout_range, state, ptrs, i
 
@@ -150,9 +152,12 @@ class NvshmemLowLatency(ReportsFaults):
         src_info = torch.empty(EL, WM, dtype=torch.int32, device=dev)
         layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
         row_slot = torch.empty(EL, WM, dtype=torch.int32, device=dev)
+        # where (token, k) of this rank's own experts landed: combine reads those rows from its input
+        self_pos = torch.empty(self.max_tokens * self.max_topk, dtype=torch.int32, device=dev)
         count_ptr, row_slot_ptr = recv_count.data_ptr(), row_slot.data_ptr()
-        # combine reads the two pointers from the handle's state: no data_ptr() calls there
-        state = {"row_slot": row_slot, "recv_count": recv_count, "ptrs": (row_slot_ptr, count_ptr)}
+        # combine reads the pointers from the handle's state: no data_ptr() calls there
+        state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos,
+                 "ptrs": (row_slot_ptr, count_ptr, self_pos.data_ptr())}
         ptrs = (data.data_ptr(), scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
         return recv_x, recv_count, src_info, layout_range, state, ptrs, -1
 
@@ -181,25 +186,26 @@ class NvshmemLowLatency(ReportsFaults):
         if self.fused_launch and not hook:
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV, *ptrs,
-                        stats_ptr, _current_stream(), out_set)
+                        stats_ptr, _current_stream(), out_set, state["ptrs"][2])
             recv = None
         else:
             stream = _current_stream()
             if self.output_sets:  # the senders need the set: outputs first (views made once, no allocation)
                 recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
                 rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
-                            0, 0, 0, 0, 0, 0, 0, stream, out_set)
+                            0, 0, 0, 0, 0, 0, 0, stream, out_set, state["ptrs"][2])
             else:
                 rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
                             0, 0, 0, 0, 0, 0, 0, stream)
                 recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             # the receive half reads no input (x and topk_idx may go once the send half is queued)
+            self_ptr = state["ptrs"][2]
             if not hook:
-                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream, out_set)
+                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream, out_set, self_ptr)
                 recv = None
             else:
                 def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
-                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set)
+                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set, self_ptr)
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
                                   topk=K, use_fp8=use_fp8, backend=self.name, state=state)
@@ -209,17 +215,21 @@ class NvshmemLowLatency(ReportsFaults):
     def combine(self, x, topk_idx, topk_weights, handle, *, out, hook: bool):
         T, K = topk_idx.shape
         rt = self._rt
-        row_slot, count = handle.state["ptrs"]
+        row_slot, count, self_pos = handle.state["ptrs"]
+        x_ptr = x.data_ptr()
         if self.fused_launch and not hook:
             y = out if out is not None else self._combine_output(T, x.device)
-            rt.combine(x.data_ptr(), row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV,
-                       y.data_ptr(), _current_stream())
+            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV,
+                       y.data_ptr(), _current_stream(), self_pos)
             return y, None
         stream = _current_stream()
-        rt.combine(x.data_ptr(), row_slot, count, 0, 0, T, K, SEND, 0, stream)
+        # Without a hook the receive half reads this rank's own rows from x (self_pos), right behind the
+        # send half; with one, x may change before the hook runs, so every row goes through the send.
+        rt.combine(x_ptr, row_slot, count, 0, 0, T, K, SEND, 0, stream, 0 if hook else self_pos)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
-            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream)
+            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream,
+                       self_pos)
             return y, None
 
         def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
