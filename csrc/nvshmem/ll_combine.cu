@@ -54,7 +54,6 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   const int p = epoch & 1;
   __shared__ int s_ok[kMaxRanks];
   __shared__ float s_w[32];
-  __shared__ int s_k[32];
   __shared__ const int4* s_row[32];  // where row q of the token is read
   __shared__ int s_nk;
   for (int s = threadIdx.x; s < W; s += blockDim.x)
@@ -67,7 +66,6 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
       for (int k = 0; k < K; ++k) {
         const long long e = topk_idx[static_cast<long long>(t) * K + k];
         if (e < 0 || e >= E || !s_ok[static_cast<int>(e) / EL]) continue;
-        s_k[nk] = k;
         s_w[nk] = weights[static_cast<long long>(t) * K + k];
         s_row[nk] = self_pos != nullptr && static_cast<int>(e) / EL == c.rank
                         ? x + static_cast<long long>(self_pos[t * c.max_topk + k]) * (c.hidden / 8)

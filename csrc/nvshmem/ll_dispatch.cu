@@ -44,37 +44,25 @@ __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_top
     const bool rdma = s_rdma != 0;
     char* stage = rdma ? c.heap + c.stage_rows + static_cast<long long>(t) * c.slot_bytes : nullptr;
     if (rdma && threadIdx.x == 0) *reinterpret_cast<int4*>(stage) = make_int4(t, 0, 0, 0);
-    const int4* row = x + static_cast<long long>(t) * n16;
-    // all lanes of a warp run every round (the FP8 amax shuffles need them)
-    for (int base = 0; base < n16; base += blockDim.x) {
-      const int j = base + threadIdx.x;
-      const bool active = j < n16;
-      const int4 v = active ? ld_nc_v4(row + j) : make_int4(0, 0, 0, 0);
-      if constexpr (!kFp8) {
-        if (active) {
+    stream_row<kFp8>(
+        x + static_cast<long long>(t) * n16, n16, round_scale,
+        [&](int j, const int4& v) {
           for (int k = 0; k < K; ++k)
             if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + kHeaderBytes) + j, v);
           if (rdma) st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, v);
-        }
-      } else {
-        float scale;
-        const uint2 q = cast_fp8_unit(v, round_scale, &scale);
-        if (active) {
-          const int group = j / 16;
-          const bool writes_scale = (j % 16) == 0;
+        },
+        [&](int j, const uint2& q, float scale, bool first) {
           for (int k = 0; k < K; ++k) {
             char* d = s_dst[k];
             if (d == nullptr) continue;
             reinterpret_cast<uint2*>(d + kHeaderBytes)[j] = q;
-            if (writes_scale) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[group] = scale;
+            if (first) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[j / 16] = scale;
           }
           if (rdma) {
             reinterpret_cast<uint2*>(stage + kHeaderBytes)[j] = q;
-            if (writes_scale) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[group] = scale;
+            if (first) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[j / 16] = scale;
           }
-        }
-      }
-    }
+        });
     if (rdma) {  // NVSHMEM puts from the staged slot to the peers without P2P (compiled, not run here)
       __syncthreads();
       const int bytes = kHeaderBytes + (kFp8 ? c.hidden + c.hidden / 32 : c.hidden * 2);

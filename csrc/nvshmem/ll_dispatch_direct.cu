@@ -70,33 +70,23 @@ __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int
       s_at[k] = at;
     }
     __syncthreads();
-    const int4* src = x + static_cast<long long>(t) * n16;
-    // all lanes of a warp run every round (the FP8 amax shuffles need them)
-    for (int base = 0; base < n16; base += blockDim.x) {
-      const int j = base + threadIdx.x;
-      const bool active = j < n16;
-      const int4 v = active ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
-      if constexpr (!kFp8) {
-        if (active)
+    stream_row<kFp8>(
+        x + static_cast<long long>(t) * n16, n16, round_scale,
+        [&](int j, const int4& v) {
           for (int k = 0; k < K; ++k)
             if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
-      } else {
-        float scale;
-        const uint2 q = cast_fp8_unit(v, round_scale, &scale);
-        if (active) {
-          const bool writes_scale = (j % 16) == 0;
+        },
+        [&](int j, const uint2& q, float scale, bool first) {
           for (int k = 0; k < K; ++k) {
             char* d = s_dst[k];
             if (d == nullptr) continue;
             reinterpret_cast<uint2*>(d + s_at[k] * row_bytes)[j] = q;
-            if (writes_scale) {  // scales are [EL][S][W*M]
+            if (first) {  // scales are [EL][S][W*M]
               const long long el = s_at[k] / WM, row = s_at[k] % WM;
               reinterpret_cast<float*>(d + c.set_scales)[(el * S + j / 16) * WM + row] = scale;
             }
           }
-        }
-      }
-    }
+        });
     __syncthreads();
   }
 }

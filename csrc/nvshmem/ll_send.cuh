@@ -56,6 +56,25 @@ __device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, f
   return q;
 }
 
+// Streams one BF16 row through the block, a 16-byte unit per thread and round: bf16(j, v) stores unit
+// j as is; with kFp8, fp8(j, q, scale, first) stores its 8 FP8 bytes, `first` on the unit that also
+// stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle).
+template <bool kFp8, typename Bf16Store, typename Fp8Store>
+__device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
+  for (int base = 0; base < n16; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    const bool active = j < n16;
+    const int4 v = active ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+    if constexpr (!kFp8) {
+      if (active) bf16(j, v);
+    } else {
+      float scale;
+      const uint2 q = cast_fp8_unit(v, round_scale, &scale);
+      if (active) fp8(j, q, scale, (j % 16) == 0);
+    }
+  }
+}
+
 // slot[k] = the index of (t, k) among this rank's rows for its expert: entries of earlier tokens
 // routed to the same expert, then earlier k of token t naming it again (one row each). By the whole
 // block; slot is shared memory of at least K ints, valid after the call's last barrier.
