@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import spawn
+from tests._graph import capture, static_inputs
 from tests.reference import make_inputs
 
 pytestmark = pytest.mark.gpu
@@ -115,17 +116,8 @@ def body(rank, world):
         return recv_x, count, handle, y
 
     def graph(eng, E_l, K, H):
-        sx = torch.zeros(M, H, dtype=torch.bfloat16, device="cuda")
-        sidx = torch.full((M, K), -1, dtype=torch.int64, device="cuda")
-        sw = torch.zeros(M, K, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call(eng, sx, sidx, sw, E_l, False, False)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = call(eng, sx, sidx, sw, E_l, False, False)
+        sx, sidx, sw = static_inputs(M, H, K)
+        g, got = capture(lambda: call(eng, sx, sidx, sw, E_l, False, False))
         for s in range(3):
             xs, idxs, ws = make_inputs(world, [M] * world, H, E_l * world, K, 700 + s, torch.bfloat16,
                                        "random" if s < 2 else "skew")

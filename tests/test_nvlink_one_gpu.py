@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import spawn
+from tests._graph import capture, static_inputs
 from tests.reference import make_inputs, reference_combine, reference_dispatch
 
 pytestmark = pytest.mark.gpu
@@ -111,18 +112,13 @@ def check(nv, rank, world, E, K, H, tokens, seed, mode, fp8=False):
 def check_graph(rank, world, E, K, H, T):
     """A fused dispatch captured in a CUDA graph, replayed on new routings."""
     nv = _buffer(E, K, H, T, dispatch_kernel="fused")
-    sx = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((T, K), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros(T, K, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    sx, sidx, sw = static_inputs(T, H, K)
+
+    def warmup():
         warm = nv.dispatch(sx, sidx, sw)
         nv.combine(warm.x, warm.handle)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res = nv.dispatch(sx, sidx, sw)
+
+    graph, res = capture(lambda: nv.dispatch(sx, sidx, sw), warmup)
     for s in range(3):
         xs, idxs, ws = make_inputs(world, T, H, E, K, 500 + s, torch.bfloat16, "random" if s < 2 else "skew")
         sx.copy_(xs[rank].cuda())
