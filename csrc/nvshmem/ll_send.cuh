@@ -61,16 +61,25 @@ __device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, f
 // stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle).
 template <bool kFp8, typename Bf16Store, typename Fp8Store>
 __device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
-  for (int base = 0; base < n16; base += blockDim.x) {
-    const int j = base + threadIdx.x;
-    const bool active = j < n16;
-    const int4 v = active ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
-    if constexpr (!kFp8) {
-      if (active) bf16(j, v);
-    } else {
-      float scale;
-      const uint2 q = cast_fp8_unit(v, round_scale, &scale);
-      if (active) fp8(j, q, scale, (j % 16) == 0);
+  constexpr int kInFlight = 2;  // a 7168-wide row is 896 units: both of a thread's loads before its stores
+  for (int base = 0; base < n16; base += kInFlight * blockDim.x) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * blockDim.x + threadIdx.x;
+      v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * blockDim.x + threadIdx.x;
+      const bool active = j < n16;
+      if constexpr (!kFp8) {
+        if (active) bf16(j, v[u]);
+      } else {
+        float scale;
+        const uint2 q = cast_fp8_unit(v[u], round_scale, &scale);
+        if (active) fp8(j, q, scale, (j % 16) == 0);
+      }
     }
   }
 }
@@ -100,11 +109,23 @@ __device__ inline void token_slots(const int* s_topk, int t, int K, int* slot) {
 // a left-out rank); ids outside [-1, E) are flagged to the host. By the whole block.
 __device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int TK, int* s_topk) {
   const int E = c.num_experts, EL = c.local_experts;
+  constexpr int kInFlight = 4;  // 128 tokens x top-8 = 2 ids per thread: loaded together, not one by one
   bool bad = false;
-  for (int j = threadIdx.x; j < TK; j += blockDim.x) {
-    const long long e = topk_idx[j];
-    bad |= e < -1 || e >= E;
-    s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
+  for (int base = 0; base < TK; base += kInFlight * blockDim.x) {
+    long long id[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * blockDim.x + threadIdx.x;
+      id[u] = j < TK ? __ldg(topk_idx + j) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * blockDim.x + threadIdx.x;
+      const long long e = id[u];
+      bad |= e < -1 || e >= E;
+      if (j < TK)
+        s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
+    }
   }
   if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;
   __syncthreads();
