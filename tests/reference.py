@@ -8,7 +8,8 @@ def make_inputs(world, tokens, hidden, num_experts, topk, seed, dtype=torch.floa
     """All ranks' inputs, identical on every rank (same seed). tokens: int or per-rank list.
 
     mode: random (with some -1), skew (every token to expert 0), nowhere (all -1),
-    starve_last (no token picks the last rank's experts)."""
+    starve_last (no token picks the last rank's experts), repeats (as random, and every other token
+    names its first expert again in its second pick)."""
     g = torch.Generator().manual_seed(seed)
     counts = tokens if isinstance(tokens, (list, tuple)) else [tokens] * world
     epr = num_experts // world
@@ -19,8 +20,10 @@ def make_inputs(world, tokens, hidden, num_experts, topk, seed, dtype=torch.floa
         idx = torch.stack([torch.randperm(pool, generator=g)[:topk] for _ in range(T)]) if T else \
             torch.empty(0, topk, dtype=torch.int64)
         idx = idx.to(torch.int64)
-        if mode == "random" and T:
+        if mode in ("random", "repeats") and T:
             idx[torch.rand(T, topk, generator=g) < 0.15] = -1
+            if mode == "repeats" and topk > 1:
+                idx[::2, 1] = idx[::2, 0]
         elif mode == "skew":
             idx[:] = -1
             idx[:, 0] = 0

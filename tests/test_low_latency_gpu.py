@@ -174,6 +174,7 @@ CASES = [  # (tokens per rank, routing)
     ([1, 17], "random"),
     ([M, M], "skew"),        # every token to expert 0 only: its W*M rows are all used
     ([7, 0], "nowhere"),
+    ([M, 33], "repeats"),    # tokens naming an expert twice: one row each, both picks weighted in combine
 ]
 
 

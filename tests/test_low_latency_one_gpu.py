@@ -29,6 +29,14 @@ def _need_one_gpu_and_nvshmem():
         pytest.skip("ep_plugin._C is built without NVSHMEM")
 
 
+def first_picks(idx):
+    """idx with -1 where a token names an expert it named at an earlier k (one row per (token, expert))."""
+    out = idx.clone()
+    for k in range(1, idx.shape[1]):
+        out[(idx[:, k:k + 1] == idx[:, :k]).any(1) & (idx[:, k] >= 0), k] = -1
+    return out
+
+
 def reference_dispatch(xs, idxs, rank, E_l):
     """Per local expert of `rank`: (rows BF16, source tokens int32) in the contract's order (source rank,
     then token); recv_count [E_l] int32; layout_range [E_l, W] int64 (begin << 32 | count)."""
@@ -37,7 +45,7 @@ def reference_dispatch(xs, idxs, rank, E_l):
     layout = torch.zeros(E_l, W, dtype=torch.int64)
     for s in range(W):
         T, K = idxs[s].shape
-        flat, pos = idxs[s].flatten().cuda(), torch.arange(T * K, device="cuda")
+        flat, pos = first_picks(idxs[s]).flatten().cuda(), torch.arange(T * K, device="cuda")
         mine = (flat >= rank * E_l) & (flat < (rank + 1) * E_l)
         local, at = flat[mine] - rank * E_l, pos[mine]
         order = torch.argsort(local * (T * K) + at)
@@ -136,7 +144,7 @@ def body(rank, world):
         for output_buffers in (0, 2):
             eng = engine(E_l, K, H, output_buffers)
             for tokens, mode in (([M] * world, "random"), ([0, M], "random"), ([1, 17], "random"),
-                                 ([M] * world, "skew"), ([7, 0], "nowhere")):
+                                 ([M] * world, "skew"), ([7, 0], "nowhere"), ([M, 33], "repeats")):
                 for fp8 in ((False, True) if with_fp8 else (False,)):
                     for hook in (False, True):
                         seed += 1

@@ -55,21 +55,33 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   __shared__ int s_ok[kMaxRanks];
   __shared__ float s_w[32];
   __shared__ const int4* s_row[32];  // where row q of the token is read
+  __shared__ int s_e[32];            // the token's ids (a repeated expert reads its first k's row)
   __shared__ int s_nk;
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
   __syncthreads();
   const int n16 = c.hidden / 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x < K) {
+      const long long e = topk_idx[static_cast<long long>(t) * K + threadIdx.x];
+      s_e[threadIdx.x] = (e < 0 || e >= E) ? -1 : static_cast<int>(e);
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
       int nk = 0;
       for (int k = 0; k < K; ++k) {
-        const long long e = topk_idx[static_cast<long long>(t) * K + k];
-        if (e < 0 || e >= E || !s_ok[static_cast<int>(e) / EL]) continue;
+        const int e = s_e[k];
+        if (e < 0 || !s_ok[e / EL]) continue;
+        int first = k;  // the dispatch sent one row per (token, expert): that of the first k naming it
+        for (int q = 0; q < k; ++q)
+          if (s_e[q] == e) {
+            first = q;
+            break;
+          }
         s_w[nk] = weights[static_cast<long long>(t) * K + k];
-        s_row[nk] = self_pos != nullptr && static_cast<int>(e) / EL == c.rank
-                        ? x + static_cast<long long>(self_pos[t * c.max_topk + k]) * (c.hidden / 8)
-                        : reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, k));
+        s_row[nk] = self_pos != nullptr && e / EL == c.rank
+                        ? x + static_cast<long long>(self_pos[t * c.max_topk + first]) * (c.hidden / 8)
+                        : reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, first));
         ++nk;
       }
       s_nk = nk;

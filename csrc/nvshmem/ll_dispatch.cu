@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
-    load_topk(c, topk_idx, T * K, s_topk);
+    load_topk(c, topk_idx, T, K, s_topk);
     bool any_rdma = false;
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) send_counts(c, p, s_topk, T * K, s_topk + T * K);

@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
-    load_topk(c, topk_idx, T * K, s_topk);
+    load_topk(c, topk_idx, T, K, s_topk);
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K);
     __shared__ int s_low[kMaxRanks];

@@ -106,8 +106,11 @@ __device__ inline void token_slots(const int* s_topk, int t, int K, int* slot) {
 }
 
 // s_topk[T*K] <- topk_idx as ints, -1 where an entry goes nowhere (id -1, out of range, or owned by
-// a left-out rank); ids outside [-1, E) are flagged to the host. By the whole block.
-__device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int TK, int* s_topk) {
+// a left-out rank) or repeats an expert of an earlier k of its token (the contract's one row per
+// (token, expert); combine gives the repeat that row too); ids outside [-1, E) are flagged to the
+// host. By the whole block.
+__device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int T, int K, int* s_topk) {
+  const int TK = T * K;
   const int E = c.num_experts, EL = c.local_experts;
   constexpr int kInFlight = 4;  // 128 tokens x top-8 = 2 ids per thread: loaded together, not one by one
   bool bad = false;
@@ -128,6 +131,18 @@ __device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int TK, 
     }
   }
   if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;
+  __syncthreads();
+  // A repeat's first occurrence is never rewritten, so the in-place marking reads the same answer
+  // whatever order the threads run in.
+  for (int j = threadIdx.x; j < TK; j += blockDim.x) {
+    const int e = s_topk[j], first = j - j % K;
+    if (e < 0) continue;
+    for (int q = first; q < j; ++q)
+      if (s_topk[q] == e) {
+        s_topk[j] = -1;
+        break;
+      }
+  }
   __syncthreads();
 }
 
