@@ -6,7 +6,7 @@
 #   nvlink_phases at 4096 and 128 tokens (split vs fused dispatch kernel: decides comm.dispatch_kernel);
 #   deepspeed_layer at EP2 per drop_tokens setting; bench_dispatch (throughput + latency, DeepEP beside)
 #   with each dispatch kernel.
-# Prepare here first (README "Run on GPUs"): .deepep (../shared/gpu/deepep_reference.sh prepare) and .whl
+# Prepare here first (README "Running on GPUs"): .deepep (../shared/gpu/deepep_reference.sh prepare) and .whl
 # (../shared/gpu/fetch_wheels.sh); the call carries both: carry [".whl", ".deepep"].
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
