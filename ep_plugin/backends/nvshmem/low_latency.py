@@ -29,6 +29,11 @@ picks the set of each dispatch in turn, the same on every rank; a set is rewritt
 (of either precision: BF16 and FP8 outputs of one set share its bytes), and its tensors are valid
 until close().
 
+Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
+state["self_pos"]); a combine without a hook sends only the other ranks' rows and its receive half
+reads its own from the combine's input. With a hook every row is sent: the input may change before
+the hook runs.
+
 The host path is short on purpose (a cold call at 128 tokens is host-bound; benchmarks/bench_ll_host.py
 times it): pointers of reused outputs are computed once, nothing is built that the call does not return.
 """
