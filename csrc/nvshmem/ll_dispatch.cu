@@ -87,11 +87,7 @@ __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_top
 // (after every block's fence) makes them visible with the rows.
 __device__ void send_counts(const Ctx& c, int p, const int* s_topk, int TK, int* s_hist) {
   const int E = c.num_experts, EL = c.local_experts;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
-  __syncthreads();
-  for (int j = threadIdx.x; j < TK; j += blockDim.x)
-    if (s_topk[j] >= 0) atomicAdd(&s_hist[s_topk[j]], 1);
-  __syncthreads();
+  expert_histogram(s_topk, TK, E, s_hist);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int d = e / EL;
     if (left_out(c, d)) continue;

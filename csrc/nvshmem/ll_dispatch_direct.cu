@@ -21,11 +21,7 @@ __device__ __forceinline__ int* cnt_all_at(const Ctx& c, char* base, int p, int 
 // This rank's rows per global expert -> cnt_all[p][rank][*] at every rank not left out, then cnt_flag.
 __device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_topk, int TK, int* s_hist) {
   const int E = c.num_experts;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
-  __syncthreads();
-  for (int j = threadIdx.x; j < TK; j += blockDim.x)
-    if (s_topk[j] >= 0) atomicAdd(&s_hist[s_topk[j]], 1);
-  __syncthreads();
+  expert_histogram(s_topk, TK, E, s_hist);
   for (int i = threadIdx.x; i < c.world * E; i += blockDim.x) {
     const int d = i / E, e = i % E;
     if (!left_out(c, d)) *cnt_all_at(c, c.peer[d], p, c.rank, e) = s_hist[e];
@@ -58,7 +54,7 @@ __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int
         int row = s_slot[k];
         for (int s = 0; s < c.rank; ++s)
           if (s_low[s]) row += ld_volatile(cnt_all_at(c, c.heap, p, s, e));
-        if (row < WM) {  // always, unless tokens list an expert twice: never past the set
+        if (row < WM) {  // always (a source gives an expert at most M rows): a guard, never past the set
           dst = c.peer[e / EL] + c.out_set[set];
           at = static_cast<long long>(e % EL) * WM + row;
           reinterpret_cast<int*>(dst + c.set_src_info)[at] = t;

@@ -56,6 +56,15 @@ __device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, f
   return q;
 }
 
+// s_hist[E] <- the rows this rank sends each expert (the entries of s_topk naming it). By the whole block.
+__device__ inline void expert_histogram(const int* s_topk, int TK, int E, int* s_hist) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
+  __syncthreads();
+  for (int j = threadIdx.x; j < TK; j += blockDim.x)
+    if (s_topk[j] >= 0) atomicAdd(&s_hist[s_topk[j]], 1);
+  __syncthreads();
+}
+
 // Streams one BF16 row through the block, a 16-byte unit per thread and round: bf16(j, v) stores unit
 // j as is; with kFp8, fp8(j, q, scale, first) stores its 8 FP8 bytes, `first` on the unit that also
 // stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle).

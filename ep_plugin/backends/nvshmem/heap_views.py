@@ -22,7 +22,7 @@ class _DeviceArray:
 def heap_tensor(ptr: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A contiguous `shape` tensor of `dtype` at address `ptr` on `device`, owning nothing. On CPU (the
     host-path tests' fake runtime) ptr is host memory."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     typestr, carrier = _CARRIER[size]
     if device.type == "cuda":
         t = torch.as_tensor(_DeviceArray(ptr, shape, typestr), device=device)

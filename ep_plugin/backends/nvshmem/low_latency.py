@@ -131,14 +131,7 @@ class NvshmemLowLatency(ReportsFaults):
             scales_ptr = 0
         src_info = heap_tensor(src_ptr, (EL, WM), torch.int32, dev)
         row_slot = heap_tensor(slot_ptr, (EL, WM), torch.int32, dev)
-        recv_count = torch.empty(EL, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
-        self_pos = torch.empty(self.max_tokens * self.max_topk, dtype=torch.int32, device=dev)
-        count_ptr = recv_count.data_ptr()
-        state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos,
-                 "ptrs": (slot_ptr, count_ptr, self_pos.data_ptr())}
-        ptrs = (data_ptr, scales_ptr, count_ptr, src_ptr, layout_range.data_ptr(), slot_ptr)
-        return recv_x, recv_count, src_info, layout_range, state, ptrs, i
+        return self._with_counts(recv_x, data_ptr, scales_ptr, src_info, row_slot, dev, i)
 
     def _new_dispatch_outputs(self, use_fp8: bool, dev, _i: int = 0):
         EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
@@ -153,18 +146,23 @@ class NvshmemLowLatency(ReportsFaults):
         else:
             data = recv_x = torch.empty(EL, WM, H, dtype=torch.bfloat16, device=dev)
             scales_ptr = 0
-        recv_count = torch.empty(EL, dtype=torch.int32, device=dev)
         src_info = torch.empty(EL, WM, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(EL, self.world, dtype=torch.int64, device=dev)
         row_slot = torch.empty(EL, WM, dtype=torch.int32, device=dev)
-        # where (token, k) of this rank's own experts landed: combine reads those rows from its input
+        return self._with_counts(recv_x, data.data_ptr(), scales_ptr, src_info, row_slot, dev, -1)
+
+    def _with_counts(self, recv_x, data_ptr: int, scales_ptr: int, src_info, row_slot, dev, out_set: int):
+        """A dispatch's outputs around its rows: this rank's recv_count, layout_range and self_pos (where
+        (token, k) of its own experts landed: combine reads those rows from its input), the handle's
+        state and the launch's pointers."""
+        recv_count = torch.empty(self.local_experts, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(self.local_experts, self.world, dtype=torch.int64, device=dev)
         self_pos = torch.empty(self.max_tokens * self.max_topk, dtype=torch.int32, device=dev)
         count_ptr, row_slot_ptr = recv_count.data_ptr(), row_slot.data_ptr()
         # combine reads the pointers from the handle's state: no data_ptr() calls there
         state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos,
                  "ptrs": (row_slot_ptr, count_ptr, self_pos.data_ptr())}
-        ptrs = (data.data_ptr(), scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
-        return recv_x, recv_count, src_info, layout_range, state, ptrs, -1
+        ptrs = (data_ptr, scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
+        return recv_x, recv_count, src_info, layout_range, state, ptrs, out_set
 
     def _combine_output(self, T: int, dev):
         n = self.output_buffers
@@ -195,14 +193,14 @@ class NvshmemLowLatency(ReportsFaults):
             recv = None
         else:
             stream = _current_stream()
-            if self.output_sets:  # the senders need the set: outputs first (views made once, no allocation)
-                recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
-                rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
-                            0, 0, 0, 0, 0, 0, 0, stream, out_set, state["ptrs"][2])
-            else:
-                rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
-                            0, 0, 0, 0, 0, 0, 0, stream)
-                recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
+            # Output sets: the senders need the set, so the outputs come first (views made once). Fresh
+            # outputs: their allocations follow the send half, overlapping it.
+            outputs = self._dispatch_outputs(use_fp8, x.device) if self.output_sets else None
+            set_args = (outputs[6], outputs[4]["ptrs"][2]) if outputs else ()  # the set and self_pos
+            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
+                        0, 0, 0, 0, 0, 0, 0, stream, *set_args)
+            recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = \
+                outputs or self._dispatch_outputs(use_fp8, x.device)
             # the receive half reads no input (x and topk_idx may go once the send half is queued)
             self_ptr = state["ptrs"][2]
             if not hook:

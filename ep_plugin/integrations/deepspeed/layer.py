@@ -32,12 +32,13 @@ from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_AL
 from deepspeed.utils import groups
 
 from ...config import EPConfig, MoEConfig, load_config
-from ...telemetry import Report, log_to, training_step
 from ...expert_major import padded
+from ...telemetry import Report, log_to, training_step
 from ..buffer_cache import get_buffer
 from .gate_scan import fast_gate_scan
 
 _FALLBACK_DTYPE = torch.bfloat16  # every backend moves and combines BF16 rows
+_LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
 # Each local expert's rows are padded (zero rows, weight 0) to a multiple of expert_alignment(), so
 # that its GEMMs come in a few shapes: the per-expert row count changes every step, and the host picks
 # a GEMM algorithm for every new shape (one H200, EP1: a fresh process spent ~2 ms more host time per
@@ -54,7 +55,6 @@ def expert_alignment(tokens: int, k: int, ep_size: int, num_experts: int) -> int
     while a * 2 <= min(MAX_EXPERT_ALIGNMENT, per_expert // 8):
         a *= 2
     return a
-_LOG_REPORT = log_to(logging.getLogger("ep_plugin.deepspeed"))
 
 
 def layer_config(base: EPConfig, num_experts: int, k: int) -> EPConfig:
