@@ -75,14 +75,17 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             idx.data_ptr(), n, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(), tpe.data_ptr(),
             torch.cuda.current_stream().cuda_stream))))
 
-    def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
+    def mode(attr, value, fn):  # the call with backend.<attr> (dispatch_mode, combine_mode) set to value
         def call():
-            mode, backend.dispatch_mode = backend.dispatch_mode, "fused"
+            old, _ = getattr(backend, attr), setattr(backend, attr, value)
             try:
                 fn()
             finally:
-                backend.dispatch_mode = mode
+                setattr(backend, attr, old)
         return call
+
+    def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
+        return mode("dispatch_mode", "fused", fn)
 
     cases = {
         "dispatch BF16": lambda: buf.dispatch(x, idx, w),
@@ -91,7 +94,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         "dispatch FP8, fused": fused(lambda: buf.dispatch((x_fp8, scales), idx, w)),
         "dispatch cached BF16": lambda: buf.dispatch(x, handle=first.handle),
         "dispatch cached BF16, fused": fused(lambda: buf.dispatch(x, handle=first.handle)),
-        "combine BF16": lambda: buf.combine(first.x, first.handle),
+        **{f"combine BF16, {k}": mode("combine_mode", k, lambda: buf.combine(first.x, first.handle))
+           for k in ("split", "fused", "pipelined")},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }

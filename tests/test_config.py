@@ -266,7 +266,7 @@ def test_num_sms_auto_and_new_comm_keys():
     assert c.comm.num_sms == "auto" and c.comm.host_sync is False
     assert c.comm.combine_kernel == "fused"
     d = CommConfig()
-    assert (d.num_sms, d.host_sync, d.combine_kernel) == (24, False, "split")
+    assert (d.num_sms, d.host_sync, d.combine_kernel) == (24, False, "auto")
     assert load_config(c.to_dict()) == c
 
 

@@ -75,7 +75,7 @@ def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
     yb = ref.combine(rows, b.handle)
     be = nv._backend
     mode0 = be.combine_mode
-    for mode in ("split", "fused"):  # both combine kernels
+    for mode in ("split", "fused", "pipelined"):  # every combine kernel
         be.combine_mode = mode
         ya = nv.combine(rows, a.handle)
         assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
@@ -244,8 +244,9 @@ def body_graph_autograd_errors(rank, world):
     ref = _buf("torch", E, K, H)
     # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings;
     # both dispatch kernels (stage, then pull; stage_pull)
-    for kernel in ("split", "fused"):
-        nv = _buf("nvlink", E, K, H, max_tokens=256, dispatch_kernel=kernel)
+    for kernel in ("split", "fused"):  # with the fused dispatch, the pipelined combine in the graph
+        nv = _buf("nvlink", E, K, H, max_tokens=256, dispatch_kernel=kernel,
+                  combine_kernel="pipelined" if kernel == "fused" else "split")
         T = 256
         g, (sx, sidx, sw), res, y = _captured(nv, T, H, K)
         Rmax = world * 256

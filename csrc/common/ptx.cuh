@@ -22,6 +22,11 @@ __device__ __forceinline__ void st_release_sys(int* p, int v) {
 __device__ __forceinline__ void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// The same without its own fence, for a thread that has just fenced at system scope (one fence
+// before several counters: the pipelined combine's arrival counts).
+__device__ __forceinline__ void red_add_relaxed_sys(int* p, int v) {
+  asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 // Re-read on every call (abort words, data behind a flag already acquired): no ordering needed.
 __device__ __forceinline__ int ld_volatile(const int* p) {
   int v;

@@ -98,6 +98,14 @@ __device__ __forceinline__ void tma_store_wait_read() {
 #endif
 }
 
+// At most N bulk groups of this thread not yet complete (the writes of the older ones are done).
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+#ifndef EP_NO_TMA
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // Every bulk group of this thread complete (its writes done).
 __device__ __forceinline__ void tma_store_wait_all() {
 #ifndef EP_NO_TMA

@@ -48,7 +48,6 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
     if (s != me) max_nb = max(max_nb, (s_off[s + 1] - s_off[s] + 31) / 32);
   const int nsend = npeers > 0 ? max_nb * npeers : 0;
   const int nchunks = (T + kChunk - 1) / kChunk;
-  int* arrive = reinterpret_cast<int*>(c.peers[me] + c.off_arrive);  // [chunk][src]
   bool failed = false;
   while (!failed) {
     int unit = 0;
@@ -74,23 +73,10 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
         red_add_release_sys(ctr, __popc(m));
       }
     } else if (unit - nsend < nchunks) {
-      const int chunk = unit - nsend, t0 = chunk * kChunk, nt = min(kChunk, T - t0);
-      int ok = 1;
-      if (lane < W && lane != me) {
-        int expect = 0;
-        for (int t = t0; t < t0 + nt; ++t) expect += send_pos[static_cast<size_t>(t) * W + lane] >= 0;
-        int* ctr = arrive + chunk * kMaxRanks + lane;
-        const int r = expect ? wait_geq(ctr, expect, deadline, c.aborted) : kArrived;
-        if (r == kTimedOut) record_timeout(c, lane, K_REDUCE);
-        ok = r == kArrived;
-      }
-      if (!__all_sync(kFull, ok)) {
+      if (!reduce_chunk<MAXW, U>(c, x, send_pos, self_lo, y, T, unit - nsend, lane, deadline)) {
         failed = true;
         break;
       }
-      __syncwarp();  // the acquiring lanes' view of the arrived rows extends to the whole warp
-      for (int t = t0; t < t0 + nt; ++t) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, false);
-      if (lane < W) arrive[chunk * kMaxRanks + lane] = 0;  // all of this combine's rows have arrived
     } else {
       break;
     }

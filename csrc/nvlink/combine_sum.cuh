@@ -73,5 +73,32 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
   }
 }
 
+// A reduce unit of the combines that overlap the reduce with the sends (fused, pipelined): waits until
+// every peer's arrival counter of chunk `chunk` (arrive[chunk][p] in this rank's buffer) reaches the rows
+// expected from that peer (from send_pos), sums the chunk's tokens, then zeroes the counters for the
+// next combine. False when a wait failed (a timeout is recorded against K_REDUCE).
+template <int MAXW, int U>
+__device__ __forceinline__ bool reduce_chunk(const Ctx& c, const int4* __restrict__ x, const int* __restrict__ send_pos,
+                                             int self_lo, int4* __restrict__ y, int T, int chunk, int lane,
+                                             unsigned long long deadline) {
+  const int W = c.world, me = c.rank;
+  const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
+  int* arrive = reinterpret_cast<int*>(c.peers[me] + c.off_arrive);  // [chunk][src]
+  int ok = 1;
+  if (lane < W && lane != me) {
+    int expect = 0;
+    for (int t = t0; t < t0 + nt; ++t) expect += send_pos[static_cast<size_t>(t) * W + lane] >= 0;
+    int* ctr = arrive + chunk * kMaxRanks + lane;
+    const int r = expect ? wait_geq(ctr, expect, deadline, c.aborted) : kArrived;
+    if (r == kTimedOut) record_timeout(c, lane, K_REDUCE);
+    ok = r == kArrived;
+  }
+  if (!__all_sync(kFull, ok)) return false;
+  __syncwarp();  // the acquiring lanes' view of the arrived rows extends to the whole warp
+  for (int t = t0; t < t0 + nt; ++t) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, false);
+  if (lane < W) arrive[chunk * kMaxRanks + lane] = 0;  // all of this combine's rows have arrived
+  return true;
+}
+
 }  // namespace nvl
 }  // namespace ep

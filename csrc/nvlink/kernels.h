@@ -66,6 +66,11 @@ void launch_combine_expert_send(const Ctx& c, int blocks, const int4* x, const i
                                 int K, cudaStream_t stream);
 void launch_combine_fused(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
                           const int* recv_src, int4* y, int T, cudaStream_t stream);
+// combine_pipe_tma.cu: the fused protocol with bulk-copy sends from one thread per block while the
+// other warps reduce; for BF16 rows that fit its ring on sm_90+ (combine_pipe_tma_fits).
+bool combine_pipe_tma_fits(int row_bytes);
+void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
+                             const int* recv_src, int4* y, int T, cudaStream_t stream);
 
 }  // namespace nvl
 }  // namespace ep

@@ -39,6 +39,7 @@ enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_ME
 // HostInfo::err_kernel: the step whose wait timed out (0: none), and its name in error messages.
 enum KernelId { K_NOTIFY = 1, K_STAGE, K_PULL, K_SEND, K_REDUCE, K_NUM };
 constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "combine-send", "combine-reduce"};
+enum CombineMode { kCombineSplit = 0, kCombineFused = 1, kCombinePipelined = 2 };  // Runtime::combine
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
 constexpr int kStageSub = 16;  // tokens per STAGE_READY flag (a staged sub-chunk)
 

@@ -232,12 +232,19 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
-                      int num_sms, int fused, uintptr_t stream) {
+                      int num_sms, int mode, uintptr_t stream) {
   check_open();
   check_tokens(T);
   set_device();
+  EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePipelined, "combine mode must be 0 (split), 1 (fused) or "
+               "2 (pipelined), got %d", mode);
   const int blocks = grid_for(num_sms);
-  if (fused) {
+  if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
+    launch_combine_pipe_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                            ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
+    return;
+  }
+  if (mode != kCombineSplit) {  // fused, or pipelined where its bulk copies do not apply
     launch_combine_fused(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                          ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
     return;

@@ -48,11 +48,12 @@ class Runtime {
   bool tma() const { return tma_; }
   void set_tma(bool on) { tma_ = on; }
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
-  // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16
-  // fused=1: one kernel, senders signal per 8-token chunk and the source reduces each chunk as soon
-  // as it is complete (needs recv_src from the dispatch); fused=0: send kernel, then reduce kernel.
+  // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.
+  // mode kCombineSplit: send kernel, then reduce kernel; kCombineFused: one kernel, senders signal per
+  // 8-token chunk and the source reduces each chunk as soon as it is complete (needs recv_src from the
+  // dispatch); kCombinePipelined: the same protocol with bulk-copy sends (fused where they do not apply).
   void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
-               int num_sms, int fused, uintptr_t stream);
+               int num_sms, int mode, uintptr_t stream);
 
   // Expert-major receive (expert.cu), replacing pull. Fresh (cached=0): recv_src, out_idx [R_alloc,K],
   // positions [R_alloc,K] int32 and offsets [EL+1] int64 written; scratch holds

@@ -38,7 +38,7 @@ void bind_nvlink(py::module_& m) {
       .def_property_readonly("tma_supported", &Runtime::tma_supported,
                              "whether this build (EP_PLUGIN_CUDA_ARCH >= 90) and this GPU run the bulk-copy pulls")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
-           py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("fused"), py::arg("stream"))
+           py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"))
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("positions"), py::arg("cached"), py::arg("R_alloc"), py::arg("alignment"),

@@ -15,8 +15,8 @@ from ..backends.registry import BACKEND_NAMES
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCH_DTYPES = ("bf16", "fp8")
 COMBINE_DTYPES = ("bf16",)
-COMBINE_KERNELS = ("split", "fused")
-DISPATCH_KERNELS = ("split", "fused")
+COMBINE_KERNELS = ("auto", "split", "fused", "pipelined")
+DISPATCH_KERNELS = ("auto", "split", "fused")
 VALIDATE_MODES = ("device", "full")
 AUTO = "auto"
 
@@ -92,10 +92,14 @@ class CommConfig:
     # max_tokens_per_rank allows and the counts come back as device tensors plus a lazy pinned copy.
     # True: the host waits for the counts so that outputs have their exact size (one sync per dispatch).
     host_sync: bool = False
-    combine_kernel: str = "split"  # one of COMBINE_KERNELS: send + reduce kernels, or one fused
+    # nvlink combine (one of COMBINE_KERNELS): send + reduce kernels ("split"), one kernel whose warps
+    # send and then reduce each chunk once it has arrived ("fused"), the same with bulk-copy sends while
+    # the other warps reduce ("pipelined"); "auto" picks by the token count (backends/nvlink/plan.py).
+    combine_kernel: str = "auto"
     # nvlink, rank-major dispatch without a host sync (and cached dispatches): stage, then pull
-    # ("split"), or one kernel that pulls each sub-chunk as soon as its source has staged it ("fused").
-    dispatch_kernel: str = "split"  # one of DISPATCH_KERNELS
+    # ("split"), or one kernel that pulls each sub-chunk as soon as its source has staged it ("fused");
+    # "auto": backends/nvlink/plan.py.
+    dispatch_kernel: str = "auto"  # one of DISPATCH_KERNELS
     # device: expert ids outside [-1, E) are found on the device and raised at the next synchronising
     # call; full: checked on the host before any kernel (one host sync per dispatch).
     validate: str = "device"  # one of VALIDATE_MODES

@@ -1,0 +1,148 @@
+"""The nvlink kernel choices side by side, with DeepEP V1 in the same run: which `comm.dispatch_kernel` /
+`comm.combine_kernel` wins at this EP size and SM count (what `auto` in backends/nvlink/plan.py rests on).
+
+    python3 benchmarks/bench_kernels.py --world 4 --sms 16 24 48 --out /tmp/res
+    CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/bench_kernels.py --world 2 --sms 8 16 24 48
+
+Throughput case of DESIGN.md (4096 tokens per rank, hidden 7168, 256 experts, top-8, uniform, BF16), both
+protocols (protocols.py: cold is the headline, queued the kernels' view), slowest rank's median. Every
+kernel pair is first checked against the torch backend on the same inputs (received rows equal, combine
+equal within BF16 rounding); a pair that differs is reported and not timed. DeepEP's rows come from
+deepep_rows.py when `deep_ep` imports (its SM count set per row). Writes bench_kernels_ep<W>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+try:
+    import ep_plugin
+except ImportError:
+    sys.path.append(os.path.dirname(HERE))
+    import ep_plugin
+
+from bench_inputs import E, H, K, ep_config, make_inputs  # noqa: E402
+from bench_launch import init_rank, run_world  # noqa: E402
+from deepep_rows import DeepEP  # noqa: E402
+from protocols import Protocols, measure  # noqa: E402
+
+# (dispatch_kernel, combine_kernel) pairs; "auto" is what a user gets by default
+PAIRS = (("split", "split"), ("split", "fused"), ("split", "pipelined"), ("fused", "pipelined"), ("auto", "auto"))
+
+
+def slowest(op):
+    return {k: (max(v) if isinstance(v, list) and v and None not in v else v) for k, v in op.items()}
+
+
+def check_pair(buf, inp, ref_out, ref_y, rows_out):
+    """None when buf's dispatch and combine equal the torch backend's on these inputs, else what differs."""
+    res = buf.dispatch(inp.x, inp.idx, inp.w)
+    n = ref_out.x.size(0)
+    if not torch.equal(res.x[:n], ref_out.x):
+        return "dispatch rows differ from the torch backend's"
+    y = buf.combine(rows_out(res.x), res.handle)
+    # both sum in float and round once to BF16: they may differ by an ulp of the result, not more
+    bad = ((y.float() - ref_y.float()).abs() > 1e-2 * ref_y.float().abs() + 1e-3).sum().item()
+    if bad:
+        return f"combine differs from the torch backend's in {bad} elements"
+    return None
+
+
+def rank_main(rank, world, port, args, q):
+    init_rank(rank, world, port)
+    inp = make_inputs("throughput", rank, world)
+    proto = Protocols(args.warmup, args.iters)
+    ref = ep_plugin.EPBuffer(None, ep_config("torch", 24), hidden=H)
+    ref_out = ref.dispatch(inp.x, inp.idx, inp.w)
+    scale = 0.5 + rank  # expert outputs: the received rows scaled per rank, so combine sums distinct values
+    rows_out = lambda rows: (rows.float() * scale).to(torch.bfloat16)  # noqa: E731
+    ref_y = ref.combine(rows_out(ref_out.x), ref_out.handle)
+    ref.close()
+    out = {"world": world, "sms": args.sms, "rows": []}
+
+    def row(name, sms, ops, note=None):
+        r = {"name": name, "sms": sms, "ops": {k: slowest(v) for k, v in ops.items()}, "note": note}
+        out["rows"].append(r)
+        if rank == 0:
+            cells = "  ".join(f"{k} {v.get('cold_us', float('nan')):7.1f}/{v.get('queued_us', float('nan')):7.1f}"
+                              for k, v in r["ops"].items())
+            print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
+
+    for dk, ck in PAIRS:
+        cfg = ep_config("nvlink", args.sms[0])
+        cfg["comm"].update(dispatch_kernel=dk, combine_kernel=ck)
+        buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
+        be = buf._backend
+        err = None
+        try:
+            err = check_pair(buf, inp, ref_out, ref_y, rows_out)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"[:300]
+        errs = [None] * world
+        dist.all_gather_object(errs, err)
+        err = next((f"rank {r}: {e}" for r, e in enumerate(errs) if e), None)
+        name = f"ep_plugin {dk}/{ck}"
+        if err:
+            row(name, args.sms[0], {}, note=f"FAILED CHECK: {err}")
+            buf.close()
+            continue
+        first = buf.dispatch(inp.x, inp.idx, inp.w)
+        for sms in args.sms:
+            be.num_sms = sms
+            ops = {"dispatch": measure(proto, lambda: buf.dispatch(inp.x, inp.idx, inp.w)),
+                   "cached": measure(proto, lambda: buf.dispatch(inp.x, handle=first.handle)),
+                   "combine": measure(proto, lambda: buf.combine(first.x, first.handle))}
+            if (dk, ck) == ("auto", "auto"):
+                ops["dispatch_fp8"] = measure(proto, lambda: buf.dispatch(inp.xf8, inp.idx, inp.w))
+            row(name, sms, ops)
+        del first
+        buf.close()
+    if not args.no_deepep:
+        for sms in args.sms:
+            dep = DeepEP(H, E, sms)
+            dep.setup_normal()
+            ops, facts = dep.normal_case(proto, inp.x, inp.xf8, inp.idx, inp.w)
+            keep = {"dispatch": ops.get("deepep.dispatch_bf16"), "cached": ops.get("deepep.dispatch_cached"),
+                    "combine": ops.get("deepep.combine_bf16"), "dispatch_fp8": ops.get("deepep.dispatch_fp8")}
+            row("deepep v1", sms, {k: v for k, v in keep.items() if v}, note=facts.get("error"))
+            dep.close()
+    if rank == 0:
+        q.put(("done", out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--sms", type=int, nargs="+", default=[24])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-deepep", action="store_true")
+    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    report, done = run_world(rank_main, args.world, args, on_partial=lambda body: None)
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "commit": os.popen(f"git -C {HERE} rev-parse --short HEAD 2>/dev/null").read().strip() or None,
+            "seconds": round(time.time() - t0, 1), "complete": done}
+    path = os.path.join(args.out, f"bench_kernels_ep{args.world}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, **(report or {})}, f, indent=1)
+    print(f"wrote {path} ({meta['seconds']} s, complete={done})", flush=True)
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
