@@ -59,7 +59,8 @@ def check_pair(buf, inp, ref_out, ref_y, rows_out):
 def rank_main(rank, world, port, args, q):
     init_rank(rank, world, port)
     inp = make_inputs("throughput", rank, world)
-    proto = Protocols(args.warmup, args.iters)
+    # hidden: a cold call whose host work is hidden behind a GPU sleep (cold - hidden = the host's share)
+    proto = Protocols(args.warmup, args.iters, ("cold", "queued", "hidden"))
     ref = ep_plugin.EPBuffer(None, ep_config("torch", 24), hidden=H)
     ref_out = ref.dispatch(inp.x, inp.idx, inp.w)
     scale = 0.5 + rank  # expert outputs: the received rows scaled per rank, so combine sums distinct values
@@ -72,11 +73,11 @@ def rank_main(rank, world, port, args, q):
         r = {"name": name, "sms": sms, "ops": {k: slowest(v) for k, v in ops.items()}, "note": note}
         out["rows"].append(r)
         if rank == 0:
-            cells = "  ".join(f"{k} {v.get('cold_us', float('nan')):7.1f}/{v.get('queued_us', float('nan')):7.1f}"
+            cells = "  ".join(f"{k} " + "/".join(f"{v.get(p + '_us') or float('nan'):6.1f}" for p in proto.kinds)
                               for k, v in r["ops"].items())
             print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
 
-    for dk, ck in PAIRS:
+    for dk, ck in (tuple(p.split("/")) for p in args.pairs):
         cfg = ep_config("nvlink", args.sms[0])
         cfg["comm"].update(dispatch_kernel=dk, combine_kernel=ck)
         buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
@@ -126,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--sms", type=int, nargs="+", default=[24])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pairs", nargs="+", default=[f"{d}/{c}" for d, c in PAIRS],
+                    help="dispatch/combine kernel pairs (EP_PLUGIN_PIPE_LAG sets the pipelined combine's write lag)")
     ap.add_argument("--no-deepep", action="store_true")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))

@@ -23,6 +23,8 @@
 //   3. the last block releases REDUCE_DONE[me] = ce at every peer and sets epochs[E_COMBINE] = ce
 //      unless the call was aborted, and resets the work queue.
 // A timeout in step 1 is recorded with K_SEND, a chunk wait with K_REDUCE; sends never wait on a peer.
+#include <cstdlib>
+
 #include "common/error.h"
 #include "common/tma.cuh"
 #include "nvlink/combine_sum.cuh"
@@ -33,14 +35,16 @@ namespace nvl {
 namespace {
 
 constexpr int kUnitRows = 8;   // rows per send unit: one fence per unit, its chunks' adds
-constexpr int kWriteLag = 6;   // bulk store groups whose writes may still be in flight
-constexpr int kPend = 64;      // ring items between loaded and published (> kRingMaxSlots + kWriteLag)
+constexpr int kPend = 64;      // ring items between loaded and published (> kRingMaxSlots + the write lag)
 
 struct PendUnit {
   int src, row0, n;  // n > 0 on a unit's last item: rows row0 .. row0+n-1 of x, sent to src
 };
 
-template <int MAXW, int U>
+// LAG: bulk store groups whose writes may still be in flight before the oldest is waited for and
+// published. A store's shared memory is free once read (the ring's own lag), so LAG may exceed the
+// ring's slots: more bytes in flight per SM than the ring holds.
+template <int MAXW, int U, int LAG>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, const int* __restrict__ recv_src, int4* __restrict__ y,
@@ -97,8 +101,8 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     auto store_oldest = [&]() {
       tma_store(s_dst[ring.slot_of(ring.tail)], ring.wait_oldest(), row_bytes);
       ring.pop();
-      tma_store_wait<kWriteLag>();  // items below tail - kWriteLag are written
-      if (ring.tail - kWriteLag > published) publish(ring.tail - kWriteLag);
+      tma_store_wait<LAG>();  // items below tail - LAG are written
+      if (ring.tail - LAG > published) publish(ring.tail - LAG);
     };
     fence_proxy_async();  // the peers' reads of their areas (acquired above) before the bulk writes
     for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
@@ -141,26 +145,50 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
 
 }  // namespace
 
-bool combine_pipe_tma_fits(int row_bytes) {
-  return ring_slots(row_bytes) >= kRingLag + kWriteLag + 2 && tma_supported();
+bool combine_pipe_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRingLag + 1 && tma_supported(); }
+
+namespace {
+
+template <int MAXW, int U, int LAG>
+void launch_pipe(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
+                 const int* recv_src, int4* y, int T, int nslot, cudaStream_t stream) {
+  static bool smem_set[64] = {};
+  ring_smem_once(combine_pipe_tma_kernel<MAXW, U, LAG>, smem_set);
+  combine_pipe_tma_kernel<MAXW, U, LAG><<<blocks, kThreads, static_cast<size_t>(nslot) * c.hidden * 2, stream>>>(
+      c, x, send_pos, recv_off, recv_src, y, T, nslot);
 }
+
+// The write lag: EP_PLUGIN_PIPE_LAG (6, 16 or 28; measurement only), else 16.
+int write_lag() {
+  static int lag = [] {
+    const char* v = getenv("EP_PLUGIN_PIPE_LAG");
+    const int n = v ? atoi(v) : 16;
+    return n == 6 || n == 28 ? n : 16;
+  }();
+  return lag;
+}
+
+template <int MAXW, int U>
+void launch_pipe_lag(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
+                     const int* recv_src, int4* y, int T, int nslot, cudaStream_t stream) {
+  switch (write_lag()) {
+    case 6: launch_pipe<MAXW, U, 6>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream); break;
+    case 28: launch_pipe<MAXW, U, 28>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream); break;
+    default: launch_pipe<MAXW, U, 16>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream);
+  }
+}
+
+}  // namespace
 
 void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
                              const int* recv_src, int4* y, int T, cudaStream_t stream) {
-  const int row_bytes = c.hidden * 2;
-  const int nslot = ring_slots(row_bytes);
-  const size_t smem = static_cast<size_t>(nslot) * row_bytes;
+  const int nslot = ring_slots(c.hidden * 2);
   const char* xb = reinterpret_cast<const char*>(x);
   // recv_src may be null when this rank received no rows (no unit is then sent)
-  if (c.world <= 4) {
-    static bool smem_set[64] = {};
-    ring_smem_once(combine_pipe_tma_kernel<4, 3>, smem_set);
-    combine_pipe_tma_kernel<4, 3><<<blocks, kThreads, smem, stream>>>(c, xb, send_pos, recv_off, recv_src, y, T, nslot);
-  } else {
-    static bool smem_set[64] = {};
-    ring_smem_once(combine_pipe_tma_kernel<8, 2>, smem_set);
-    combine_pipe_tma_kernel<8, 2><<<blocks, kThreads, smem, stream>>>(c, xb, send_pos, recv_off, recv_src, y, T, nslot);
-  }
+  if (c.world <= 4)
+    launch_pipe_lag<4, 3>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
+  else
+    launch_pipe_lag<8, 2>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

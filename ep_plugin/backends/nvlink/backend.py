@@ -161,7 +161,7 @@ class NvlinkBackend(Backend):
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
-        self.dispatch_mode = plan_dispatch_kernel(cfg.comm.dispatch_kernel)
+        self.dispatch_mode = plan_dispatch_kernel(cfg.comm.dispatch_kernel, self.world, self.num_sms)
         if cfg.comm.dispatch_dtype == "fp8":  # the caller promised FP8 pairs: refuse BF16 rows early
             self.capabilities = dataclasses.replace(self.capabilities, row_dtypes=())
         self._rt = C.NvlinkRuntime(self.device, self.rank, self.world, self.max_tokens, hidden,
@@ -455,7 +455,8 @@ class NvlinkBackend(Backend):
         T = handle.num_tokens
         y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                         y.data_ptr(), T, self.num_sms, COMBINE_MODES[plan_combine_kernel(self.combine_mode, T)], sp)
+                         y.data_ptr(), T, self.num_sms,
+                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world)], sp)
         return y, (self._finish(s, (x, y)) if async_op else None)
 
     # ---------------------------------------------------------------- teardown

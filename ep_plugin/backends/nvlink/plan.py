@@ -23,15 +23,23 @@ COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2}
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
-def plan_combine_kernel(requested: str, tokens: int) -> str:
-    """`comm.combine_kernel` for a combine of `tokens` tokens: as given, or for `auto` the pipelined
-    kernel (bulk-copy sends, the reduce overlapped with arrival) from AUTO_COMBINE_MIN_TOKENS up,
-    split below."""
+def plan_combine_kernel(requested: str, tokens: int, world: int) -> str:
+    """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks: as given, or for `auto`
+    what measured fastest (benchmarks/results/bench_kernels_ep*_2026-11-26*.json, 4096 tokens, hidden 7168,
+    cold call): at EP2 the pipelined kernel (8 / 24 / 48 SMs: 580 / 355 / 315 us against split's
+    869 / 359 / 320), above EP2 the fused one (EP4, 16 / 24 / 48 SMs: 781 / 714 / 681 us against split's
+    1005 / 751 / 757 and pipelined's 915 / 818 / 707); split below AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
-    return "pipelined" if tokens >= AUTO_COMBINE_MIN_TOKENS else "split"
+    if tokens < AUTO_COMBINE_MIN_TOKENS:
+        return "split"
+    return "pipelined" if world <= 2 else "fused"
 
 
-def plan_dispatch_kernel(requested: str) -> str:
-    """`comm.dispatch_kernel`: as given, or for `auto` stage then pull ("split")."""
-    return "split" if requested == "auto" else requested
+def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
+    """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at EP2 and at 16 SMs or fewer,
+    stage then pull ("split") otherwise (same runs: EP2 24 / 48 SMs fused 319 / 315 us against split's
+    349 / 325; EP4 16 SMs 722 against 765, 24 SMs a tie, 48 SMs split 698 against 752)."""
+    if requested != "auto":
+        return requested
+    return "fused" if world <= 2 or num_sms <= 16 else "split"
