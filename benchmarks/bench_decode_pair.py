@@ -691,7 +691,7 @@ def symmetric_bytes(a) -> int:
         C = get_c()
         for v in a.variant_specs:
             sets = v["ob"] if v["ob"] is not None else 2
-            per = max(per, C.LowLatencyRuntime.heap_bytes(a.ranks, a.experts, a.tokens, max(a.topk, 8), a.hidden,
+            per = max(per, C.LowLatencyRuntime.heap_bytes(a.ranks, a.experts, a.tokens, max(a.topk, 16), a.hidden,
                                                           min(sets, 8)))
     except Exception:  # noqa: BLE001
         per = 2 * a.experts * a.tokens * (a.hidden * 2 + 64) + 2 * a.tokens * 32 * a.hidden * 2
