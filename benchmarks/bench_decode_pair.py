@@ -623,14 +623,15 @@ def table(rows: List[Dict]) -> str:
 
 
 def ab_lines(rows: List[Dict]) -> str:
-    """Each ep_plugin variant against ob0 / ob2 / DeepEP of the same EP size and dtype, per protocol
+    """Each ep_plugin variant against DeepEP / default / ob0 of the same EP size and dtype, per protocol
     (ratio < 1: faster), and whether the ep_plugin variants' outputs agree (checksums)."""
     out = []
     by = {(r["world"], r["lib"], r["variant"], r["dtype"]): r for r in rows if "error" not in r}
     for (w, lib, v, dt), r in sorted(by.items()):
         if lib != "ep_plugin":
             continue
-        refs = [("deepep", by.get((w, "deepep", "deepep", dt))), ("ob2", by.get((w, "ep_plugin", "ob2", dt)))]
+        refs = [("deepep", by.get((w, "deepep", "deepep", dt))), ("default", by.get((w, "ep_plugin", "default", dt))),
+                ("ob0", by.get((w, "ep_plugin", "ob0", dt)))]
         parts = []
         for name, ref in refs:
             if ref is None or ref is r:
