@@ -30,7 +30,9 @@ PROFILE=${LL_PROFILE:-5}
 #   ob0_nvshmem  ob0 with comm.backend nvshmem, as the yardstick ran it (its 168 / 205 us rows)
 #   shim         ep_plugin.deep_ep with no ep_config (DeepEP's API, the shipped default)
 #   shim_ob0     the same with output_buffers 0 (the "no ep_config" row)
-VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
+#   serial       default with the earlier combine-receive prologue (engine.kernel_flags = 4: thread 0
+#                gathers a token's K picks one dependent load after another)
+VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
 PROFILED=${LL_PROFILED:-"default ob0 shim_ob0"}  # the variants whose kernels are traced (DeepEP's always)
 [ -d /tmp/deepep ] && export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
 left() { echo $(( B - ($(date +%s) - T0) )); }
@@ -60,7 +62,7 @@ pair() {  # ranks lib limit_s extra args...
 for r in 2 4; do
   pair $r deepep 30
   # shellcheck disable=SC2086
-  pair $r ep_plugin 50 --variants $VARIANTS --profile-variants $PROFILED
+  pair $r ep_plugin 55 --variants $VARIANTS --profile-variants $PROFILED
 done
 say "== merged (slowest rank's median, us)"
 python3 benchmarks/bench_decode_pair.py --merge "$W"/pair_ep*.json --out "$OUT/ll_pair.json" --plot "$OUT/ll_pair.png" \

@@ -132,6 +132,9 @@ class NvshmemLowLatency(ReportsFaults):
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
         self.fused_launch = self.output_buffers > 0
+        # Variant bits ORed into the combine's phases (csrc/nvshmem/ll_device.cuh: kSerialPrologue = 4 is the
+        # earlier receive prologue); 0 = the default kernels. For A/B runs (benchmarks/bench_decode_pair.py).
+        self.kernel_flags = 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
@@ -289,9 +292,10 @@ class NvshmemLowLatency(ReportsFaults):
         rt = self._rt
         row_slot, count, self_pos = handle.state["ptrs"]
         x_ptr = x.data_ptr()
+        flags = self.kernel_flags
         if self.fused_launch and not hook:
             y = out if out is not None else self._combine_output(T, x.device)
-            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV,
+            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV | flags,
                        y.data_ptr(), _current_stream(), self_pos)
             return y, None
         stream = _current_stream()
@@ -300,12 +304,12 @@ class NvshmemLowLatency(ReportsFaults):
         rt.combine(x_ptr, row_slot, count, 0, 0, T, K, SEND, 0, stream, 0 if hook else self_pos)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
-            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream,
-                       self_pos)
+            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
+                       stream, self_pos)
             return y, None
 
         def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
-            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
+            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
                        _current_stream())
 
         return y, recv
