@@ -4,7 +4,7 @@ runs at full speed while the data moves, so the exchange hides under the compute
     python3 benchmarks/bench_ll_overlap.py --out /tmp/res/bench_ll_overlap.json     # 2 GPUs
     python3 benchmarks/bench_ll_overlap.py --gemm 8192 4096 4096 --fp8 --iters 50
 
-Per iteration, on every rank of an EP2 run (one process per GPU, spawned like bench_dispatch), each
+Per iteration, on every rank of an EP2 (or --ranks 4) run (one process per GPU, spawned like bench_dispatch), each
 variant cold-call style (L2 flush, cuda synchronize and dist.barrier before it, CUDA events inside):
   (a) alone:      the GEMM;
   (b) hooks:      low_latency_dispatch(return_recv_hook=True), GEMM, hook(),
@@ -18,7 +18,7 @@ The inputs are bench_dispatch's latency case (128 tokens per rank, hidden 7168, 
 uniform routing); the EPBuffer the nvlink rows' config plus comm.low_latency.max_tokens_per_rank =
 --tokens. The results with hooks must equal those without (checked before timing, and y and
 recv_count of every iteration); a mismatch fails the run. Writes JSON to --out, prints a table.
-Needs 2 CUDA GPUs.
+Needs --ranks CUDA GPUs (2 by default).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from bench_launch import init_rank, run_world  # noqa: E402
 from protocols import FLUSH_BYTES, _short  # noqa: E402
 
 SCHEMA = "ep_plugin.bench_ll_overlap/1"
-WORLD = 2
+WORLD = 2  # the default EP size (--ranks)
 # per-iteration times (us) of each variant, in the order they are derived from the events
 ALONE = ("gemm",)
 HOOKS = ("dispatch_send", "gemm_dispatch", "dispatch_recv", "combine_send", "gemm_combine", "combine_recv", "total")
@@ -68,9 +68,9 @@ class OverlapBench:
         self.rank, self.args = rank, args
         self.dev = torch.device("cuda", torch.cuda.current_device())
         T = args.tokens
-        idx, w = make_routing(T, "uniform", seed=1000 * WORLD + 10 * rank + 2)  # bench_dispatch's latency seeds
+        idx, w = make_routing(T, "uniform", seed=1000 * args.ranks + 10 * rank + 2)  # bench_dispatch's latency seeds
         self.idx, self.w = idx.to(self.dev), w.to(self.dev)
-        gen = torch.Generator(device=self.dev).manual_seed(1000 * WORLD + 10 * rank + 2)
+        gen = torch.Generator(device=self.dev).manual_seed(1000 * args.ranks + 10 * rank + 2)
         self.x = torch.randn(T, H, generator=gen, device=self.dev, dtype=torch.bfloat16)
         m, n, k = args.gemm
         self.a = torch.randn(m, k, device=self.dev, dtype=torch.bfloat16)
@@ -235,7 +235,7 @@ def format_table(doc: Dict) -> str:
              f"hidden {s['hidden_us']:.1f} us"),
             ("overlap fraction (hidden / dispatch + combine)", None,
              "-" if s["overlap_fraction"] is None else f"{s['overlap_fraction']:.1%}")]
-    head = (f"== low-latency receive hooks vs a BF16 GEMM {g['m']}x{g['n']}x{g['k']} ({g['gflop']:.1f} GFLOP), EP2, "
+    head = (f"== low-latency receive hooks vs a BF16 GEMM {g['m']}x{g['n']}x{g['k']} ({g['gflop']:.1f} GFLOP), EP{doc['world']}, "
             f"{doc['tokens_per_rank']} tok/rank, {'FP8' if doc['fp8'] else 'BF16'} dispatch, engine "
             f"{doc['engine']}, cold call, slowest rank's median of {doc['iters']}")
     lines = [head] + [f"   {name:<48}{'' if v is None else f'{v:10.1f} us':>13}   {note}" for name, v, note in rows]
@@ -280,6 +280,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_ll_overlap.json"), help="the JSON file")
     ap.add_argument("--gemm", type=int, nargs=3, default=[4096, 4096, 4096], metavar=("M", "N", "K"),
                     help="the BF16 GEMM [M, K] x [K, N]; 4096^3 (137 GFLOP) takes ~150-250 us on an H100/H200")
+    ap.add_argument("--ranks", type=int, default=WORLD, help="EP size: one rank per GPU 0..ranks-1 (2 or 4)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per rank (= comm.low_latency.max_tokens_per_rank)")
     ap.add_argument("--fp8", action="store_true", help="FP8 dispatch (default BF16); the combine is BF16 either way")
     ap.add_argument("--num-sms", type=int, default=24, help="comm.num_sms of the buffer (as bench_dispatch)")
@@ -295,8 +296,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ngpu < WORLD:
-        print(f"bench_ll_overlap: needs {WORLD} CUDA GPUs (one rank each); this machine has {ngpu}. Nothing ran.",
+    if ngpu < args.ranks:
+        print(f"bench_ll_overlap: needs {args.ranks} CUDA GPUs (one rank each); this machine has {ngpu}. Nothing ran.",
               file=sys.stderr, flush=True)
         return 2
     if not hasattr(ep_plugin.EPBuffer, "low_latency_dispatch"):
@@ -312,14 +313,14 @@ def main(argv=None) -> int:
     m, n, k = args.gemm
     doc = {"schema": SCHEMA, "date": report.utc_now(), **report.git_commit(tree), "ep_plugin_file": ep_plugin.__file__,
            "device": torch.cuda.get_device_name(0), "num_gpus": ngpu, "host": socket.gethostname(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "argv": sys.argv, "world": WORLD,
+           "torch": torch.__version__, "cuda": torch.version.cuda, "argv": sys.argv, "world": args.ranks,
            "tokens_per_rank": args.tokens, "hidden": H, "num_experts": E, "topk": K, "fp8": args.fp8,
            "num_sms": args.num_sms, "iters": args.iters, "warmup": args.warmup,
            "gemm": {"m": m, "n": n, "k": k, "dtype": "bf16", "gflop": 2 * m * n * k / 1e9},
            "protocol": "per iteration: each variant after an L2 flush, cuda synchronize and dist.barrier; CUDA events "
                        "on the current stream; median per rank, slowest rank"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    rep, complete = run_world(rank_main, WORLD, args, on_partial=lambda body: None)
+    rep, complete = run_world(rank_main, args.ranks, args, on_partial=lambda body: None)
     doc["wall_s"] = round(time.time() - t0, 1)
     if not complete or rep is None or rep["errors"]:
         why = ("did not finish (see the ranks' output above)" if rep is None

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import ep_plugin
 from benchmarks import bench_ll_host as bench
-from ep_plugin.backends.nvshmem.low_latency import RECV, SEND, SEND_RECV
+from ep_plugin.backends.nvshmem.heap_views import heap_tensor
+from ep_plugin.backends.nvshmem.low_latency import RECV, SEND, SEND_RECV, OutputsStillHeldError
 
 E_L, M, H, K = 4, 8, 256, 3
 
@@ -170,14 +171,12 @@ def test_output_sets_in_the_heap(heap_calls):
     calls, sets = heap_calls
     buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
     x, idx, w = inputs()
-    outs = []
-    for use_fp8 in (False, True, False):
-        outs.append(buf.low_latency_dispatch(x, idx, use_fp8=use_fp8))
+    outs = [buf.low_latency_dispatch(x, idx, use_fp8=use_fp8) for use_fp8 in (False, True)]
     eng = engine_of(buf)
-    assert eng.output_sets == 2 and sets == [0, 1, 0]
-    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV)] * 3
+    assert eng.output_sets == 2 and sets == [0, 1]
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV)] * 2
     S = H // 128
-    for (recv_x, count, handle, _, _), i in zip(outs, (0, 1, 0)):
+    for (recv_x, count, handle, _, _), i in zip(outs, (0, 1)):
         data_ptr, scales_ptr, src_ptr, slot_ptr = eng._rt.set_pointers(i)
         data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         assert data.data_ptr() == data_ptr and tuple(data.shape) == (E_L, M, H) and data.is_contiguous()
@@ -187,19 +186,55 @@ def test_output_sets_in_the_heap(heap_calls):
             assert tuple(scales.shape) == (E_L, M, S) and scales.stride() == (S * M, 1, M)
         else:
             assert data.dtype == torch.bfloat16
+    del recv_x, count, handle, data, scales  # the loop's names hold set 1 too
     # the views alias the set's bytes: what a sender writes there is what the caller reads
-    bf16 = outs[0][0]
-    bf16[1, 2].fill_(3.5)
-    assert torch.equal(outs[2][0][1, 2], bf16[1, 2]) and bool((outs[2][0][1, 2] == 3.5).all())
+    outs[0][0][1, 2].fill_(3.5)
+    again = heap_tensor(eng._rt.set_pointers(0)[0], (E_L, M, H), torch.bfloat16, torch.device("cpu"))
+    assert bool((again[1, 2] == 3.5).all())
+    del again
+    # set 0 comes round while outs[0] is still held: launched on every rank alike, then raised
+    with pytest.raises(OutputsStillHeldError, match="output_buffers: 0 for fresh tensors"):
+        buf.low_latency_dispatch(x, idx, use_fp8=False)
+    assert sets == [0, 1, 0]
+    outs.clear()
+    kept = buf.low_latency_dispatch(x, idx, use_fp8=True)  # set 1, no longer held
     # with a hook: the send half already names the set, and the receive half too
     calls.clear()
     sets.clear()
     _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, use_fp8=False, return_recv_hook=True)
     hook()
-    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND), ("dispatch", RECV)] and sets == [1, 1]
-    assert handle.src_info.data_ptr() == eng._rt.set_pointers(1)[2]
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND), ("dispatch", RECV)] and sets == [0, 0]
+    assert handle.src_info.data_ptr() == eng._rt.set_pointers(0)[2]
     y, _, _ = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
     assert tuple(y.shape) == (6, H)
+    del kept
+    buf.close()
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_held_outputs_are_never_overwritten_silently(heap_calls, view):
+    """What DeepEP V1's fresh tensors allow a caller -- keeping outputs as long as it likes -- stays safe
+    with output sets: a dispatch whose set a caller still holds (the tensor, or only a view of it)
+    raises once launched; a held combine output is replaced by a fresh tensor, nothing raised; a loop
+    that drops each step's outputs raises nothing."""
+    calls, sets = heap_calls
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, w = inputs()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    for _ in range(5):  # a decode loop: nothing held across steps
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
+        y, _, _ = buf.low_latency_combine(rows, idx, w, handle)
+    keep = recv_x[0] if view else recv_x  # the last step's (set 0 after 5 calls: 0 1 0 1 0)
+    kept_y = y[:2] if view else y
+    del recv_x, count, handle, y
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=True)  # set 1: free
+    ys = [buf.low_latency_combine(rows, idx, w, handle)[0] for _ in range(2)]  # y sets 1, then 0 (held)
+    assert ys[1].data_ptr() != kept_y.data_ptr()  # the held combine output was not reused
+    del recv_x, count, handle
+    with pytest.raises(OutputsStillHeldError):
+        buf.low_latency_dispatch(x, idx, use_fp8=False)  # set 0, held through `keep`
+    del keep
+    buf.low_latency_dispatch(x, idx, use_fp8=False)
     buf.close()
 
 

@@ -13,6 +13,7 @@ If the auto buffer's engine turns out to be the torch reference (no NVSHMEM buil
 check_available refuses), the tests skip with the reason instead of comparing the reference with
 itself.
 """
+import os
 import time
 
 import pytest
@@ -28,7 +29,8 @@ from tests.test_low_latency import contract_body
 
 pytestmark = pytest.mark.gpu
 
-WORLD = 2
+# EP size: EP_TEST_WORLD=4 runs every test on 4 GPUs (the per-rank token lists below repeat to fit)
+WORLD = int(os.environ.get("EP_TEST_WORLD", "2"))
 M = 128          # comm.low_latency.max_tokens_per_rank
 GARBAGE = 1.0e4  # fills the combine input past each expert's rows: a read of it shows in y
 
@@ -75,7 +77,9 @@ def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0):
 
 
 def _inputs(rank, tokens, hidden, E, K, seed, mode="random"):
-    """This rank's (x BF16, topk_idx, topk_weights) on its GPU; tokens per rank as a list."""
+    """This rank's (x BF16, topk_idx, topk_weights) on its GPU; tokens per rank as a list (repeated to
+    WORLD ranks: [a, b] at 4 ranks is [a, b, a, b])."""
+    tokens = [tokens[r % len(tokens)] for r in range(WORLD)]
     xs, idxs, ws = make_inputs(WORLD, tokens, hidden, E, K, seed, torch.bfloat16, mode)
     return xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
 
@@ -322,7 +326,7 @@ def body_timeout(rank, world, out_dir):
         with pytest.raises(EPTimeoutError) as info:
             auto.check()
         elapsed = time.monotonic() - start
-        assert info.value.missing_ranks == (1,), str(info.value)
+        assert info.value.missing_ranks == tuple(range(1, WORLD)), str(info.value)
         assert elapsed < TIMEOUT_S + 10, f"raised after {elapsed:.1f}s"
     dist.barrier()  # rank 1 waits here until rank 0 has its error
     write_rank_result(out_dir, rank, {"ok": True})

@@ -148,13 +148,16 @@ def _output_ring(rank, world):
     kept, kept_count, kept_y = first.clone(), count.clone(), y1.clone()
     second, _, h2, _ = eng.dispatch(x * 2, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
     y2, _ = eng.combine(second, idx, w, h2, out=None, hook=False)
+    torch.cuda.synchronize()
+    # the next call of a kind takes the other set
+    assert second.data_ptr() != first.data_ptr() and y2.data_ptr() != y1.data_ptr()
+    assert torch.equal(first, kept) and torch.equal(count, kept_count) and torch.equal(y1, kept_y)
+    first_ptr = first.data_ptr()
+    del first, count, h1  # the one after wraps around to the first: held, it would raise OutputsStillHeldError
     third, _, h3, _ = eng.dispatch(x, idx, use_fp8=False, round_scale=False, recv_stats=None, hook=False)
     eng.combine(third, idx, w, h3, out=None, hook=False)  # calls alternate (docs/LOW_LATENCY.md)
     torch.cuda.synchronize()
-    # the next call of a kind takes the other set; the one after wraps around to the first
-    assert second.data_ptr() != first.data_ptr() and y2.data_ptr() != y1.data_ptr()
-    assert torch.equal(first, kept) and torch.equal(count, kept_count) and torch.equal(y1, kept_y)
-    assert third.data_ptr() == first.data_ptr()
+    assert third.data_ptr() == first_ptr
     eng.close()
 
 

@@ -47,8 +47,10 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
 }
 
 
+// serial_prologue (kSerialPrologue): thread 0 gathers a token's picks one k after another (the
+// earlier code, kept for A/B); otherwise warp 0 does it with one lane per k.
 __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
-                              int4* y, const int4* x, const int* self_pos) {
+                              int4* y, const int4* x, const int* self_pos, bool serial_prologue) {
   const int W = c.world, EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
@@ -62,6 +64,39 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   __syncthreads();
   const int n16 = c.hidden / 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (!serial_prologue) {
+      // warp 0, lane k = pick k: its id, weight and row address loaded in parallel (one round of loads,
+      // not K dependent ones), a repeated expert's first k found by shuffles, the kept picks packed
+      // in k order by a ballot
+      if (threadIdx.x < 32) {
+        const int k = threadIdx.x;
+        int e = -1;
+        float wk = 0.f;
+        if (k < K) {
+          const long long id = topk_idx[static_cast<long long>(t) * K + k];
+          e = (id < 0 || id >= E) ? -1 : static_cast<int>(id);
+          wk = weights[static_cast<long long>(t) * K + k];
+        }
+        int first = k;
+        for (int q = 0; q < K; ++q) {
+          const int eq = __shfl_sync(kFull, e, q);
+          if (q < first && eq == e) first = q;
+        }
+        const bool keep = k < K && e >= 0 && s_ok[e / EL];
+        const int4* row = nullptr;
+        if (keep)
+          row = self_pos != nullptr && e / EL == c.rank
+                    ? x + static_cast<long long>(self_pos[t * c.max_topk + first]) * (c.hidden / 8)
+                    : reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, first));
+        const unsigned kept = __ballot_sync(kFull, keep);
+        if (keep) {
+          const int at = __popc(kept & ((1u << k) - 1u));
+          s_w[at] = wk;
+          s_row[at] = row;
+        }
+        if (k == 0) s_nk = __popc(kept);
+      }
+    } else {
     if (threadIdx.x < K) {
       const long long e = topk_idx[static_cast<long long>(t) * K + threadIdx.x];
       s_e[threadIdx.x] = (e < 0 || e >= E) ? -1 : static_cast<int>(e);
@@ -86,6 +121,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
       }
       s_nk = nk;
     }
+    }  // serial_prologue
     __syncthreads();
     const int nk = s_nk;
     for (int j = threadIdx.x; j < n16; j += blockDim.x) {
@@ -142,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (phases & kRecv) {
     __syncthreads();
-    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos);
+    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0);
     if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
       c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
   }

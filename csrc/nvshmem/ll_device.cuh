@@ -40,6 +40,9 @@ constexpr int kThreads = 512;
 constexpr int kHeaderBytes = 16;
 constexpr int kMaxSets = 8;  // output sets in the heap at most
 constexpr int kSend = 1, kRecv = 2;  // phases of one launch
+// Variant bits ORed into `phases` (the engine's `kernel_flags`, for A/B runs; 0 = the default code):
+constexpr int kSerialPrologue = 4;   // combine receive: thread 0 gathers each token's picks serially
+constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;
 
 // Local (not symmetric) ints: epochs of each half, last-block tickets, the mask of left-out ranks.

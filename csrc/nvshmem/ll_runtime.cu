@@ -165,7 +165,7 @@ void Runtime::destroy(bool collective) {
 // launch guarantees it (or fails at launch) instead of leaving it to whatever else holds SMs.
 template <typename Kernel, typename... Args>
 static void launch(Kernel kernel, int num_blocks, int phases, size_t smem, cudaStream_t s, Args... args) {
-  if (phases != (kSend | kRecv)) {
+  if ((phases & kPhaseMask) != (kSend | kRecv)) {
     kernel<<<num_blocks, kThreads, smem, s>>>(args...);
     return;
   }
@@ -193,7 +193,8 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
                        uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set,
                        uintptr_t self_pos) {
   check_call(T, K);
-  EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency dispatch: phases must be 1, 2 or 3, got %d", phases);
+  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kSerialPrologue)) == 0,
+               "low-latency dispatch: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   EP_CHECK_ARG(!use_fp8 || hidden_ % 128 == 0, "low-latency FP8 dispatch needs hidden %% 128 == 0, got %d", hidden_);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   DispatchOut o{reinterpret_cast<char*>(out_x), reinterpret_cast<float*>(out_scales), reinterpret_cast<int*>(recv_count),
@@ -205,7 +206,7 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
   const int64_t* idx = reinterpret_cast<const int64_t*>(topk_idx);
   if (out_set >= 0) {
     EP_CHECK_ARG(out_set < c.sets, "low-latency dispatch: output set %d, the buffer has %d", out_set, c.sets);
-    const int blocks = phases == kRecv ? 1 : num_blocks_;  // the receive half is block 0's
+    const int blocks = (phases & kPhaseMask) == kRecv ? 1 : num_blocks_;  // the receive half is block 0's
     if (use_fp8)
       launch(::ep::ll::dispatch_direct<true>, blocks, phases, smem, s, c, in, idx, T, K, phases, round_scale, out_set, o);
     else
@@ -221,7 +222,8 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
 void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
                       int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos) {
   check_call(T, K);
-  EP_CHECK_ARG(phases >= 1 && phases <= 3, "low-latency combine: phases must be 1, 2 or 3, got %d", phases);
+  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kSerialPrologue)) == 0,
+               "low-latency combine: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const size_t smem = smem_bytes(0, 0, c.num_experts);
   launch(::ep::ll::combine, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,

@@ -43,9 +43,10 @@ class LowLatencyConfig:
     # M: most tokens one rank passes to a low-latency dispatch (more raises an error). Sizes its fixed
     # output [E_local, W * M, H] and the engine's buffers, so keep it at the decode batch.
     max_tokens_per_rank: int = 128
-    # 0: fresh output tensors every call. N > 0: outputs from N sets allocated once and used in turn
-    # (no allocation per call: a cold call is host-bound at this size), overwritten N calls later.
-    output_buffers: int = 0
+    # N > 0: outputs from N sets allocated once and used in turn (on one host in the NVSHMEM heap, where the
+    # senders write rows in place: no receive copy), overwritten N calls later -- a set still held then
+    # raises (docs/LOW_LATENCY.md); 0: fresh output tensors every call, as DeepEP V1 returns them.
+    output_buffers: int = 2
 
 
 @dataclass

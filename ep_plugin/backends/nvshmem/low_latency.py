@@ -29,6 +29,16 @@ picks the set of each dispatch in turn, the same on every rank; a set is rewritt
 (of either precision: BF16 and FP8 outputs of one set share its bytes), and its tensors are valid
 until close().
 
+Held outputs. Output sets change what a caller may keep: DeepEP V1 returns fresh tensors from every
+call, so code written for it may hold a call's outputs as long as it likes. The engine keeps, per set,
+the reference counts of what it returned (and the storage use counts, which views raise); when a set's
+turn comes while a caller still holds any of it, a set of torch tensors (a job without P2P everywhere)
+is replaced by fresh tensors for that call (nothing is overwritten), and a set in the heap -- which
+every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
+OutputsStillHeldError after its launch, naming the fix. The combine's outputs (torch tensors) are
+never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
+step's outputs before the step after next (N = 2) never sees either.
+
 Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
 state["self_pos"]); a combine without a hook sends only the other ranks' rows and its receive half
 reads its own from the combine's input. With a hook every row is sent: the input may change before
@@ -39,7 +49,8 @@ times it): pointers of reused outputs are computed once, nothing is built that t
 """
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +65,31 @@ from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stre
 SEND_RECV = SEND | RECV
 MAX_RANKS = 64
 MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # a storage's references: a caller's views raise it
+
+
+class OutputsStillHeldError(RuntimeError):
+    """A low-latency dispatch reused an output set whose tensors a caller still holds (module docstring,
+    "Held outputs"); raised after the call was launched, so that every rank stays in step."""
+
+
+class _Watch:
+    """What the engine itself holds of one output set: each object's reference count, and each tensor's
+    storage use count (which a caller's view of the tensor raises), taken when the set is made. Counts
+    above those at the set's next turn: a caller still holds its outputs, or a view of them."""
+
+    __slots__ = ("objs", "stores", "base")
+
+    def __init__(self, objs: list):
+        self.objs = objs  # the list itself, not a copy: no other list may hold them while the base is taken
+        self.stores = [o.untyped_storage() for o in self.objs if isinstance(o, torch.Tensor)] if _use_count else []
+        self.base = self._counts()
+
+    def _counts(self) -> List[int]:
+        return [sys.getrefcount(o) for o in self.objs] + [_use_count(st._cdata) for st in self.stores]
+
+    def held(self) -> bool:
+        return any(now > was for now, was in zip(self._counts(), self.base))
 
 
 class NvshmemLowLatency(ReportsFaults):
@@ -96,10 +132,16 @@ class NvshmemLowLatency(ReportsFaults):
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
         self.fused_launch = self.output_buffers > 0
+        # Variant bits ORed into the combine's phases (csrc/nvshmem/ll_device.cuh: kSerialPrologue = 4 is the
+        # earlier receive prologue); 0 = the default kernels. For A/B runs (benchmarks/bench_decode_pair.py).
+        self.kernel_flags = 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
+        self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
+        self._held = -1                     # the heap set this dispatch overwrote while held (raised after launch)
         self._y_sets = None                 # the N combine outputs [M, H]
         self._y_views = {}                  # T -> their [:T] views, made once per T
+        self._y_watch = None                # a _Watch per combine output (its base tensor and views)
         self._y_turn = 0
 
     def _dispatch_outputs(self, use_fp8: bool, dev):
@@ -112,11 +154,36 @@ class NvshmemLowLatency(ReportsFaults):
         sets = self._dispatch_sets[kind]
         if sets is None:
             make = self._heap_dispatch_outputs if self.output_sets else self._new_dispatch_outputs
-            sets = self._dispatch_sets[kind] = [make(use_fp8, dev, i) for i in range(n)]
+            self._dispatch_sets[kind] = [make(use_fp8, dev, i) for i in range(n)]
+            self._dispatch_watch[kind] = [_Watch(self._watched(o)) for o in self._dispatch_sets[kind]]
+            sets = self._dispatch_sets[kind]
         turn = 0 if self.output_sets else kind  # heap sets: one turn for both precisions (they share bytes)
         i = self._dispatch_turn[turn]
         self._dispatch_turn[turn] = i + 1 if i + 1 < n else 0
+        if self.output_sets:  # both precisions' views of set i share its bytes
+            watches = self._dispatch_watch
+            if (watches[0] is not None and watches[0][i].held()) or (watches[1] is not None and watches[1][i].held()):
+                self._held = i  # used all the same (every rank picks set i): raised after the launch
+        elif self._dispatch_watch[kind][i].held():
+            return self._new_dispatch_outputs(use_fp8, dev)  # this rank's own tensors: fresh ones instead
         return sets[i]
+
+    @staticmethod
+    def _watched(outputs) -> list:
+        """The objects of a dispatch output set that a caller may hold: recv_x (or its pair), recv_count,
+        src_info, layout_range (the handle's tensors) and the handle's state."""
+        recv_x, recv_count, src_info, layout_range, state = outputs[:5]
+        xs = [recv_x, *recv_x] if isinstance(recv_x, tuple) else [recv_x]
+        return xs + [recv_count, src_info, layout_range, state]
+
+    def _raise_held(self) -> None:
+        i, self._held = self._held, -1
+        raise OutputsStillHeldError(
+            f"low-latency dispatch: output set {i} of comm.low_latency.output_buffers={self.output_buffers} was "
+            f"still referenced (recv_x, recv_count, the handle, or a view of them, from the dispatch "
+            f"{self.output_buffers} calls earlier, or kept from a CUDA graph capture) and this call has overwritten "
+            "it. Drop those references before then, .clone() what you keep, raise output_buffers, or set "
+            "comm.low_latency.output_buffers: 0 for fresh tensors on every call (as DeepEP V1 returns them)")
 
     def _heap_dispatch_outputs(self, use_fp8: bool, dev, i: int):
         """Output set i of the heap as tensors; recv_count and layout_range are this rank's own tensors."""
@@ -174,8 +241,11 @@ class NvshmemLowLatency(ReportsFaults):
                 self._y_sets = [torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=dev)
                                 for _ in range(n)]
             views = self._y_views[T] = [y[:T] for y in self._y_sets]
+            self._y_watch = [_Watch([y] + [v[j] for v in self._y_views.values()]) for j, y in enumerate(self._y_sets)]
         i = self._y_turn
         self._y_turn = i + 1 if i + 1 < n else 0
+        if self._y_watch[i].held():  # a caller still holds that output: a fresh one, nothing overwritten
+            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
         return views[i]
 
     # ------------------------------------------------------------------ dispatch
@@ -209,6 +279,8 @@ class NvshmemLowLatency(ReportsFaults):
             else:
                 def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
                     rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set, self_ptr)
+        if self._held >= 0:
+            self._raise_held()
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
                                   topk=K, use_fp8=use_fp8, backend=self.name, state=state)
@@ -220,9 +292,10 @@ class NvshmemLowLatency(ReportsFaults):
         rt = self._rt
         row_slot, count, self_pos = handle.state["ptrs"]
         x_ptr = x.data_ptr()
+        flags = self.kernel_flags
         if self.fused_launch and not hook:
             y = out if out is not None else self._combine_output(T, x.device)
-            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV,
+            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV | flags,
                        y.data_ptr(), _current_stream(), self_pos)
             return y, None
         stream = _current_stream()
@@ -231,12 +304,12 @@ class NvshmemLowLatency(ReportsFaults):
         rt.combine(x_ptr, row_slot, count, 0, 0, T, K, SEND, 0, stream, 0 if hook else self_pos)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
-            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(), stream,
-                       self_pos)
+            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
+                       stream, self_pos)
             return y, None
 
         def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
-            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV, y.data_ptr(),
+            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
                        _current_stream())
 
         return y, recv

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 29's device run: where a decode pair's time goes, ours and DeepEP's, at EP2 and EP4, and the A/B
+# of the low-latency knobs. One device call on a 4-GPU host, after the builds:
+#   bash benchmarks/device_build.sh && bash .deepep/deepep_reference.sh build && bash benchmarks/ll_device.sh
+# (carry [".deepep"]; nothing else). Budget LL_BUDGET_S (default 150 s); each step runs only if the time
+# left allows it, in this order:
+#   1. EP2 (GPUs 0,1), then EP4 (0-3): benchmarks/bench_decode_pair.py, DeepEP V1 in a process of its own,
+#      then ep_plugin's variants (LL_VARIANTS) in one process: graph cold / queued, eager cold / queued,
+#      BF16 and FP8, and per-kernel timelines under the profiler (LL_PROFILE pairs per protocol);
+#   2. the merge: table, A/B lines (each variant / DeepEP, / ob2), plot;
+#   3. DeepEP v1.2.1's own tests/test_low_latency.py through ep_plugin.deep_ep (no ep_config) at EP2: its
+#      bench line, and the same on DeepEP itself (LL_DEEPEP_TEST=0 skips).
+# Writes three files to $OUT: ll_pair.log (everything printed), ll_pair.json (merged rows and
+# timelines), ll_pair.png (the plot, when matplotlib imports).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ep_out}
+mkdir -p "$OUT"
+LOG=$OUT/ll_pair.log
+W=/tmp/ll_pair
+rm -rf "$W" && mkdir -p "$W"
+T0=$(date +%s)
+B=${LL_BUDGET_S:-150}
+PROFILE=${LL_PROFILE:-5}
+# the A/B knobs: NAME:k=v,... (bench_decode_pair.py's docstring); default = what a user's config gives
+#   default      the shipped config (output_buffers 2 since 8ccd946: heap sets, one SEND|RECV launch)
+#   ob0          fresh outputs (the old default): slots, split launches, receive copy
+#   ob0_fused    fresh outputs allocated before one cooperative SEND|RECV launch (engine.fused_launch)
+#   ob0_nvshmem  ob0 with comm.backend nvshmem, as the issue's yardstick ran it (its 168 / 205 us rows)
+#   shim         ep_plugin.deep_ep with no ep_config (DeepEP's API, the shipped default)
+#   shim_ob0     the same with output_buffers 0 (the issue's "no ep_config" row)
+#   serial       default with the earlier combine-receive prologue (engine.kernel_flags = 4: thread 0
+#                gathers a token's K picks one dependent load after another)
+VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
+PROFILED=${LL_PROFILED:-"default ob0 shim_ob0"}  # the variants whose kernels are traced (DeepEP's always)
+[ -d /tmp/deepep ] && export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
+left() { echo $(( B - ($(date +%s) - T0) )); }
+say() { echo "$*" | tee -a "$LOG"; }
+say "== ll_device.sh $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ); budget ${B}s; variants: $VARIANTS"
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tee -a "$LOG"
+python3 -c "import ep_plugin._C as C; print('ep_plugin._C NVSHMEM', C.HAS_NVSHMEM)" 2>&1 | tail -1 | tee -a "$LOG"
+python3 -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tail -1 | tee -a "$LOG"
+
+pair() {  # ranks lib limit_s extra args...
+  local r=$1 lib=$2 lim=$3
+  shift 3
+  local devs=0,1
+  [ "$r" = 4 ] && devs=0,1,2,3
+  local l
+  l=$(left)
+  [ "$l" -lt 20 ] && { say "-- EP$r $lib skipped: ${l}s left"; return; }
+  [ "$lim" -gt "$l" ] && lim=$l
+  local t0
+  t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$devs timeout -k 5 "$lim" python3 benchmarks/bench_decode_pair.py --lib "$lib" --ranks "$r" \
+    --profile "$PROFILE" --timeout $((lim - 3)) --out "$W/pair_ep${r}_$lib.json" "$@" > "$W/ep${r}_$lib.log" 2>&1
+  local rc=$?
+  say "-- EP$r $lib rc=$rc $(( $(date +%s) - t0 ))s"
+  grep -vE "^\s*$|[Ww]arning|warn\(" "$W/ep${r}_$lib.log" | tail -150 >> "$LOG"
+}
+for r in 2 4; do
+  pair $r deepep 30
+  # shellcheck disable=SC2086
+  pair $r ep_plugin 55 --variants $VARIANTS --profile-variants $PROFILED
+done
+say "== merged (slowest rank's median, us)"
+python3 benchmarks/bench_decode_pair.py --merge "$W"/pair_ep*.json --out "$OUT/ll_pair.json" --plot "$OUT/ll_pair.png" \
+  2>&1 | tee -a "$LOG"
+
+if [ "${LL_DEEPEP_TEST:-1}" != 0 ]; then
+  TESTS=/tmp/deepep/tests
+  [ -d "$TESTS" ] || TESTS=.deepep/DeepEP/tests
+  for how in --shim ""; do
+    l=$(left)
+    [ "$l" -lt 35 ] && { say "-- DeepEP test_low_latency ${how:-on DeepEP} skipped: ${l}s left"; continue; }
+    t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 5 $((l - 5)) python3 benchmarks/deepep_ll_test.py --tests "$TESTS" $how --ranks 2 \
+      > "$W/dtest$how.log" 2>&1
+    rc=$?
+    say "-- DeepEP v1.2.1 tests/test_low_latency.py EP2 ${how:-(DeepEP itself)} rc=$rc $(( $(date +%s) - t0 ))s"
+    grep -E "deepep_ll_test|Dispatch \+ combine|send/recv|bandwidth|Error|error|assert" "$W/dtest$how.log" | head -12 | tee -a "$LOG"
+  done
+fi
+say "== done in $(( $(date +%s) - T0 ))s"
