@@ -102,6 +102,9 @@ class NvshmemRail(ReportsFaults):
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]
         self._reported = False
+        # called with "rail_send" between the send and the receive launch of each call (the backend's
+        # stage timeline, hierarchical/timeline.py); None: nothing between them
+        self.on_phase = None
 
     def _parity_views(self, parity: int):
         """(xf, sf or None, topk_f flat, wf flat) over one parity's symmetric buffers."""
@@ -149,6 +152,8 @@ class NvshmemRail(ReportsFaults):
         parity = rt.next_dispatch_parity()
         stream = _current_stream()
         rt.dispatch(x.data_ptr(), _ptr(scales), topk_idx.data_ptr(), _ptr(topk_weights), T, K, SEND, stream)
+        if self.on_phase is not None:
+            self.on_phase("rail_send")
         rt.dispatch(0, 0, 0, 0, T, K, RECV, stream)
         xf, sf, ids, w = self._views[parity]
         n = self.N * self.M * K
@@ -177,6 +182,8 @@ class NvshmemRail(ReportsFaults):
         rt = self._rt
         stream = _current_stream()
         rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream)
+        if self.on_phase is not None:
+            self.on_phase("rail_send")
         rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
         return y
 
