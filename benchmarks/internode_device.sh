@@ -6,14 +6,18 @@
 #   2. 2x1 (GPUs 0,1, ranks_per_node 1): the same bench  ||  the internode GPU tests at 2x1 on GPUs 2,3.
 #   3. the internode GPU tests at 2x2 (4 GPUs): contract vs reference, FP8, cached, node-limited, graph,
 #      a peer dying mid-dispatch.
-#   4. if time is left and .deepep/DeepEP/tests exists (carried; ../shared/gpu/deepep_reference.sh
-#      prepare): DeepEP v1.2.1's tests/test_internode.py on ep_plugin.deep_ep as 2 virtual nodes of 2 GPUs.
+#   4. if time is left (started before DEEPEP_AFTER_S=120 s) and $DEEPEP_TESTS (default .deepep/DeepEP/tests,
+#      carried; ../shared/gpu/deepep_reference.sh prepare) exists: DeepEP v1.2.1's tests/test_internode.py on
+#      ep_plugin.deep_ep as 2 virtual nodes of 2 GPUs (benchmarks/deepep_internode_test.py says what it patches).
 # Writes to $OUT: internode.json (bench rows of both shapes, test summaries) and internode.log (all output).
 # Budget: ~150 s; each stage has its own timeout. Usage: bash benchmarks/internode_device.sh [STAGES]
 # STAGES: comma-separated of bench22,bench21,tests21,tests22,deepep (default: all).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export EP_TEST_STACK_DUMP_S=${EP_TEST_STACK_DUMP_S:-100}
+# room for both rail forms (BF16 and FP8, the second made at its first call) at 4096 tokens x 7168
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4294967296}
+DEEPEP_TESTS=${DEEPEP_TESTS:-.deepep/DeepEP/tests}
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ep_out}
 mkdir -p "$OUT"
@@ -69,16 +73,17 @@ if has tests22; then
 fi
 
 if has deepep; then
-  if [ ! -f .deepep/DeepEP/tests/test_internode.py ]; then
-    say "deepep: skipped (.deepep/DeepEP/tests not carried; prepare it with ../shared/gpu/deepep_reference.sh prepare)"
+  if [ ! -f "$DEEPEP_TESTS/test_internode.py" ]; then
+    say "deepep: skipped ($DEEPEP_TESTS not there: carry .deepep (../shared/gpu/deepep_reference.sh prepare) or set DEEPEP_TESTS)"
   elif [ "$(el)" -gt "${DEEPEP_AFTER_S:-120}" ]; then
     say "deepep: skipped (past ${DEEPEP_AFTER_S:-120} s; run it alone: bash benchmarks/internode_device.sh deepep)"
   else
     say "deepep: DeepEP v1.2.1 tests/test_internode.py as 2 virtual nodes x 2 GPUs on ep_plugin.deep_ep"
     timeout -k 5 "${DEEPEP_TIMEOUT_S:-120}" python3 benchmarks/deepep_internode_test.py \
-      --tests .deepep/DeepEP/tests --nodes 2 --gpus-per-node 2 > "$W/deepep.log" 2>&1
+      --tests "$DEEPEP_TESTS" --nodes 2 --gpus-per-node 2 ${DEEPEP_ARGS:-} > "$W/deepep.log" 2>&1
     rc=$?
-    echo "rc=$rc $(grep -cE 'passed' "$W/deepep.log") passed lines" > "$W/deepep.sum"
+    echo "rc=$rc $(grep -c ' passed' "$W/deepep.log") cases passed; $(grep 'deepep_internode_test: ' "$W/deepep.log" | tail -1)" \
+      > "$W/deepep.sum"
     { echo "=== deepep rc=$rc"; tail -60 "$W/deepep.log"; } >> "$LOG"
     say "deepep rc=$rc"
   fi
