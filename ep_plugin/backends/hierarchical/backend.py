@@ -70,23 +70,37 @@ def contract_positions(recv_counts: torch.Tensor, nodes: int, per_node: int, row
     return torch.where(valid, contract_start[bc] + i - inner_start[bc], i)
 
 
-def recv_counts_from_sources(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
-                             max_tokens: int) -> torch.Tensor:
-    """[W] int64 rows received from each group rank, read off the inner exchange on the device (no
-    exchange of counts): row i came from forwarder l (recv_off[l] <= i < recv_off[l + 1], recv_off
-    [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank s*P + l. Rows from
-    recv_off[P] on are not counted (their recv_src is undefined)."""
+def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int, max_tokens: int,
+                   rows: int):
+    """(recv_counts [W] int64, positions [rows] int64), read off the inner exchange on the device (no
+    exchange of counts, no host wait): row i came from forwarder l (recv_off[l] <= i < recv_off[l + 1],
+    recv_off [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank g = s*P + l, and goes to
+    contract position start[g] + (i - the first inner row of (l, s)). Rows from recv_off[P] on (their
+    recv_src is undefined) are not counted and stay in place. What recv_counts + contract_positions
+    give, in fewer launches (the fresh dispatch's host time)."""
     P, N, M = per_node, nodes, max_tokens
     W = N * P
     dev = recv_src.device
-    i = torch.arange(recv_src.numel(), device=dev)
+    i = torch.arange(rows, device=dev)
     off = recv_off.long()
     fwd = torch.searchsorted(off[1:], i, right=True).clamp_(max=P - 1)
-    src = torch.div(recv_src.long(), M, rounding_mode="floor").clamp_(0, N - 1) * P + fwd
-    src = torch.where(i < off[P], src, W)
+    src = recv_src[:rows].long().div_(M, rounding_mode="floor").clamp_(0, N - 1).mul_(P).add_(fwd)
+    valid = i < off[P]
+    src = torch.where(valid, src, W)
     counts = torch.zeros(W + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, src, torch.ones_like(src))  # bincount would wait on the host for its size
-    return counts[:W]
+    c = counts[:W]
+    start = c.cumsum(0) - c  # contract start of each source rank
+    by_node = c.view(N, P)
+    inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
+    g = src.clamp(max=W - 1)
+    return c, torch.where(valid, start[g] + i - inner_start[g], i)
+
+
+def recv_counts_from_sources(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
+                             max_tokens: int) -> torch.Tensor:
+    """[W] int64 rows received from each group rank (contract_order's counts)."""
+    return contract_order(recv_off, recv_src, nodes, per_node, max_tokens, recv_src.numel())[0]
 
 
 class HierarchicalBackend(Backend):
@@ -137,15 +151,13 @@ class HierarchicalBackend(Backend):
         return HostCounts(device={"send_counts": send, "recv_counts": recv_counts.long(),
                                   "tokens_per_expert": tpe.long()}, ring=self._ring)
 
-    def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor, inner: Optional[Handle]) -> torch.Tensor:
-        """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes, off
-        the inner exchange where its handle keeps each row's source (recv_off, recv_src: the nvlink
-        backend), else one all-to-all of the send counts (on the stream, no host wait; the torch parts)."""
+    def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
+        """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes, else
+        one all-to-all of the send counts (on the stream, no host wait). Only for inner backends that
+        keep no per-row source: with the nvlink backend inside nodes, contract_order reads them off
+        the inner exchange (no collective a dead peer could hang)."""
         if self.P == 1:  # every rank is a rail peer: block s of the slots came from rank s
             return slot_valid.view(self.N, self.M).sum(1)
-        recv_off, recv_src = getattr(inner.state, "recv_off", None), getattr(inner.state, "recv_src", None)
-        if recv_off is not None and recv_src is not None:
-            return recv_counts_from_sources(recv_off, recv_src, self.N, self.P, self.M)
         send = is_in.sum(0).long()
         got = torch.empty_like(send)
         dist.all_to_all_single(got, send, group=self.group)
@@ -203,7 +215,7 @@ class HierarchicalBackend(Backend):
         is_in = _in_rank(topk_idx, self.num_experts, self.world)
         tl.mark("layout")
         if self.P == 1:
-            recv_counts = self._recv_counts(is_in, slot_valid, None)
+            recv_counts = self._recv_counts(is_in, slot_valid)
             order, place, num_recv, tpe = self.local.order(topk_f, slot_valid)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -222,8 +234,12 @@ class HierarchicalBackend(Backend):
             tl.mark("forward")
             ih = res.handle
             exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
-            recv_counts = self._recv_counts(is_in, slot_valid, ih)
-            to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
+            recv_off, recv_src = getattr(ih.state, "recv_off", None), getattr(ih.state, "recv_src", None)
+            if recv_off is not None and recv_src is not None and recv_src.numel() >= ih.num_recv:
+                recv_counts, to_contract = contract_order(recv_off, recv_src, self.N, self.P, self.M, ih.num_recv)
+            else:  # an inner backend that keeps no per-row source (the torch parts): counts by all-to-all
+                recv_counts = self._recv_counts(is_in, slot_valid)
+                to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
             out_x, out_s, out_idx, out_w = (self._to_contract(t, to_contract)
                                             for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
             state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
@@ -314,9 +330,12 @@ class HierarchicalBackend(Backend):
 
 class NvshmemBackend(HierarchicalBackend):
     """comm.backend: nvshmem -- the NVSHMEM rail (RDMA across nodes, P2P between virtual nodes) and the
-    nvlink backend inside each node."""
+    nvlink backend inside each node. The rail's send half flags ids outside [-1, E) (as routed nowhere)
+    and check() raises them, so EPBuffer queues no check of its own."""
 
     name = "nvshmem"
+    capabilities = Capabilities(row_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
+                                checks_expert_ids=True)
     rail_engine = "nvshmem"
     inner_backend = "nvlink"
 
