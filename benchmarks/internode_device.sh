@@ -11,7 +11,8 @@
 #      ep_plugin.deep_ep as 2 virtual nodes of 2 GPUs (benchmarks/deepep_internode_test.py says what it patches).
 # Writes to $OUT: internode.json (bench rows of both shapes, test summaries) and internode.log (all output).
 # Budget: ~150 s; each stage has its own timeout. Usage: bash benchmarks/internode_device.sh [STAGES]
-# STAGES: comma-separated of bench22,bench21,tests21,tests22,deepep (default: all).
+# STAGES: comma-separated of bench22,bench21,tests21,tests22,deepep (default: these five) and rail22 (not in the
+# default: the rail kernels against TorchRail at 2x2, tests/test_rail_gpu.py -k 2x2, up to ~5 min).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export EP_TEST_STACK_DUMP_S=${EP_TEST_STACK_DUMP_S:-100}
@@ -70,6 +71,11 @@ fi
 if has tests22; then
   pytest_run tests22 100 tests/test_internode_gpu.py -k 2x2
   say "tests 2x2: $(cut -c1-300 "$W/tests22.sum")"
+fi
+
+if has rail22; then
+  pytest_run rail22 ${RAIL_TIMEOUT_S:-300} tests/test_rail_gpu.py -k 2x2
+  say "rail 2x2: $(cut -c1-300 "$W/rail22.sum")"
 fi
 
 if has deepep; then
