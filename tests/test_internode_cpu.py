@@ -94,3 +94,55 @@ def test_timeline_table_formats_rows():
 def test_device_script_parses():
     script = os.path.join(ROOT, "benchmarks", "internode_device.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
+
+
+class _InnerWithSources:
+    """The torch backend inside a node, with what the nvlink backend's handle keeps added to its state:
+    recv_off [P + 1] (rows per forwarder) and recv_src (each row's slot on its forwarder), so that the
+    hierarchical backend takes its contract_order path on CPU."""
+
+    def __init__(self, inner, P):
+        self.inner, self.P = inner, P
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def dispatch(self, xf, sf, topk_f, wf, handle=None, async_op=False):
+        import torch.distributed as dist
+
+        res = self.inner.dispatch(xf, sf, topk_f, wf, handle=handle, async_op=async_op)
+        if handle is None:
+            group = self.inner.group
+            every = [None] * self.P
+            dist.all_gather_object(every, topk_f, group=group)
+            j = dist.get_rank(group)
+            per = self.inner.experts_per_rank
+            srcs = [((t >= 0) & (t // per == j)).any(1).nonzero().flatten() for t in every]
+            off = torch.tensor([0] + [int(s.numel()) for s in srcs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            src = torch.cat(srcs).to(torch.int32)
+            pad = torch.full((res.handle.num_recv - src.numel(),), 12345, dtype=torch.int32)  # undefined rows
+            res.handle.state.recv_off, res.handle.state.recv_src = off, torch.cat([src, pad])
+        return res
+
+
+def body_sources_path(rank, world, P):
+    from ep_plugin.backends.hierarchical import backend as hb
+    from tests.test_hierarchical import check_against_reference, check_node_limited, hierarchical_buffer
+
+    used = []
+    orig = hb.contract_order
+    hb.contract_order = lambda *a: used.append(1) or orig(*a)
+    for host_sync in (False, True):
+        buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
+        buf._backend.inner = _InnerWithSources(buf._backend.inner, P)
+        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)),
+                                              ("starve_last", 13), ("nowhere", 20))):
+            check_against_reference(buf, rank, world, 128, tokens, 40 + seed, mode, "cpu")
+        check_node_limited(buf, rank, world, P, "cpu")
+        buf.close()
+    assert used, "the contract_order path was not taken"
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (6, 3)])
+def test_hierarchical_orders_rows_from_inner_sources(world, P):
+    spawn(body_sources_path, world, P, timeout=300)
