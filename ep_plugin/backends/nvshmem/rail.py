@@ -95,9 +95,12 @@ class NvshmemRail(ReportsFaults):
         self.plan = plan_rail(cfg, self.N, P, self.M, hidden, num_experts, self.fp8, sms, one_host)
         self.num_blocks = self.plan.num_blocks
         runtime.logger.info("ep_plugin.nvshmem rail: %s", self.plan.why)
-        heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8),
-                                        int(force_puts or not one_host))
-        runtime.join(group, heap, cfg.comm.rdma, auto_qps=self.plan.auto_qps)
+        stage = int(force_puts or not one_host)
+        heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8), stage)
+        if hidden % FP8_BLOCK == 0:  # room for the other row form's rail too (the backend makes it at its first call)
+            heap += C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden,
+                                             int(not self.fp8), stage)
+        runtime.join(group, heap, cfg.comm.rdma, auto_qps=self.plan.auto_qps)  # sizes the heap if NVSHMEM starts here
         self._rt = C.RailRuntime(self.rank, self.world, P, num_experts, self.M, self.max_topk, hidden,
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]
