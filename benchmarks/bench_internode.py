@@ -2,6 +2,7 @@
 nvlink backend and the torch backend (NCCL) in the same run, with the rows each rank moves per domain.
 
     python benchmarks/bench_internode.py --world 2 --ranks-per-node 1 --out benchmarks/results --label 2x_h200
+    python benchmarks/bench_internode.py --world 4 --ranks-per-node 2 --timeline 10 --profile   # 2x2, by stage
 
 Cases: 4096 tokens/rank, hidden 7168, 256 experts, top-8; uniform routing, and group-limited with
 num_groups = the node count and group_topk 1 (each token stays on one node: RDMA rows fall, the
@@ -52,16 +53,50 @@ def buffer(backend: str, args, **comm):
     return ep_plugin.EPBuffer(None, cfg, hidden=H)
 
 
+def _backend_of(buf):
+    return getattr(buf._backend, "wrapped", buf._backend)
+
+
+def stage_timeline(buf, x, idx, w, n: int, flush) -> dict:
+    """The nvshmem backend's per-stage times (hierarchical/timeline.py) over n cold calls of each kind
+    (L2 flushed, ranks aligned before each, as the cold-call protocol): this rank's medians."""
+    from ep_plugin.backends.hierarchical.timeline import NO_TIMELINE, StageTimeline
+
+    be = _backend_of(buf)
+    a = buf.dispatch(x, idx, w)
+    buf.combine(a.x, a.handle)
+    tl = StageTimeline()
+    be.timeline = tl
+    try:
+        for _ in range(n):
+            for op in ("dispatch", "dispatch_cached", "combine"):
+                flush.zero_()
+                torch.cuda.synchronize()
+                dist.barrier()
+                if op == "dispatch":
+                    a = buf.dispatch(x, idx, w)
+                elif op == "dispatch_cached":
+                    buf.dispatch(x, handle=a.handle)
+                else:
+                    buf.combine(a.x, a.handle)
+        torch.cuda.synchronize()
+        return tl.summary()
+    finally:
+        be.timeline = NO_TIMELINE
+
+
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
     try:
         init_rank(rank, world, port)
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
-        bufs = {"nvshmem": buffer("nvshmem", args, ranks_per_node=P), "nvlink": buffer("nvlink", args),
-                "torch": buffer("torch", args)}
+        makers = {"nvshmem": lambda: buffer("nvshmem", args, ranks_per_node=P),
+                  "nvlink": lambda: buffer("nvlink", args), "torch": lambda: buffer("torch", args)}
+        bufs = {name: makers[name]() for name in args.backends}
+        ref_name = "torch" if "torch" in bufs else None
         rows = []
-        for kind in ("uniform", "node_limited"):
+        for kind in args.cases:
             idx, w = routing(kind, nodes, rank, world)
             every = [None] * world
             dist.all_gather_object(every, idx)
@@ -69,29 +104,35 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
             idx, w = idx.cuda(), w.cuda()
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             xf8 = quantize_fp8(x)
-            ref = bufs["torch"].dispatch(x, idx, w)
             ok = {}
-            for name in ("nvshmem", "nvlink"):
-                got = bufs[name].dispatch(x, idx, w)
+            if ref_name is not None:
+                ref = bufs[ref_name].dispatch(x, idx, w)
+                yr = bufs[ref_name].combine(ref.x, ref.handle)
                 n = ref.x.shape[0]
-                ok[name] = bool(torch.equal(got.x[:n], ref.x) and torch.equal(got.topk_idx[:n], ref.topk_idx))
-                yr = bufs["torch"].combine(ref.x, ref.handle)
-                yg = bufs[name].combine(got.x, got.handle)
-                ok[name] &= bool(torch.allclose(yg.float(), yr.float(), atol=3e-2, rtol=1e-2))
+                for name in bufs:
+                    if name == ref_name:
+                        continue
+                    got = bufs[name].dispatch(x, idx, w)
+                    ok[name] = bool(torch.equal(got.x[:n], ref.x) and torch.equal(got.topk_idx[:n], ref.topk_idx))
+                    yg = bufs[name].combine(got.x, got.handle)
+                    ok[name] &= bool(torch.allclose(yg.float(), yr.float(), atol=3e-2, rtol=1e-2))
             ops = {}
             for name, buf in bufs.items():
                 a = buf.dispatch(x, idx, w)
                 ops[f"{name}.dispatch_bf16"] = measure(proto, lambda: buf.dispatch(x, idx, w))
-                if name != "torch":
+                if name != "torch" and args.fp8:
                     ops[f"{name}.dispatch_fp8"] = measure(proto, lambda: buf.dispatch(xf8, idx, w))
                 ops[f"{name}.dispatch_cached"] = measure(proto, lambda: buf.dispatch(x, handle=a.handle))
                 ops[f"{name}.combine_bf16"] = measure(proto, lambda: buf.combine(a.x, a.handle))
-            if args.profile and kind == "uniform":  # every rank makes the calls; rank 0 prints its table
-                table_text = kernel_profile(bufs["nvshmem"], x, idx, w)
-                if rank == 0:
-                    print(table_text, flush=True)
-            rows.append({"case": kind, "checks": ok, "rows_per_rank": traffic,
-                         "row_bytes_bf16": H * 2, "ops": ops})
+            row = {"case": kind, "checks": ok, "rows_per_rank": traffic, "row_bytes_bf16": H * 2, "ops": ops}
+            if args.timeline and "nvshmem" in bufs:
+                mine = stage_timeline(bufs["nvshmem"], x, idx, w, args.timeline, proto._flush)
+                every = [None] * world
+                dist.all_gather_object(every, mine)
+                row["timeline"] = every  # [rank] {kind: {stage: {gpu_us, host_us}}}
+            if args.profile and "nvshmem" in bufs:  # every rank makes the calls; rank 0 keeps its table
+                row["kernels"] = kernel_profile(bufs["nvshmem"], x, idx, w)
+            rows.append(row)
             if rank == 0:
                 q.put(("partial", {"rows": rows}))
         for b in bufs.values():
@@ -105,17 +146,41 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
         raise
 
 
-def kernel_profile(buf, x, idx, w) -> str:
-    """GPU time per kernel of one nvshmem dispatch + combine (torch profiler), where the time goes."""
+def kernel_profile(buf, x, idx, w) -> dict:
+    """GPU time per kernel (torch profiler, us per call) of a fresh dispatch, a cached one and a combine
+    of the nvshmem backend: which kernels the stages are made of."""
     a = buf.dispatch(x, idx, w)
     buf.combine(a.x, a.handle)
     dist.barrier()
+    last = {}
 
-    def pair():
-        r = buf.dispatch(x, idx, w)
-        buf.combine(r.x, r.handle)
+    def fresh():
+        last["a"] = buf.dispatch(x, idx, w)
 
-    return f"nvshmem dispatch + combine, rank 0, us per kernel: {kernel_breakdown(pair, n=3, top=18)}"
+    fresh()
+    return {"dispatch": kernel_breakdown(fresh, n=3, top=12),
+            "dispatch_cached": kernel_breakdown(lambda: buf.dispatch(x, handle=last["a"].handle), n=3, top=12),
+            "combine": kernel_breakdown(lambda: buf.combine(last["a"].x, last["a"].handle), n=3, top=12)}
+
+
+def timeline_table(rows) -> str:
+    """Slowest rank's median per stage (GPU us, host us in brackets) for each row that has a timeline."""
+    out = []
+    for r in rows:
+        if not r.get("timeline"):
+            continue
+        out.append(f"[{r['case']}] nvshmem stage timeline, slowest rank's median per stage: GPU us (host us)")
+        kinds = r["timeline"][0].keys()
+        for kind in kinds:
+            stages = r["timeline"][0][kind].keys()
+            cells = []
+            for st in stages:
+                g = [t[kind][st]["gpu_us"] for t in r["timeline"] if t.get(kind, {}).get(st)]
+                h = [t[kind][st]["host_us"] for t in r["timeline"] if t.get(kind, {}).get(st)]
+                gpu = max(v for v in g if v is not None) if any(v is not None for v in g) else float("nan")
+                cells.append(f"{st} {gpu:.0f} ({max(h):.0f})")
+            out.append(f"  {kind:16s} " + " | ".join(cells))
+    return "\n".join(out)
 
 
 def table(rows, world, P) -> str:
@@ -144,8 +209,27 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--label", default="run")
-    ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of one nvshmem call pair")
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and imports, run nothing")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel GPU time of the nvshmem backend's fresh dispatch, cached dispatch and combine")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="the nvshmem backend's per-stage timeline over N cold calls of each kind (0: off)")
+    ap.add_argument("--backends", default="nvshmem,nvlink,torch",
+                    help="comma-separated, of nvshmem, nvlink, torch (torch: the reference the others are checked "
+                         "against)")
+    ap.add_argument("--cases", default="uniform,node_limited", help="comma-separated, of uniform, node_limited")
+    ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 dispatch rows")
     args = ap.parse_args(argv)
+    args.backends = [b for b in args.backends.split(",") if b]
+    args.cases = [c for c in args.cases.split(",") if c]
+    bad = sorted(set(args.backends) - {"nvshmem", "nvlink", "torch"}) + sorted(set(args.cases) - {"uniform", "node_limited"})
+    if bad or args.world % args.ranks_per_node:
+        ap.error(f"unknown backends/cases {bad}" if bad else "--ranks-per-node must divide --world")
+    if args.dry_run:
+        print(f"bench_internode: world {args.world}, ranks_per_node {args.ranks_per_node}, backends {args.backends}, "
+              f"cases {args.cases}, timeline {args.timeline}, profile {args.profile}, out {args.out}/"
+              f"bench_internode_{args.label}.json")
+        return 0
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     t0 = time.time()
@@ -155,6 +239,7 @@ def main(argv=None) -> int:
         return 2
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "ranks_per_node": args.ranks_per_node,
             "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
+            "backends": args.backends, "timeline_calls": args.timeline,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "complete": complete, "wall_s": round(time.time() - t0, 1),
             "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}
@@ -169,6 +254,10 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rep["rows"]}, f, indent=1)
     print(table(rep["rows"], args.world, args.ranks_per_node), flush=True)
+    print(timeline_table(rep["rows"]), flush=True)
+    for r in rep["rows"]:
+        if r.get("kernels"):
+            print(f"[{r['case']}] nvshmem kernels, rank 0, us per call: {json.dumps(r['kernels'])}", flush=True)
     print(f"json: {path}", flush=True)
     bad = [r["case"] for r in rep["rows"] if not all(r["checks"].values())]
     if bad:

@@ -1,6 +1,6 @@
 """`python -m ep_plugin <command>` (also the `ep_plugin` console script).
 
-    ep_plugin doctor [--world N] [--json] [--no-ipc]   what this machine can run, and how to fix what not
+    ep_plugin doctor [--world N] [--json] [--no-ipc] [--config FILE]   what this machine can run, and how to fix what not
 """
 from __future__ import annotations
 

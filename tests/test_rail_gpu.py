@@ -1,4 +1,5 @@
-"""The NVSHMEM rail (backends/nvshmem/rail.py) on 2 GPUs as 2 virtual nodes of one GPU each.
+"""The NVSHMEM rail (backends/nvshmem/rail.py) as 2 virtual nodes: on 2 GPUs (2x1, one GPU per node)
+and on 4 GPUs (2x2: rank (n, l) talks to its rail peer (m, l) only, so each local index is its own rail).
 
 Every case runs NvshmemRail and the reference TorchRail (torch.distributed on NCCL) on the same
 group and inputs, and checks both against a brute-force expectation built from every rank's inputs.
@@ -31,8 +32,9 @@ from tests._dist import read_rank_results, spawn, write_rank_result
 
 pytestmark = pytest.mark.gpu
 
-WORLD = 2
-P = 1                # ranks per node: each GPU is a node
+WORLD = 2            # set per body by _setup(world): 2 (2x1) or 4 (2x2)
+P = 1                # ranks per node: WORLD // 2 (always 2 nodes)
+SHAPES = {"2x1": 2, "2x2": 4}  # test id -> GPUs
 GARBAGE = 1.0e4      # y_f rows at slots a forwarder did not receive
 HEAP = str(1 << 30)  # NVSHMEM_SYMMETRIC_SIZE: room for the largest engine of a body (they are freed in turn)
 COMM_TIMEOUT_S = 10.0  # the test engines' comm.timeout_s: a rank whose peer failed raises EPTimeoutError after it
@@ -40,21 +42,21 @@ AGREE_TIMEOUT_S = 120  # the gloo group of _agree: a peer that left (or hangs) f
 _gloo = {}
 
 
-def _need_nvshmem():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA GPUs")
+def _need_nvshmem(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
     import ep_plugin._ext as ext
     if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
         pytest.skip("ep_plugin._C is built without NVSHMEM")
 
 
-def _run(body, tmp_path, timeout):
+def _run(body, tmp_path, timeout, world):
     # EP_RAIL_TEST_TIMEOUT: a shorter bound, so a rank's assertion is reported before an outer limit kills all.
     # abandon: a rank that raised exits at once (no destroy_process_group / NVSHMEM finalize, which wait for
     # the peer), and the peer's rail wait times out after COMM_TIMEOUT_S, so both tracebacks come back
     timeout = min(timeout, float(os.environ.get("EP_RAIL_TEST_TIMEOUT", timeout)))
-    spawn(body, WORLD, str(tmp_path), backend="nccl", timeout=timeout, abandon=True)
-    results = read_rank_results(str(tmp_path), WORLD)
+    spawn(body, world, str(tmp_path), backend="nccl", timeout=timeout, abandon=True)
+    results = read_rank_results(str(tmp_path), world)
     assert all(r.get("ok") for r in results), results
 
 
@@ -196,8 +198,10 @@ def _clone(views):
     return tuple(None if v is None else v.clone() for v in views)
 
 
-def _setup():
-    """Every body starts here (collective): the gloo group _agree exchanges results over."""
+def _setup(world):
+    """Every body starts here (collective): the shape's globals, the gloo group _agree exchanges results over."""
+    global WORLD, P
+    WORLD, P = world, world // 2
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", HEAP)
     _gloo["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
 
@@ -266,7 +270,8 @@ def check_case(eng, ref, rank, M, hidden, E, K, fp8, tokens, mode, seed, weights
     want = ref.dispatch(x, scales, idx, w)
     torch.cuda.synchronize()
     soft.expect(ref.take_bad_expert_ids() == bad, "TorchRail's bad-id flag")
-    soft.expect(got[0].shape == (2 * M, hidden) and got[2].shape == (2 * M, K),
+    N = WORLD // P
+    soft.expect(got[0].shape == (N * M, hidden) and got[2].shape == (N * M, K),
                 f"shapes {[None if g is None else tuple(g.shape) for g in got]}")
     soft(_same_dispatch, got, want, "vs TorchRail")
     soft(_same_dispatch, got, _expected_dispatch(rank, M, E, K, x, scales, idx, w), "vs brute force")
@@ -290,11 +295,13 @@ MODES = (("random", "both"), ("skew", "both"), ("nowhere", "both"), ("node0", "b
 
 
 def _tokens(kind, M):
-    return {"both": [M, M], "zero": [M, 0], "one": [1, M - 3]}[kind]
+    """Tokens per rank: all full, every other rank empty, or rank 0 with one token."""
+    return {"both": [M] * WORLD, "zero": [M if r % 2 == 0 else 0 for r in range(WORLD)],
+            "one": [1] + [M - 3] * (WORLD - 1)}[kind]
 
 
 def body_matches_reference(rank, world, out_dir):
-    _setup()
+    _setup(world)
     seed = 0
     # (hidden, fp8, M, E, K): the headline size, FP8 rows, a width not a multiple of 128, FP8 at 7168+128
     for hidden, fp8, M, E, K in ((7168, False, 4096, 256, 8), (7168, True, 1024, 64, 8),
@@ -304,16 +311,19 @@ def body_matches_reference(rank, world, out_dir):
             seed += 1
             check_case(eng, ref, rank, M, hidden, E, K, fp8, _tokens(kind, M), mode, seed)
         seed += 1
-        check_case(eng, ref, rank, M, hidden, E, K, fp8, [M // 2, M], "random", seed, weights=False)
+        check_case(eng, ref, rank, M, hidden, E, K, fp8, [M // 2 if r % 2 == 0 else M for r in range(world)], "random",
+                   seed, weights=False)
         seed += 1
-        check_case(eng, ref, rank, M, hidden, E, K - 1, fp8, [M, M // 3], "random", seed)  # a smaller K
+        check_case(eng, ref, rank, M, hidden, E, K - 1, fp8, [M if r % 2 == 0 else M // 3 for r in range(world)],
+                   "random", seed)  # a smaller K
         eng.close()
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-def test_nvshmem_rail_matches_reference(tmp_path):
-    _need_nvshmem()
-    _run(body_matches_reference, tmp_path, timeout=580)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_nvshmem_rail_matches_reference(tmp_path, shape):
+    _need_nvshmem(SHAPES[shape])
+    _run(body_matches_reference, tmp_path, timeout=580, world=SHAPES[shape])
 
 
 def _interleaved(eng, ref, rank, M, hidden, E, K, fp8, seed):
@@ -321,7 +331,7 @@ def _interleaved(eng, ref, rank, M, hidden, E, K, fp8, seed):
     (and before combine k), still hold call k (rail.h's parity argument)."""
     calls = []
     for j in range(2):
-        tokens = [M, M // 2] if j == 0 else [M // 3, M]
+        tokens = [M if (r + j) % 2 == 0 else (M // 2 if j == 0 else M // 3) for r in range(WORLD)]
         x, scales, idx, w = _inputs(rank, tokens[rank], hidden, E, K, fp8, seed + j, "random")
         calls.append((x, scales, idx, w, eng.dispatch(x, scales, idx, w)))
     ctx = f"interleaved rank {rank} H {hidden} fp8 {fp8} seed {seed} puts {not eng._rt.all_p2p}"
@@ -382,7 +392,7 @@ def _graph(eng, ref, rank, M, hidden, E, K):
 
 
 def body_order_graph_puts(rank, world, out_dir):
-    _setup()
+    _setup(world)
     hidden, E, M, K = 7168, 64, 512, 8
     eng, ref = _engines(hidden, E, M, K, False)
     for it in range(3):  # six dispatches: the parities wrap
@@ -400,20 +410,22 @@ def body_order_graph_puts(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-def test_nvshmem_rail_order_graph_and_puts(tmp_path):
-    _need_nvshmem()
-    _run(body_order_graph_puts, tmp_path, timeout=580)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_nvshmem_rail_order_graph_and_puts(tmp_path, shape):
+    _need_nvshmem(SHAPES[shape])
+    _run(body_order_graph_puts, tmp_path, timeout=580, world=SHAPES[shape])
 
 
 TIMEOUT_S = 2.0
 
 
 def body_timeout(rank, world, out_dir):
-    """Rank 1 skips a dispatch that rank 0 makes: rank 0's check() raises EPTimeoutError naming rank 1.
-    Then rank 0 leaves rank 1 out (set_mask) and goes on alone: node 1's slots are routed nowhere, and
-    combine sums node 0's rows only. Neither rank closes the engine (spawn's abandon mode): NVSHMEM's
-    collective free would pair a faulted rank with a healthy one."""
-    _setup()
+    """Rank 0's rail peer on node 1 (rank P) skips a dispatch that rank 0 makes (the other ranks make
+    none): rank 0's check() raises EPTimeoutError naming rank P. Then rank 0 leaves it out (set_mask)
+    and goes on alone: node 1's slots are routed nowhere, and combine sums node 0's rows only. No rank
+    closes the engine (spawn's abandon mode): NVSHMEM's collective free would pair a faulted rank with
+    a healthy one."""
+    _setup(world)
     hidden, E, M, K = 7168, 16, 256, 4
     eng, ref = _engines(hidden, E, M, K, False, timeout_s=TIMEOUT_S)
     check_case(eng, ref, rank, M, hidden, E, K, False, [M, M], "random", 1)  # a healthy round
@@ -426,9 +438,9 @@ def body_timeout(rank, world, out_dir):
         with pytest.raises(EPTimeoutError) as info:
             eng.check()
         elapsed = time.monotonic() - start
-        assert info.value.missing_ranks == (1,), str(info.value)
+        assert info.value.missing_ranks == (P,), str(info.value)
         assert elapsed < TIMEOUT_S + 10, f"raised after {elapsed:.1f}s"
-        eng.set_mask([1])
+        eng.set_mask([P])
         xf, _, tf, wf = eng.dispatch(x, None, idx, w)
         torch.cuda.synchronize()
         eng.check()  # nobody was waited for
@@ -445,10 +457,11 @@ def body_timeout(rank, world, out_dir):
         eng.check()
         want = torch.where(rows.view(-1, 1), y_f[:M].float(), 0.0).to(torch.bfloat16)
         assert torch.equal(y, want), "mask: combine sums the own node's rows only"
-    dist.barrier()  # rank 1 waits here until rank 0 is done
+    dist.barrier()  # the other ranks wait here until rank 0 is done
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-def test_timeout_names_the_rank_that_skipped(tmp_path):
-    _need_nvshmem()
-    _run(body_timeout, tmp_path, timeout=180)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_timeout_names_the_rank_that_skipped(tmp_path, shape):
+    _need_nvshmem(SHAPES[shape])
+    _run(body_timeout, tmp_path, timeout=180, world=SHAPES[shape])

@@ -13,10 +13,11 @@ Supported: Buffer with
   low_latency_combine (out, zero_copy, async_finish, return_recv_hook),
   get_next_low_latency_combine_buffer, clean_low_latency_buffer (a no-op), get_low_latency_rdma_size_hint,
   and later DeepEP's low_latency_{update,query,clean}_mask_buffer;
-EventOverlap, Config. Not supported (NotImplementedError naming the call or argument): internode
-(internode_dispatch/combine, num_tokens_per_rdma_rank), dispatch_wait_recv_cost_stats,
-combine_wait_recv_cost_stats, use_logfmt, get_local_buffer_tensor. See buffer.py (intranode) and
-low_latency.py for the mapping onto EPBuffer.
+- internode (internode.py: nodes from ep_config's comm.ranks_per_node or the hosts, the internode
+  backend underneath): get_dispatch_layout's num_tokens_per_rdma_rank, internode_dispatch/combine;
+EventOverlap, Config. Not supported (NotImplementedError naming the call or argument): dispatch_wait_recv_cost_stats,
+combine_wait_recv_cost_stats, use_logfmt, get_local_buffer_tensor. See buffer.py (intranode),
+internode.py and low_latency.py for the mapping onto EPBuffer.
 """
 from __future__ import annotations
 

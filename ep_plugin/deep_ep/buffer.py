@@ -12,8 +12,10 @@ Supported
   low_latency_combine (out, zero_copy, async_finish, return_recv_hook),
   get_next_low_latency_combine_buffer, clean_low_latency_buffer (a no-op),
   get_low_latency_rdma_size_hint, and later DeepEP's low_latency_{update,query,clean}_mask_buffer.
-Not supported: internode (`num_tokens_per_rdma_rank`, internode_dispatch/combine),
-`dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats`, `use_logfmt`,
+- internode (internode.py): get_dispatch_layout's num_tokens_per_rdma_rank, internode_dispatch /
+  internode_combine, and dispatch/combine with DeepEP's internode handle when the Buffer's nodes
+  (ep_config's comm.ranks_per_node, or the hosts) are more than one.
+Not supported: `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats`, `use_logfmt`,
 get_local_buffer_tensor: NotImplementedError naming them.
 
 Intranode mapping: one EPBuffer per (hidden, num_experts), built at the first dispatch of that shape
@@ -37,10 +39,8 @@ from ..config import EPConfig, load_config
 from ..expert_major import padded
 from .events import Config, EventOverlap, capture
 from .handle import DeepEPHandle
+from .internode import as_internode, check_rdma_arg, internode_combine, internode_dispatch, tokens_per_node
 from .low_latency import LowLatencyMixin, low_latency_size_hint
-
-_INTERNODE = ("ep_plugin.deep_ep: {name}: internode dispatch/combine (RDMA ranks) is not supported yet; "
-              "ep_plugin's intranode backends serve one node")
 
 
 def _cut(t: Optional[torch.Tensor], n: int, fill=0) -> Optional[torch.Tensor]:
@@ -166,7 +166,8 @@ class Buffer(LowLatencyMixin):
             previous_event.current_stream_wait()
         fn = dispatch_layout_cuda if topk_idx.is_cuda and has_c() else dispatch_layout
         per_rank, per_expert, in_rank = fn(topk_idx, num_experts, self.group_size)
-        return per_rank, None, per_expert, in_rank, EventOverlap(capture().event if async_finish else None)
+        per_node = tokens_per_node(self, in_rank)  # None on one node (internode.py)
+        return per_rank, per_node, per_expert, in_rank, EventOverlap(capture().event if async_finish else None)
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
@@ -180,8 +181,7 @@ class Buffer(LowLatencyMixin):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event),
         as DeepEP's intranode dispatch returns them."""
         self._live()
-        if num_tokens_per_rdma_rank is not None:
-            raise NotImplementedError(_INTERNODE.format(name="num_tokens_per_rdma_rank"))
+        check_rdma_arg(self, num_tokens_per_rdma_rank)
         if previous_event is not None:
             previous_event.current_stream_wait()
         data, scales = x if isinstance(x, tuple) else (x, None)
@@ -226,6 +226,7 @@ class Buffer(LowLatencyMixin):
         h = DeepEPHandle(res.handle, self._rank_prefix_matrix(num_tokens_per_rank),
                          _cut(recv_src, n, -1) if recv_src is not None else None, is_token_in_rank, n)
         h.buffer = buf
+        h = as_internode(self, h, num_tokens_per_rdma_rank)  # DeepEP's internode handle layout (internode.py)
         return recv_x, recv_idx, recv_w, counts, h, EventOverlap(res.event)
 
     @staticmethod
@@ -269,12 +270,9 @@ class Buffer(LowLatencyMixin):
                     y = y + b
         return y, combined_w, EventOverlap(event)
 
-    # ------------------------------------------------------------------ not supported yet
-    def internode_dispatch(self, *args, **kwargs):
-        raise NotImplementedError(_INTERNODE.format(name="internode_dispatch"))
-
-    def internode_combine(self, *args, **kwargs):
-        raise NotImplementedError(_INTERNODE.format(name="internode_combine"))
+    # ------------------------------------------------------------------ internode (internode.py)
+    internode_dispatch = internode_dispatch
+    internode_combine = internode_combine
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

@@ -7,6 +7,7 @@ picks for a world size).
     checks.py  verdicts: one ok / warning / error line per subject, with its fix
     report.py  the Check type; text and JSON rendering
     ipc.py     the two-process CUDA IPC test
+    rdma_config.py  --config FILE: comm.rdma as the NVSHMEM variables it becomes
 
 `refuse(exc)` is the one-line start-up refusal the examples use when a backend cannot run.
 """
@@ -47,10 +48,19 @@ def main(argv=None) -> int:
                    help="EP size to choose a backend for (default: the GPUs here, or 2)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-ipc", action="store_true", help="skip the two-process CUDA IPC test")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a config (YAML path or preset): show its comm.rdma as the NVSHMEM variables it becomes")
+    p.add_argument("--local-ranks", type=int, default=None,
+                   help="with --config: ranks per host to show the variables for (default: the GPUs here, or 1)")
     args = p.parse_args(argv)
     if args.world is not None and args.world < 1:
         p.error(f"--world must be >= 1, got {args.world}")
     facts, checks = diagnose(world=args.world, ipc=not args.no_ipc)
+    if args.config is not None:
+        from .rdma_config import rdma_config_check
+
+        local = args.local_ranks if args.local_ranks is not None else max(len(getattr(facts, "gpus", []) or []), 1)
+        checks.append(rdma_config_check(args.config, local))
     if args.json:
         print(render_json(checks, ep_plugin=__version__, world=facts.world,
                           auto={"backend": facts.auto[0], "reason": facts.auto[1]},

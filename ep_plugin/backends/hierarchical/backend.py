@@ -29,8 +29,10 @@ import torch.distributed as dist
 from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts, PinnedRing,
                       counts_from_lists)
 from ..base import Backend, Capabilities
+from ...errors import EPTimeoutError
 from .local import LocalNode
 from .nodes import node_groups, resolve_ranks_per_node
+from .timeline import NO_TIMELINE
 
 
 @dataclass
@@ -68,6 +70,39 @@ def contract_positions(recv_counts: torch.Tensor, nodes: int, per_node: int, row
     return torch.where(valid, contract_start[bc] + i - inner_start[bc], i)
 
 
+def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int, max_tokens: int,
+                   rows: int):
+    """(recv_counts [W] int64, positions [rows] int64), read off the inner exchange on the device (no
+    exchange of counts, no host wait): row i came from forwarder l (recv_off[l] <= i < recv_off[l + 1],
+    recv_off [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank g = s*P + l, and goes to
+    contract position start[g] + (i - the first inner row of (l, s)). Rows from recv_off[P] on (their
+    recv_src is undefined) are not counted and stay in place. What recv_counts + contract_positions
+    give, in fewer launches (the fresh dispatch's host time)."""
+    P, N, M = per_node, nodes, max_tokens
+    W = N * P
+    dev = recv_src.device
+    i = torch.arange(rows, device=dev)
+    off = recv_off.long()
+    fwd = torch.searchsorted(off[1:], i, right=True).clamp_(max=P - 1)
+    src = recv_src[:rows].long().div_(M, rounding_mode="floor").clamp_(0, N - 1).mul_(P).add_(fwd)
+    valid = i < off[P]
+    src = torch.where(valid, src, W)
+    counts = torch.zeros(W + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, src, torch.ones_like(src))  # bincount would wait on the host for its size
+    c = counts[:W]
+    start = c.cumsum(0) - c  # contract start of each source rank
+    by_node = c.view(N, P)
+    inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
+    g = src.clamp(max=W - 1)
+    return c, torch.where(valid, start[g] + i - inner_start[g], i)
+
+
+def recv_counts_from_sources(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
+                             max_tokens: int) -> torch.Tensor:
+    """[W] int64 rows received from each group rank (contract_order's counts)."""
+    return contract_order(recv_off, recv_src, nodes, per_node, max_tokens, recv_src.numel())[0]
+
+
 class HierarchicalBackend(Backend):
     name = "hierarchical"
     capabilities = Capabilities(row_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,))
@@ -102,6 +137,7 @@ class HierarchicalBackend(Backend):
         self.worst_case = not cfg.comm.host_sync
         self._ring = None
         self._comm_stream = None
+        self.timeline = NO_TIMELINE  # a StageTimeline (timeline.py) marks each call's stages
 
     # ------------------------------------------------------------------ helpers
     def _counts(self, is_in: torch.Tensor, recv_counts: torch.Tensor, tpe: torch.Tensor, exact: bool):
@@ -116,8 +152,10 @@ class HierarchicalBackend(Backend):
                                   "tokens_per_expert": tpe.long()}, ring=self._ring)
 
     def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
-        """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes,
-        else one all-to-all of the send counts (on the stream, no host wait)."""
+        """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes, else
+        one all-to-all of the send counts (on the stream, no host wait). Only for inner backends that
+        keep no per-row source: with the nvlink backend inside nodes, contract_order reads them off
+        the inner exchange (no collective a dead peer could hang)."""
         if self.P == 1:  # every rank is a rail peer: block s of the slots came from rank s
             return slot_valid.view(self.N, self.M).sum(1)
         send = is_in.sum(0).long()
@@ -156,19 +194,28 @@ class HierarchicalBackend(Backend):
                                         out.topk_weights))
         return out
 
-    def _dispatch(self, x, scales, topk_idx, topk_weights, handle):
-        T = x.shape[0]
-        fp8 = scales is not None
+    def _rail(self, fp8: bool):
         rail = self._rails.get(fp8)
         if rail is None:
             rail = self._rails[fp8] = self._make_rail(fp8)
+        if hasattr(rail, "on_phase"):  # rails that launch their halves separately mark the send half
+            rail.on_phase = self.timeline.mark if self.timeline.enabled else None
+        return rail
+
+    def _dispatch(self, x, scales, topk_idx, topk_weights, handle):
+        T = x.shape[0]
+        tl = self.timeline
+        tl.begin("dispatch" if handle is None else "dispatch_cached")
+        rail = self._rail(scales is not None)
         xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
+        tl.mark("rail_recv")
         if handle is not None:
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
         slot_valid = (topk_f >= 0).any(1)
         is_in = _in_rank(topk_idx, self.num_experts, self.world)
-        recv_counts = self._recv_counts(is_in, slot_valid)
+        tl.mark("layout")
         if self.P == 1:
+            recv_counts = self._recv_counts(is_in, slot_valid)
             order, place, num_recv, tpe = self.local.order(topk_f, slot_valid)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -179,20 +226,29 @@ class HierarchicalBackend(Backend):
             out_idx, out_w = LocalNode.gather(topk_f, rows), LocalNode.gather(wf, rows)
             state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail,
                                       slot_row=LocalNode.slot_rows(place, rows.shape[0]))
+            tl.mark("forward")
         else:
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
                 res.event.current_stream_wait()
+            tl.mark("forward")
             ih = res.handle
             exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
-            to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
+            recv_off, recv_src = getattr(ih.state, "recv_off", None), getattr(ih.state, "recv_src", None)
+            if recv_off is not None and recv_src is not None and recv_src.numel() >= ih.num_recv:
+                recv_counts, to_contract = contract_order(recv_off, recv_src, self.N, self.P, self.M, ih.num_recv)
+            else:  # an inner backend that keeps no per-row source (the torch parts): counts by all-to-all
+                recv_counts = self._recv_counts(is_in, slot_valid)
+                to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
             out_x, out_s, out_idx, out_w = (self._to_contract(t, to_contract)
                                             for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
             state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
+            tl.mark("reorder")
         handle = Handle(backend=self.name, num_tokens=T, num_recv=out_x.shape[0], num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=num_recv, num_tokens_per_expert=tpe.long(),
                         counts=self._counts(is_in, recv_counts, tpe, exact), state=state, exact=exact)
+        tl.end("counts")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle)
 
     @staticmethod
@@ -208,16 +264,20 @@ class HierarchicalBackend(Backend):
     def _forward_cached(self, xf, sf, topk_f, wf, handle, st):
         """Cached dispatch: the rail moves the rows again (its slots are fixed), the inner hop reuses
         its layout. The routing is the handle's, so the valid slots are the same as then."""
+        tl = self.timeline
         if self.P == 1:
             rows = st.order[:handle.num_recv]
             out_x, out_s = LocalNode.gather(xf, rows), LocalNode.gather(sf, rows)
             out_w = LocalNode.gather(wf, rows)
+            tl.end("forward")
         else:
             inner = dataclasses.replace(st.inner, topk_idx=topk_f)  # the rail's view of the slots is reused
             res = self.inner.dispatch(xf, sf, topk_f, wf, handle=inner)
             if res.event is not None:
                 res.event.current_stream_wait()
+            tl.mark("forward")
             out_x, out_s, out_w = (self._to_contract(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
+            tl.end("reorder")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle)
 
@@ -225,15 +285,22 @@ class HierarchicalBackend(Backend):
     def combine(self, x, handle, async_op=False):
         st = self._state(handle)
         s = self._stream(async_op)
+        tl = self.timeline
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            tl.begin("combine")
             if self.P == 1:
                 y_f = LocalNode.to_slots(x, st.slot_row, self.N * self.M)
             else:
                 rows = x.index_select(0, st.to_contract)  # back to the inner order
+                tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
                     ev.current_stream_wait()
+            tl.mark("reduce_in_node")
+            if hasattr(st.rail, "on_phase"):
+                st.rail.on_phase = tl.mark if tl.enabled else None
             y = st.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
     # ------------------------------------------------------------------ faults
@@ -241,7 +308,14 @@ class HierarchicalBackend(Backend):
         for rail in self._rails.values():
             rail.check()
         if self.inner is not None:
-            self.inner.check()
+            try:
+                self.inner.check()
+            except EPTimeoutError as e:  # the inner backend names ranks of the node's group: name ours
+                first = (self.rank // self.P) * self.P
+                missing = tuple(first + int(r) for r in e.missing_ranks)
+                raise EPTimeoutError(f"{self.name} backend, inside node {self.rank // self.P} (group ranks "
+                                     f"{first}..{first + self.P - 1}): rank(s) {list(missing)} did not arrive; "
+                                     f"{e}", missing) from e
 
     def wait_pending(self) -> None:
         if self.inner is not None:
@@ -256,9 +330,12 @@ class HierarchicalBackend(Backend):
 
 class NvshmemBackend(HierarchicalBackend):
     """comm.backend: nvshmem -- the NVSHMEM rail (RDMA across nodes, P2P between virtual nodes) and the
-    nvlink backend inside each node."""
+    nvlink backend inside each node. The rail's send half flags ids outside [-1, E) (as routed nowhere)
+    and check() raises them, so EPBuffer queues no check of its own."""
 
     name = "nvshmem"
+    capabilities = Capabilities(row_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
+                                checks_expert_ids=True)
     rail_engine = "nvshmem"
     inner_backend = "nvlink"
 

@@ -95,13 +95,19 @@ class NvshmemRail(ReportsFaults):
         self.plan = plan_rail(cfg, self.N, P, self.M, hidden, num_experts, self.fp8, sms, one_host)
         self.num_blocks = self.plan.num_blocks
         runtime.logger.info("ep_plugin.nvshmem rail: %s", self.plan.why)
-        heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8),
-                                        int(force_puts or not one_host))
-        runtime.join(group, heap, cfg.comm.rdma, auto_qps=self.plan.auto_qps)
+        stage = int(force_puts or not one_host)
+        heap = C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden, int(self.fp8), stage)
+        if hidden % FP8_BLOCK == 0:  # room for the other row form's rail too (the backend makes it at its first call)
+            heap += C.RailRuntime.heap_bytes(self.world, P, num_experts, self.M, self.max_topk, hidden,
+                                             int(not self.fp8), stage)
+        runtime.join(group, heap, cfg.comm.rdma, auto_qps=self.plan.auto_qps)  # sizes the heap if NVSHMEM starts here
         self._rt = C.RailRuntime(self.rank, self.world, P, num_experts, self.M, self.max_topk, hidden,
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]
         self._reported = False
+        # called with "rail_send" between the send and the receive launch of each call (the backend's
+        # stage timeline, hierarchical/timeline.py); None: nothing between them
+        self.on_phase = None
 
     def _parity_views(self, parity: int):
         """(xf, sf or None, topk_f flat, wf flat) over one parity's symmetric buffers."""
@@ -149,6 +155,8 @@ class NvshmemRail(ReportsFaults):
         parity = rt.next_dispatch_parity()
         stream = _current_stream()
         rt.dispatch(x.data_ptr(), _ptr(scales), topk_idx.data_ptr(), _ptr(topk_weights), T, K, SEND, stream)
+        if self.on_phase is not None:
+            self.on_phase("rail_send")
         rt.dispatch(0, 0, 0, 0, T, K, RECV, stream)
         xf, sf, ids, w = self._views[parity]
         n = self.N * self.M * K
@@ -177,6 +185,8 @@ class NvshmemRail(ReportsFaults):
         rt = self._rt
         stream = _current_stream()
         rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream)
+        if self.on_phase is not None:
+            self.on_phase("rail_send")
         rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
         return y
 

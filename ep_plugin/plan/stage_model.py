@@ -1,0 +1,316 @@
+"""A model of ep_plugin's own internode calls, stage by stage, fed by what the stage timeline measured
+(docs/COST_MODEL.md, "Our kernels, stage by stage").
+
+cost_model.py models the kernel DeepEP ships (the rail and the NVLink forwarding pipelined, a call as
+long as its slowest stage). Our calls today run their stages one after another on one stream
+(hierarchical/timeline.py names them), so here a call is the sum of its stages:
+
+    dispatch  rail_send + rail_recv + layout + forward + reorder + counts
+    combine   reorder + reduce_in_node + rail_send + rail_recv_sum
+
+A stage is either fixed (µs: waits, small kernels, host launches) or moves bytes at a rate fitted from
+the measurement (GB/s, fixed costs folded in). Bytes per GPU come from the routing's fan-out
+(cost_model.fanout: nodes and GPUs a token reaches) and the buffer shapes:
+
+    rail_send        T * nodes_per_token * row   (across hosts: the remote share crosses the NIC, and the
+                                                  stage takes max(NIC time, the measured rate's time))
+    forward (P > 1)  T * ranks_per_token * row   the nvlink backend's exchange inside the node (rate scaled
+                                                  by the target's NVLink GB/s over the measured host's)
+    forward (P = 1)  2 * N*M * row               the one-rank node's gather over every slot
+    reorder          2 * P*N*M * row             a copy over the inner output's worst-case rows
+    reduce_in_node   T * ranks_per_token * row   (P = 1: the gather back to slots, 2 * N*M * row)
+    rail_recv_sum    T * (nodes_per_token + 1) * row
+
+`costs_from_bench(doc)` fits the stages from `benchmarks/internode_device.sh`'s internode.json (or one
+bench_internode JSON): the 2x2 row's timeline, slowest rank per stage. `check(doc, costs)` predicts the
+2x1 and 2x2 cold-call times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
+
+    python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
+
+MEASURED_2X2 below holds the fitted stage costs that the docs quote. Until a device run has filled
+it, it is a PLACEHOLDER (marked so in its `source`, and every table printed from it says so).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .cost_model import DEEPEP_H800_CX7, HARDWARE, Fanout, Hardware, fanout, predict, row_bytes
+
+DISPATCH_STAGES = ("rail_send", "rail_recv", "layout", "forward", "reorder", "counts")
+CACHED_STAGES = ("rail_send", "rail_recv", "forward", "reorder")
+COMBINE_STAGES = ("reorder", "reduce_in_node", "rail_send", "rail_recv_sum")
+FIXED = ("rail_recv", "layout", "counts")   # stages with no byte term
+MEASURED_NVLINK_GBPS = 478.0                 # the measuring host's NVLink (H200): forward rates scale from it
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per call kind, per stage: ("fixed", µs) or ("rate", GB/s)."""
+
+    dispatch: Dict[str, Tuple[str, float]]
+    dispatch_cached: Dict[str, Tuple[str, float]]
+    combine: Dict[str, Tuple[str, float]]
+    source: str
+    placeholder: bool = False
+    measured: Dict[str, Dict[str, float]] = field(default_factory=dict)  # shape -> {op: cold µs}
+
+
+# PLACEHOLDER: replace with the output of `python -m ep_plugin.plan.stage_model --from <internode.json>
+# --emit` after a device run (issue 30). The values are guesses of the right order (NVLink P2P ~300
+# GB/s for the rail at 24 SMs, HBM gathers ~1.5 TB/s), not measurements; tables printed from them say so.
+MEASURED_2X2 = StageCosts(
+    dispatch={"rail_send": ("rate", 300.0), "rail_recv": ("fixed", 30.0), "layout": ("fixed", 30.0),
+              "forward": ("rate", 300.0), "reorder": ("rate", 1500.0), "counts": ("fixed", 20.0)},
+    dispatch_cached={"rail_send": ("rate", 300.0), "rail_recv": ("fixed", 30.0), "forward": ("rate", 300.0),
+                     "reorder": ("rate", 1500.0)},
+    combine={"reorder": ("rate", 1500.0), "reduce_in_node": ("rate", 300.0), "rail_send": ("rate", 300.0),
+             "rail_recv_sum": ("rate", 1000.0)},
+    source="PLACEHOLDER (no device run fed yet)", placeholder=True)
+
+
+@dataclass(frozen=True)
+class Shape:
+    nodes: int
+    per_node: int
+    tokens: int          # T per GPU
+    max_tokens: int      # M (comm.max_tokens_per_rank): the buffers' worst case
+    hidden: int
+    topk: int = 8
+    num_experts: int = 256
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+
+
+def stage_bytes(shape: Shape, kind: str, fan: Fanout, dtype: str = "bf16") -> Dict[str, float]:
+    """Bytes per GPU each byte-moving stage of `kind` moves (module docstring)."""
+    b = row_bytes(shape.hidden, dtype if kind != "combine" else "bf16")
+    T, N, P, M = shape.tokens, shape.nodes, shape.per_node, shape.max_tokens
+    rail = T * fan.nodes_per_token * b
+    inner = T * fan.ranks_per_token * b if P > 1 else 2.0 * N * M * b
+    if kind == "combine":
+        out = {"reduce_in_node": inner, "rail_send": rail, "rail_recv_sum": T * (fan.nodes_per_token + 1) * b}
+        if P > 1:
+            out["reorder"] = 2.0 * P * N * M * b
+        return out
+    out = {"rail_send": rail, "forward": inner}
+    if P > 1:
+        out["reorder"] = 2.0 * P * N * M * b
+    return out
+
+
+def _stages(kind: str, P: int) -> Tuple[str, ...]:
+    stages = {"dispatch": DISPATCH_STAGES, "dispatch_cached": CACHED_STAGES, "combine": COMBINE_STAGES}[kind]
+    return tuple(s for s in stages if P > 1 or s != "reorder")
+
+
+def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Optional[Hardware] = None,
+                 dtype: str = "bf16", overlap: bool = False) -> Dict[str, float]:
+    """µs per stage and "total" of our call `kind` for `shape`. hw None: on one host (virtual nodes: the
+    rail rides NVLink P2P at the measured rate); else the rail's remote share also crosses hw's NIC and
+    the forward rate scales by hw.nvlink_gbps / MEASURED_NVLINK_GBPS. overlap: the forwarding runs
+    while the rail's data arrives (what issue 30's item 2 asks for): rail_send + forward -> their max."""
+    fan = fanout(shape.nodes, shape.per_node, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
+    table = getattr(costs, kind)
+    nbytes = stage_bytes(shape, kind, fan, dtype)
+    out: Dict[str, float] = {}
+    for stage in _stages(kind, shape.per_node):
+        how, v = table.get(stage, ("fixed", 0.0))
+        if how == "fixed":
+            out[stage] = v
+            continue
+        gbps = v
+        if stage in ("forward", "reduce_in_node") and hw is not None and shape.per_node > 1:
+            gbps = v * hw.nvlink_gbps / MEASURED_NVLINK_GBPS
+        out[stage] = nbytes.get(stage, 0.0) / (gbps * 1e3)
+        if stage == "rail_send" and hw is not None:
+            wire = shape.tokens * fan.remote_nodes_per_token * row_bytes(shape.hidden, dtype if kind != "combine" else "bf16")
+            out[stage] = max(out[stage], wire / (hw.nic_gb_per_s * 1e3))
+    if overlap:
+        fwd = "forward" if kind != "combine" else "reduce_in_node"
+        pair = max(out.get("rail_send", 0.0), out.get(fwd, 0.0))
+        out["overlapped"] = pair - out.get("rail_send", 0.0) - out.get(fwd, 0.0)
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------------------------------- ingest
+
+def _bench_docs(doc: dict) -> Dict[str, dict]:
+    """{label: bench_internode JSON} from internode.json ({"bench": {...}}) or one bench JSON."""
+    if "bench" in doc:
+        return doc["bench"]
+    label = f"{doc['meta']['world'] // doc['meta']['ranks_per_node']}x{doc['meta']['ranks_per_node']}"
+    return {label: doc}
+
+
+def _shape_of(bench: dict, case: str = "uniform") -> Shape:
+    m = bench["meta"]
+    nodes = m["world"] // m["ranks_per_node"]
+    groups = (nodes, 1) if case == "node_limited" else (None, None)
+    return Shape(nodes, m["ranks_per_node"], m["tokens"], m["tokens"], m["hidden"], m["topk"], m["num_experts"],
+                 *groups)
+
+
+def _row(bench: dict, case: str = "uniform") -> dict:
+    for r in bench["rows"]:
+        if r["case"] == case:
+            return r
+    raise ValueError(f"no {case!r} row in the bench JSON")
+
+
+def slowest_stages(row: dict) -> Dict[str, Dict[str, float]]:
+    """{kind: {stage: GPU µs}}: per stage the slowest rank's median (timeline of every rank)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for per_rank in row["timeline"]:
+        for kind, stages in per_rank.items():
+            for stage, v in stages.items():
+                if stage == "total" or v.get("gpu_us") is None:
+                    continue
+                k = out.setdefault(kind, {})
+                k[stage] = max(k.get(stage, 0.0), float(v["gpu_us"]))
+    return out
+
+
+def measured_cold(bench: dict, case: str = "uniform") -> Dict[str, float]:
+    """{op: slowest rank's cold median µs} of the bench row."""
+    out = {}
+    for op, m in _row(bench, case)["ops"].items():
+        if m.get("cold_us"):
+            out[op] = max(m["cold_us"])
+    return out
+
+
+def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> StageCosts:
+    """Stage costs fitted from the `label` bench's timeline: fixed stages as measured, byte stages as
+    bytes / measured µs (module docstring)."""
+    benches = _bench_docs(doc)
+    if label not in benches:
+        raise ValueError(f"no {label!r} bench in the JSON (have {sorted(benches)})")
+    bench = benches[label]
+    row = _row(bench, case)
+    if not row.get("timeline"):
+        raise ValueError(f"the {label} bench has no timeline (run bench_internode.py with --timeline N)")
+    shape = _shape_of(bench, case)
+    fan = fanout(shape.nodes, shape.per_node, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
+    stages = slowest_stages(row)
+    kinds = {}
+    for kind in ("dispatch", "dispatch_cached", "combine"):
+        nbytes = stage_bytes(shape, kind, fan)
+        table = {}
+        for stage, us in stages.get(kind, {}).items():
+            if stage in nbytes and us > 0:
+                table[stage] = ("rate", round(nbytes[stage] / (us * 1e3), 1))
+            else:
+                table[stage] = ("fixed", round(us, 1))
+        kinds[kind] = table
+    measured = {lab: measured_cold(b, case) for lab, b in benches.items()}
+    commit = bench["meta"].get("commit", "?")
+    return StageCosts(kinds["dispatch"], kinds["dispatch_cached"], kinds["combine"],
+                      source=f"{bench['meta'].get('device', '?')}, {bench['meta'].get('date', '?')}, commit {commit}, "
+                             f"{label} {case} timeline", measured=measured)
+
+
+def check(doc: dict, costs: StageCosts, case: str = "uniform") -> List[Dict[str, object]]:
+    """Predicted (on-host) against measured cold-call µs for every bench shape in doc: rows of shape,
+    op, predicted, measured, error."""
+    rows = []
+    ops = {"dispatch": "nvshmem.dispatch_bf16", "dispatch_cached": "nvshmem.dispatch_cached",
+           "combine": "nvshmem.combine_bf16"}
+    for label, bench in sorted(_bench_docs(doc).items()):
+        shape = _shape_of(bench, case)
+        got = measured_cold(bench, case)
+        for kind, op in ops.items():
+            if op not in got:
+                continue
+            pred = predict_ours(shape, costs, kind)["total"]
+            rows.append({"shape": label, "op": kind, "predicted_us": round(pred), "measured_us": round(got[op]),
+                         "error": pred / got[op] - 1})
+    return rows
+
+
+def cluster_table(costs: StageCosts, hardware: str = "h800-cx7", eps: Sequence[int] = (16, 32, 64),
+                  tokens: int = 4096, hidden: int = 7168, gpus_per_node: int = 8) -> List[Dict[str, object]]:
+    """Our dispatch (FP8) / combine at EP16/32/64 as they run today and with the forwarding overlapped,
+    DeepEP's published figures as µs, and RDMA bytes per rank for uniform and node-limited routing."""
+    hw = HARDWARE[hardware]
+    rows = []
+    for ep in eps:
+        N = ep // gpus_per_node
+        limited = Shape(N, gpus_per_node, tokens, tokens, hidden, 8, 256, N, min(N, 4))
+        uniform = Shape(N, gpus_per_node, tokens, tokens, hidden)
+        fan_l = fanout(N, gpus_per_node, 8, 256, N, min(N, 4))
+        fan_u = fanout(N, gpus_per_node, 8, 256)
+        d = predict_ours(limited, costs, "dispatch", hw, "fp8")
+        d_ov = predict_ours(limited, costs, "dispatch", hw, "fp8", overlap=True)
+        c = predict_ours(limited, costs, "combine", hw)
+        pipelined = predict(N, gpus_per_node, tokens, hidden, fan_l, hw, "fp8", 24)["time_us"]
+        pub = DEEPEP_H800_CX7.get(ep)
+        deepep = None
+        if pub is not None and hardware == "h800-cx7":  # logical GB/s -> µs: T * nodes_per_token * row / GB/s
+            deepep = (tokens * fan_l.nodes_per_token * row_bytes(hidden, "fp8") / (pub[0] * 1e3),
+                      tokens * fan_l.nodes_per_token * row_bytes(hidden, "bf16") / (pub[1] * 1e3))
+        rows.append({"ep": ep, "dispatch_us": round(d["total"]), "dispatch_overlapped_us": round(d_ov["total"]),
+                     "combine_us": round(c["total"]), "pipelined_model_dispatch_us": round(pipelined),
+                     "deepep_us": None if deepep is None else (round(deepep[0]), round(deepep[1])),
+                     "reorder_share": d.get("reorder", 0.0) / d["total"],
+                     "rdma_mb_uniform": tokens * fan_u.remote_nodes_per_token * row_bytes(hidden, "fp8") / 1e6,
+                     "rdma_mb_node_limited": tokens * fan_l.remote_nodes_per_token * row_bytes(hidden, "fp8") / 1e6})
+    return rows
+
+
+def emit(costs: StageCosts) -> str:
+    """Python text of `costs` for MEASURED_2X2."""
+    def tab(t):
+        return "{" + ", ".join(f"{k!r}: ({h!r}, {v})" for k, v in [(k, v[1]) for k, v in t.items()]
+                               for h in [t[k][0]]) + "}"
+    return (f"MEASURED_2X2 = StageCosts(\n    dispatch={tab(costs.dispatch)},\n    dispatch_cached="
+            f"{tab(costs.dispatch_cached)},\n    combine={tab(costs.combine)},\n    source={costs.source!r})")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ep_plugin.plan.stage_model", description=__doc__.split("\n")[0])
+    p.add_argument("--from", dest="src", default=None,
+                   help="internode.json of benchmarks/internode_device.sh (or a bench_internode JSON); default: "
+                        "MEASURED_2X2")
+    p.add_argument("--label", default="2x2", help="the bench whose timeline is fitted (default 2x2)")
+    p.add_argument("--emit", action="store_true", help="print the fitted costs as MEASURED_2X2 source text")
+    a = p.parse_args(argv)
+    doc = None
+    if a.src:
+        with open(a.src) as f:
+            doc = json.load(f)
+        costs = costs_from_bench(doc, a.label)
+    else:
+        costs = MEASURED_2X2
+    if a.emit:
+        print(emit(costs))
+        return 0
+    mark = " -- PLACEHOLDER COSTS, NOT MEASURED" if costs.placeholder else ""
+    print(f"stage costs: {costs.source}{mark}")
+    for kind in ("dispatch", "dispatch_cached", "combine"):
+        t = getattr(costs, kind)
+        print(f"  {kind:16s} " + " | ".join(f"{s} {v:g} {'us' if h == 'fixed' else 'GB/s'}" for s, (h, v) in t.items()))
+    if doc is not None:
+        print("on-host check (cold call, slowest rank):")
+        for r in check(doc, costs):
+            print(f"  {r['shape']} {r['op']:16s} predicted {r['predicted_us']:6d} us, measured {r['measured_us']:6d} us "
+                  f"({r['error']:+.0%})")
+    for hwname in ("h800-cx7", "h200-cx7"):
+        print(f"{hwname}: our calls as they run today (stages in sequence) / with forwarding overlapped; "
+              f"the pipelined model (cost_model, 24 SMs); DeepEP published (H800){mark}")
+        print("| EP | dispatch fp8 us | overlapped | combine us | pipelined model | DeepEP disp/comb us | reorder share "
+              "| RDMA MB/rank uniform | node-limited |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in cluster_table(costs, hwname):
+            dee = "-" if r["deepep_us"] is None else f"{r['deepep_us'][0]} / {r['deepep_us'][1]}"
+            print(f"| {r['ep']} | {r['dispatch_us']} | {r['dispatch_overlapped_us']} | {r['combine_us']} | "
+                  f"{r['pipelined_model_dispatch_us']} | {dee} | {r['reorder_share']:.0%} | {r['rdma_mb_uniform']:.1f} | "
+                  f"{r['rdma_mb_node_limited']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""CPU checks of the internode pieces that the GPU runs lean on: the receive counts read off the inner
+exchange (no count all-to-all), the stage timeline's marks, and the device script's Python parts
+(argument parsing, imports) so that a device call cannot fail on a typo."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ep_plugin.backends.hierarchical.backend import contract_positions, recv_counts_from_sources
+from ep_plugin.backends.hierarchical.timeline import StageTimeline
+from tests._dist import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("N,P,M", [(2, 2, 7), (3, 2, 5), (2, 4, 3), (4, 1, 6)])
+def test_recv_counts_from_sources_matches_brute_force(N, P, M):
+    g = torch.Generator().manual_seed(N * 100 + P * 10 + M)
+    for _ in range(20):
+        # per forwarder l, a sorted subset of its N*M slots (the inner exchange's order: forwarder, slot)
+        srcs, off = [], [0]
+        for _l in range(P):
+            keep = torch.rand(N * M, generator=g) < 0.4
+            srcs.append(keep.nonzero().flatten())
+            off.append(off[-1] + srcs[-1].numel())
+        garbage = torch.randint(-5, 10 * N * M, (3,), generator=g)  # worst-case rows past the valid ones
+        recv_src = torch.cat(srcs + [garbage]).to(torch.int32)
+        want = torch.zeros(N * P, dtype=torch.int64)
+        for l, s in enumerate(srcs):
+            for slot in s.tolist():
+                want[(slot // M) * P + l] += 1
+        got = recv_counts_from_sources(torch.tensor(off, dtype=torch.int32), recv_src, N, P, M)
+        assert got.tolist() == want.tolist()
+        # and the contract positions built on them are a permutation of the valid rows
+        pos = contract_positions(got, N, P, recv_src.numel())
+        assert sorted(pos.tolist()) == list(range(recv_src.numel()))
+
+
+def body_timeline(rank, world, P):
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K, hierarchical_buffer
+
+    buf = hierarchical_buffer(64, P, max_tokens=16)
+    tl = StageTimeline()
+    buf._backend.timeline = tl
+    xs, idxs, ws = make_inputs(world, 9, 64, E, K, 5, torch.bfloat16)
+    for _ in range(2):
+        a = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        buf.dispatch(xs[rank], handle=a.handle)
+        buf.combine(a.x, a.handle)
+    s = tl.summary()
+    assert set(s) == {"dispatch", "dispatch_cached", "combine"}, s
+    many = P > 1
+    want = {"dispatch": ["rail_recv", "layout", "forward"] + (["reorder"] if many else []) + ["counts"],
+            "dispatch_cached": ["rail_recv", "forward"] + (["reorder"] if many else []),
+            "combine": (["reorder"] if many else []) + ["reduce_in_node", "rail_recv_sum"]}
+    for kind, stages in want.items():
+        assert list(s[kind]) == stages + ["total"], (kind, list(s[kind]))
+        assert all(v["host_us"] >= 0 for v in s[kind].values())
+    assert len(tl.per_call()) == 6
+    buf.close()
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
+def test_timeline_marks_each_stage(world, P):
+    spawn(body_timeline, world, P, timeout=300)
+
+
+def test_bench_internode_arguments():
+    bench = os.path.join(ROOT, "benchmarks", "bench_internode.py")
+    ok = subprocess.run([sys.executable, bench, "--dry-run", "--world", "4", "--ranks-per-node", "2", "--cases",
+                         "uniform", "--timeline", "10", "--profile", "--iters", "30", "--timeout", "60", "--out",
+                         "/tmp", "--label", "2x2"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "world 4, ranks_per_node 2" in ok.stdout
+    bad = subprocess.run([sys.executable, bench, "--dry-run", "--cases", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_timeline_table_formats_rows():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_internode
+    finally:
+        sys.path.pop(0)
+    stage = {"gpu_us": 10.0, "host_us": 3.0}
+    rows = [{"case": "uniform", "timeline": [{"dispatch": {"rail_recv": stage, "total": stage}}] * 2}]
+    text = bench_internode.timeline_table(rows)
+    assert "rail_recv 10 (3)" in text and "uniform" in text
+
+
+def test_device_script_parses():
+    script = os.path.join(ROOT, "benchmarks", "internode_device.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+
+
+class _InnerWithSources:
+    """The torch backend inside a node, with what the nvlink backend's handle keeps added to its state:
+    recv_off [P + 1] (rows per forwarder) and recv_src (each row's slot on its forwarder), so that the
+    hierarchical backend takes its contract_order path on CPU."""
+
+    def __init__(self, inner, P):
+        self.inner, self.P = inner, P
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def dispatch(self, xf, sf, topk_f, wf, handle=None, async_op=False):
+        import torch.distributed as dist
+
+        res = self.inner.dispatch(xf, sf, topk_f, wf, handle=handle, async_op=async_op)
+        if handle is None:
+            group = self.inner.group
+            every = [None] * self.P
+            dist.all_gather_object(every, topk_f, group=group)
+            j = dist.get_rank(group)
+            per = self.inner.experts_per_rank
+            srcs = [((t >= 0) & (t // per == j)).any(1).nonzero().flatten() for t in every]
+            off = torch.tensor([0] + [int(s.numel()) for s in srcs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            src = torch.cat(srcs).to(torch.int32)
+            pad = torch.full((res.handle.num_recv - src.numel(),), 12345, dtype=torch.int32)  # undefined rows
+            res.handle.state.recv_off, res.handle.state.recv_src = off, torch.cat([src, pad])
+        return res
+
+
+def body_sources_path(rank, world, P):
+    from ep_plugin.backends.hierarchical import backend as hb
+    from tests.test_hierarchical import check_against_reference, check_node_limited, hierarchical_buffer
+
+    used = []
+    orig = hb.contract_order
+    hb.contract_order = lambda *a: used.append(1) or orig(*a)
+    for host_sync in (False, True):
+        buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
+        buf._backend.inner = _InnerWithSources(buf._backend.inner, P)
+        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)),
+                                              ("starve_last", 13), ("nowhere", 20))):
+            check_against_reference(buf, rank, world, 128, tokens, 40 + seed, mode, "cpu")
+        check_node_limited(buf, rank, world, P, "cpu")
+        buf.close()
+    assert used, "the contract_order path was not taken"
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (6, 3)])
+def test_hierarchical_orders_rows_from_inner_sources(world, P):
+    spawn(body_sources_path, world, P, timeout=300)

@@ -1,0 +1,127 @@
+"""comm.backend: nvshmem on GPUs as 2 virtual nodes: 2x1 (2 GPUs, one rank per node: no NVLink
+forwarding) and 2x2 (4 GPUs, two ranks per node: the rail, then the nvlink backend inside each node).
+
+Each world checks the whole backend against the single-process reference (tests/reference.py):
+random, skewed, partly unrouted and starved routings, zero-token ranks, FP8 rows, cached dispatch,
+worst-case (default) and host-synced sizing, node-limited routing with num_groups = nodes, a CUDA
+graph; and a peer that dies in the middle of a dispatch (after its rail send, before its NVLink
+forwarding and its combine): every survivor gets EPTimeoutError within comm.timeout_s of each wait,
+and the survivors that wait on the dead rank directly (its node peers, its rail peers) name it.
+
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py            # both worlds (needs 4 GPUs for 2x2)
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k 2x2
+"""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+from ep_plugin.backends.hierarchical.timeline import StageTimeline
+from ep_plugin.errors import EPTimeoutError
+from tests._dist import spawn
+from tests.reference import make_inputs
+from tests.test_hierarchical import E, K, _cfg, check_against_reference, check_graph, check_node_limited
+
+pytestmark = pytest.mark.gpu
+
+WORLDS = {"2x1": (2, 1), "2x2": (4, 2)}  # id -> (GPUs, ranks per node): always 2 virtual nodes
+DEATH_TIMEOUT_S = 3.0
+
+
+def _need(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    import ep_plugin._ext as ext
+    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
+        pytest.skip("ep_plugin._C is built without NVSHMEM")
+
+
+def body_contract(rank, world, P):
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
+    seed = 300
+    for host_sync in (False, True):
+        buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 512, host_sync, ranks_per_node=P), hidden=7168)
+        assert buf.backend_name == "nvshmem"
+        modes = ("random", "skew", "nowhere", "starve_last") if not host_sync else ("random", "skew")
+        for mode in modes:
+            for tokens in (17, [0] + [9] * (world - 1), 512):
+                seed += 1
+                check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+        check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
+        check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "skew", "cuda", fp8=True)
+        check_node_limited(buf, rank, world, P, "cuda")  # num_groups = nodes, group_topk 1
+        if not host_sync:
+            check_graph(buf, rank, world)
+        buf.check()
+        buf.close()
+
+
+@pytest.mark.parametrize("shape", list(WORLDS))
+def test_contract_against_reference(shape):
+    world, P = WORLDS[shape]
+    _need(world)
+    spawn(body_contract, world, P, backend="nccl", timeout=400)
+
+
+class _DieAfterRailSend(StageTimeline):
+    """The dying rank's timeline: at the mark between its rail send and receive half it waits for the
+    send to land, then ends its process -- in the middle of the dispatch call."""
+
+    def mark(self, stage):
+        if stage == "rail_send" and self._open is not None and self._open.kind == "dispatch":
+            torch.cuda.synchronize()
+            os._exit(0)
+        super().mark(stage)
+
+
+def body_peer_dies(rank, world, P):
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # NCCL's watchdog must not end a survivor first
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
+    buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 64, False, ranks_per_node=P, timeout_s=DEATH_TIMEOUT_S),
+                             hidden=1024)
+    xs, idxs, ws = make_inputs(world, 48, 1024, E, K, 21, torch.bfloat16)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    res = buf.dispatch(x, idx, w)  # a healthy round first
+    buf.combine(res.x, res.handle)
+    torch.cuda.synchronize()
+    buf.check()
+    dist.barrier()
+    dead = world - 1
+    backend = getattr(buf._backend, "wrapped", buf._backend)
+    if rank == dead:
+        backend.timeline = _DieAfterRailSend()
+    t0 = time.monotonic()
+    caught, where = None, None
+    try:
+        res = buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        where = "dispatch"
+        buf.check()
+        where = "combine"
+        buf.combine(res.x, res.handle)
+        torch.cuda.synchronize()
+        buf.check()
+    except EPTimeoutError as e:
+        caught = e
+    elapsed = time.monotonic() - t0
+    assert rank != dead, "the dying rank came back from its dispatch"
+    assert caught is not None, f"rank {rank}: no EPTimeoutError although rank {dead} died in its dispatch"
+    assert elapsed < 2 * DEATH_TIMEOUT_S + 10, f"rank {rank}: raised after {elapsed:.1f}s"
+    missing = tuple(caught.missing_ranks)
+    assert missing and rank not in missing and all(0 <= r < world for r in missing), (rank, where, str(caught))
+    node_peer = rank // P == dead // P
+    rail_peer = rank % P == dead % P
+    if node_peer or rail_peer:  # they wait on the dead rank itself
+        assert missing == (dead,), (rank, where, str(caught))
+    if node_peer and P > 1:  # its NVLink forwarding never came: the dispatch times out
+        assert where == "dispatch", (rank, where, str(caught))
+
+
+@pytest.mark.parametrize("shape", list(WORLDS))
+def test_peer_dies_mid_dispatch(shape):
+    world, P = WORLDS[shape]
+    _need(world)
+    spawn(body_peer_dies, world, P, backend="nccl", abandon=True, timeout=120)

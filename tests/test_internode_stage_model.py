@@ -1,0 +1,73 @@
+"""The stage model of our internode calls (ep_plugin/plan/stage_model.py): fitted from a timeline JSON
+in the layout benchmarks/internode_device.sh writes, it gives back the measured stages at the shape it
+was fitted on, predicts the other shapes, and renders its tables."""
+import json
+
+import pytest
+
+from ep_plugin.plan import stage_model as sm
+
+
+def _bench(world, P, stages, cold):
+    per_rank = {kind: {s: {"gpu_us": us, "host_us": 5.0} for s, us in st.items()} for kind, st in stages.items()}
+    slower = {kind: {s: {"gpu_us": us * 1.1, "host_us": 5.0} for s, us in st.items()} for kind, st in stages.items()}
+    ops = {op: {"cold_us": [v * 0.95, v], "queued_us": [v, v]} for op, v in cold.items()}
+    return {"meta": {"world": world, "ranks_per_node": P, "tokens": 4096, "hidden": 7168, "num_experts": 256,
+                     "topk": 8, "device": "test", "date": "today", "commit": "abc"},
+            "rows": [{"case": "uniform", "ops": ops, "timeline": [per_rank, slower] + [per_rank] * (world - 2)}]}
+
+
+STAGES_22 = {"dispatch": {"rail_send": 400.0, "rail_recv": 40.0, "layout": 30.0, "forward": 500.0, "reorder": 300.0,
+                          "counts": 20.0},
+             "dispatch_cached": {"rail_send": 400.0, "rail_recv": 40.0, "forward": 350.0, "reorder": 250.0},
+             "combine": {"reorder": 250.0, "reduce_in_node": 400.0, "rail_send": 350.0, "rail_recv_sum": 150.0}}
+DOC = {"bench": {"2x2": _bench(4, 2, STAGES_22, {"nvshmem.dispatch_bf16": 1400.0, "nvshmem.dispatch_cached": 1100.0,
+                                                 "nvshmem.combine_bf16": 1200.0}),
+                 "2x1": _bench(2, 1, {}, {"nvshmem.dispatch_bf16": 900.0, "nvshmem.combine_bf16": 700.0})},
+       "tests": {}}
+
+
+def test_fit_gives_back_the_measured_stages():
+    costs = sm.costs_from_bench(DOC)
+    assert not costs.placeholder and "2x2 uniform timeline" in costs.source
+    shape = sm._shape_of(DOC["bench"]["2x2"])
+    for kind, stages in STAGES_22.items():
+        pred = sm.predict_ours(shape, costs, kind)
+        for stage, us in stages.items():  # the slowest rank's median is 1.1x
+            assert pred[stage] == pytest.approx(us * 1.1, rel=2e-3), (kind, stage)
+    assert costs.dispatch["layout"] == ("fixed", 33.0) and costs.dispatch["rail_send"][0] == "rate"
+
+
+def test_check_predicts_both_shapes():
+    costs = sm.costs_from_bench(DOC)
+    rows = sm.check(DOC, costs)
+    shapes = {(r["shape"], r["op"]) for r in rows}
+    assert ("2x1", "dispatch") in shapes and ("2x2", "combine") in shapes
+    r22 = next(r for r in rows if r["shape"] == "2x2" and r["op"] == "dispatch")
+    assert r22["predicted_us"] == round(sum(STAGES_22["dispatch"].values()) * 1.1)
+    r21 = next(r for r in rows if r["shape"] == "2x1" and r["op"] == "dispatch")
+    assert 0 < r21["predicted_us"] and "reorder" not in sm.predict_ours(sm._shape_of(DOC["bench"]["2x1"]), costs)
+
+
+def test_cluster_table_and_cli(tmp_path, capsys):
+    costs = sm.costs_from_bench(DOC)
+    rows = sm.cluster_table(costs, "h800-cx7")
+    assert [r["ep"] for r in rows] == [16, 32, 64]
+    assert all(r["dispatch_overlapped_us"] <= r["dispatch_us"] for r in rows)
+    assert rows[0]["deepep_us"] is not None and rows[2]["rdma_mb_node_limited"] < rows[2]["rdma_mb_uniform"]
+    path = tmp_path / "internode.json"
+    path.write_text(json.dumps(DOC))
+    assert sm.main(["--from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "on-host check" in out and "| 64 |" in out and "PLACEHOLDER" not in out
+    assert sm.main(["--from", str(path), "--emit"]) == 0
+    text = capsys.readouterr().out
+    ns = {"StageCosts": sm.StageCosts}
+    exec(text, ns)
+    assert ns["MEASURED_2X2"].dispatch == costs.dispatch
+
+
+def test_placeholder_is_marked(capsys):
+    assert sm.MEASURED_2X2.placeholder
+    sm.main([])
+    assert "PLACEHOLDER" in capsys.readouterr().out
