@@ -395,6 +395,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
             y_eager = fn()
             timer.sync()
             d["checksum"] = checksum(y_eager)
+            del y_eager  # a held output would send every other combine to a fresh tensor (output sets)
             for p in a.protocols:
                 if p.startswith("eager") and not profile:
                     d["us"][p] = timer.run(fn, a.iters, a.warmup, cold=p == "eager_cold")
@@ -416,6 +417,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                     torch.cuda.synchronize()
                     d["graph_equal"] = bool(torch.equal(y_g, fn()))
                     torch.cuda.synchronize()
+                    del y_g
                     for p in a.protocols:
                         if p.startswith("graph") and not profile:
                             d["us"][p] = timer.run(graph.replay, a.iters, a.warmup, cold=p == "graph_cold")
