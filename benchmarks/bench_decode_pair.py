@@ -44,6 +44,9 @@ import traceback
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # this tree's ep_plugin, before any installed one (the spawned ranks inherit the path)
+    sys.path.insert(0, ROOT)
 SCHEMA = "ep_plugin.bench_decode_pair/1"
 PROTOCOLS = ("graph_cold", "graph_queued", "eager_cold", "eager_queued")
 DTYPES = ("bf16", "fp8")
@@ -395,6 +398,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
             y_eager = fn()
             timer.sync()
             d["checksum"] = checksum(y_eager)
+            del y_eager  # a held output would send every other combine to a fresh tensor (output sets)
             for p in a.protocols:
                 if p.startswith("eager") and not profile:
                     d["us"][p] = timer.run(fn, a.iters, a.warmup, cold=p == "eager_cold")
@@ -416,6 +420,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                     torch.cuda.synchronize()
                     d["graph_equal"] = bool(torch.equal(y_g, fn()))
                     torch.cuda.synchronize()
+                    del y_g
                     for p in a.protocols:
                         if p.startswith("graph") and not profile:
                             d["us"][p] = timer.run(graph.replay, a.iters, a.warmup, cold=p == "graph_cold")
@@ -727,7 +732,9 @@ def main(argv=None) -> int:
     from bench_launch import run_world
     t0 = time.time()
     results, complete = run_world(rank_main, a.ranks, a, on_partial=lambda body: None)
+    import ep_plugin
     doc = {"schema": SCHEMA, "label": a.label, "lib": a.lib, "world": a.ranks, "argv": sys.argv,
+           "ep_plugin_file": ep_plugin.__file__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
            "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu", "torch": torch.__version__,
            "tokens_per_rank": a.tokens, "hidden": a.hidden, "num_experts": a.experts, "topk": a.topk,
@@ -735,7 +742,7 @@ def main(argv=None) -> int:
            "results": results or [], "wall_s": round(time.time() - t0, 1)}
     try:
         import subprocess
-        doc["commit"] = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
+        doc["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                                        capture_output=True, text=True, timeout=5).stdout.strip()
     except Exception:  # noqa: BLE001
         pass

@@ -32,14 +32,16 @@ PROFILE=${LL_PROFILE:-5}
 #   shim_ob0     the same with output_buffers 0 (the "no ep_config" row)
 #   serial       default with the earlier combine-receive prologue (engine.kernel_flags = 4: thread 0
 #                gathers a token's K picks one dependent load after another)
-VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
+#   blocks64     default on a 64-block grid (engine.blocks; the default is one block per SM)
+VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 blocks64:eng.blocks=64 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
 PROFILED=${LL_PROFILED:-"default ob0 shim_ob0"}  # the variants whose kernels are traced (DeepEP's always)
-[ -d /tmp/deepep ] && export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's ep_plugin (built in place by device_build.sh)
+[ -d /tmp/deepep ] && export PYTHONPATH=$PYTHONPATH:/tmp/deepep
 left() { echo $(( B - ($(date +%s) - T0) )); }
 say() { echo "$*" | tee -a "$LOG"; }
 say "== ll_device.sh $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ); budget ${B}s; variants: $VARIANTS"
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tee -a "$LOG"
-python3 -c "import ep_plugin._C as C; print('ep_plugin._C NVSHMEM', C.HAS_NVSHMEM)" 2>&1 | tail -1 | tee -a "$LOG"
+python3 -c "import ep_plugin, ep_plugin._C as C; print(ep_plugin.__file__, '_C NVSHMEM', C.HAS_NVSHMEM)" 2>&1 | tail -1 | tee -a "$LOG"
 python3 -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tail -1 | tee -a "$LOG"
 
 pair() {  # ranks lib limit_s extra args...

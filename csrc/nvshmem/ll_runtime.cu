@@ -86,7 +86,8 @@ size_t Runtime::heap_bytes(int world, int num_experts, int max_tokens, int max_t
 
 Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_topk, int hidden, double timeout_s,
                  int num_blocks, int output_sets)
-    : world_(world), max_tokens_(max_tokens), max_topk_(max_topk), hidden_(hidden), num_blocks_(num_blocks) {
+    : world_(world), max_tokens_(max_tokens), max_topk_(max_topk), hidden_(hidden), num_blocks_(num_blocks),
+      max_blocks_(num_blocks) {
   EP_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, "LowLatencyRuntime: call nvshmem_init first");
   EP_CHECK_ARG(world >= 1 && world <= kMaxRanks, "LowLatencyRuntime: world must be in [1, %d], got %d", kMaxRanks, world);
   EP_CHECK_ARG(rank == nvshmem_my_pe() && world == nvshmem_n_pes(),
@@ -250,6 +251,11 @@ std::vector<uintptr_t> Runtime::set_pointers(int i) const {
   const uintptr_t base = reinterpret_cast<uintptr_t>(heap_) + static_cast<uintptr_t>(c.out_set[i]);
   return {base, base + static_cast<uintptr_t>(c.set_scales), base + static_cast<uintptr_t>(c.set_src_info),
           base + static_cast<uintptr_t>(c.set_row_slot)};
+}
+
+void Runtime::set_num_blocks(int n) {
+  EP_CHECK_ARG(n >= 1 && n <= max_blocks_, "LowLatencyRuntime: num_blocks must be in [1, %d], got %d", max_blocks_, n);
+  num_blocks_ = n;
 }
 
 int Runtime::sets() const { return ctx_ == nullptr ? 0 : static_cast<Ctx*>(ctx_)->sets; }

@@ -45,12 +45,15 @@ class Runtime {
   std::vector<int> missing_ranks() const;
   int take_bad_expert_ids();  // 1 if a send half since the last call saw an id outside [-1, E); clears it
   bool all_p2p() const { return all_p2p_; }
+  int num_blocks() const { return num_blocks_; }
+  // the grid of the next launches (1..the value built with: every block of a SEND|RECV launch is resident)
+  void set_num_blocks(int n);
   size_t bytes() const { return bytes_; }
   void destroy(bool collective);  // nvshmem_free (collective) unless after a fault
 
  private:
   void check_call(int T, int K) const;
-  int world_, max_tokens_, max_topk_, hidden_, num_blocks_;
+  int world_, max_tokens_, max_topk_, hidden_, num_blocks_, max_blocks_;
   size_t bytes_ = 0;
   bool all_p2p_ = true;
   char* heap_ = nullptr;

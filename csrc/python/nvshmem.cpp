@@ -54,6 +54,7 @@ void bind_nvshmem(py::module_& m) {
       .def("take_bad_expert_ids", &LL::take_bad_expert_ids)
       .def_property_readonly("all_p2p", &LL::all_p2p)
       .def_property_readonly("bytes", &LL::bytes)
+      .def_property("num_blocks", &LL::num_blocks, &LL::set_num_blocks)
       .def("destroy", &LL::destroy, py::arg("collective") = true);
 
   using Rail = rail::Runtime;

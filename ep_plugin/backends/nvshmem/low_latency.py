@@ -248,6 +248,15 @@ class NvshmemLowLatency(ReportsFaults):
             return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
         return views[i]
 
+    @property
+    def blocks(self) -> int:
+        """The grid of the kernels (default: one block per SM); fewer for an A/B run, never more."""
+        return int(self._rt.num_blocks)
+
+    @blocks.setter
+    def blocks(self, n: int) -> None:
+        self._rt.num_blocks = int(n)
+
     # ------------------------------------------------------------------ dispatch
     # Unfused, the send half is launched first, with nothing but pointers: in a cold call the host's
     # work before the first launch is on the critical path, the allocations after it overlap the send.
