@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ...errors import EPTimeoutError
 from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts, PinnedRing,
                       counts_from_lists)
 from ..base import Backend, Capabilities
-from ...errors import EPTimeoutError
 from .local import LocalNode
 from .nodes import node_groups, resolve_ranks_per_node
 from .timeline import NO_TIMELINE
@@ -95,12 +95,6 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
     g = src.clamp(max=W - 1)
     return c, torch.where(valid, start[g] + i - inner_start[g], i)
-
-
-def recv_counts_from_sources(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
-                             max_tokens: int) -> torch.Tensor:
-    """[W] int64 rows received from each group rank (contract_order's counts)."""
-    return contract_order(recv_off, recv_src, nodes, per_node, max_tokens, recv_src.numel())[0]
 
 
 class HierarchicalBackend(Backend):
@@ -198,7 +192,11 @@ class HierarchicalBackend(Backend):
         rail = self._rails.get(fp8)
         if rail is None:
             rail = self._rails[fp8] = self._make_rail(fp8)
-        if hasattr(rail, "on_phase"):  # rails that launch their halves separately mark the send half
+        return self._marked(rail)
+
+    def _marked(self, rail):
+        """The rail, marking its send half on the timeline where it launches its halves separately."""
+        if hasattr(rail, "on_phase"):
             rail.on_phase = self.timeline.mark if self.timeline.enabled else None
         return rail
 
@@ -297,9 +295,7 @@ class HierarchicalBackend(Backend):
                 if ev is not None:
                     ev.current_stream_wait()
             tl.mark("reduce_in_node")
-            if hasattr(st.rail, "on_phase"):
-                st.rail.on_phase = tl.mark if tl.enabled else None
-            y = st.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = self._marked(st.rail).combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
             tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
