@@ -77,7 +77,7 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     recv_off [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank g = s*P + l, and goes to
     contract position start[g] + (i - the first inner row of (l, s)). Rows from recv_off[P] on (their
     recv_src is undefined) are not counted and stay in place. What recv_counts + contract_positions
-    give, in fewer launches (the fresh dispatch's host time)."""
+    give, in fewer launches (the fresh dispatch's host time). Positions always lie in [0, rows)."""
     P, N, M = per_node, nodes, max_tokens
     W = N * P
     dev = recv_src.device
@@ -94,7 +94,11 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     by_node = c.view(N, P)
     inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
     g = src.clamp(max=W - 1)
-    return c, torch.where(valid, start[g] + i - inner_start[g], i)
+    pos = torch.where(valid, start[g] + i - inner_start[g], i)
+    # a no-op on a complete exchange (a permutation of [0, rows)); after an inner timeout recv_off and
+    # recv_src hold whatever was there, and an index out of range would end the process's CUDA context
+    # with a device assert instead of letting check() raise EPTimeoutError
+    return c, pos.clamp_(0, max(rows - 1, 0))
 
 
 class HierarchicalBackend(Backend):
