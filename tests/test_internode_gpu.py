@@ -97,11 +97,10 @@ def body_peer_dies(rank, world, P):
     if rank == dead:
         backend.timeline = _DieAfterRailSend()
     t0 = time.monotonic()
-    caught, where = None, None
+    caught, where = None, "dispatch"
     try:
         res = buf.dispatch(x, idx, w)
         torch.cuda.synchronize()
-        where = "dispatch"
         buf.check()
         where = "combine"
         buf.combine(res.x, res.handle)
