@@ -46,7 +46,11 @@ def test_check_predicts_both_shapes():
     r22 = next(r for r in rows if r["shape"] == "2x2" and r["op"] == "dispatch")
     assert r22["predicted_us"] == round(sum(STAGES_22["dispatch"].values()) * 1.1)
     r21 = next(r for r in rows if r["shape"] == "2x1" and r["op"] == "dispatch")
-    assert 0 < r21["predicted_us"] and "reorder" not in sm.predict_ours(sm._shape_of(DOC["bench"]["2x1"]), costs)
+    p21 = sm.predict_ours(sm._shape_of(DOC["bench"]["2x1"]), costs)
+    assert 0 < r21["predicted_us"] and "reorder" not in p21
+    # the one-rank node's gather over its 2 * 4096 slots runs at the reorder's copy rate
+    gather_bytes = 2.0 * 2 * 4096 * 7168 * 2
+    assert p21["forward"] == pytest.approx(gather_bytes / (costs.dispatch["reorder"][1] * 1e3))
 
 
 def test_cluster_table_and_cli(tmp_path, capsys):

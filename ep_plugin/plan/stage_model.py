@@ -118,6 +118,8 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
     out: Dict[str, float] = {}
     for stage in _stages(kind, shape.per_node):
         how, v = table.get(stage, ("fixed", 0.0))
+        if shape.per_node == 1 and stage in ("forward", "reduce_in_node") and "reorder" in table:
+            how, v = table["reorder"]  # one-rank nodes gather their slots: a copy, as the reorder (fitted at P > 1)
         if how == "fixed":
             out[stage] = v
             continue
