@@ -71,6 +71,14 @@ def test_cluster_table_and_cli(tmp_path, capsys):
     assert ns["MEASURED_2X2"].dispatch == costs.dispatch
 
 
+def test_timeline_tables(tmp_path, capsys):
+    path = tmp_path / "internode.json"
+    path.write_text(json.dumps(DOC))
+    assert sm.main(["--from", str(path), "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "| dispatch | rail_send 440 (5)" in out and "sum 1419" in out and "cold 1400" in out
+
+
 def test_placeholder_is_marked(capsys):
     assert sm.MEASURED_2X2.placeholder
     sm.main([])
