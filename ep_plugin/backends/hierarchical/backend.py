@@ -143,11 +143,13 @@ class HierarchicalBackend(Backend):
         if exact or not tpe.is_cuda:
             return counts_from_lists(send.tolist(), recv_counts.tolist(), tpe.tolist())
         if self._ring is None:
-            self._ring = PinnedRing({"send_counts": ((self.world,), torch.int64),
-                                     "recv_counts": ((self.world,), torch.int64),
-                                     "tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
-        return HostCounts(device={"send_counts": send, "recv_counts": recv_counts.long(),
-                                  "tokens_per_expert": tpe.long()}, ring=self._ring)
+            self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
+        # only tokens_per_expert is copied on every dispatch; the per-rank counts are read rarely (the
+        # generic weight reduction, DeepEP's host-synced dispatch) and then at the cost of a sync, as
+        # the nvlink backend's
+        return HostCounts(device={"tokens_per_expert": tpe.long()}, ring=self._ring,
+                          derived={"send_counts": lambda _c: send.tolist(),
+                                   "recv_counts": lambda _c: recv_counts.tolist()})
 
     def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
         """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes, else
