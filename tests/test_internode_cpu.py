@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ep_plugin.backends.hierarchical.backend import contract_positions, recv_counts_from_sources
+from ep_plugin.backends.hierarchical.backend import contract_order, contract_positions
 from ep_plugin.backends.hierarchical.timeline import StageTimeline
 from tests._dist import spawn
 
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("N,P,M", [(2, 2, 7), (3, 2, 5), (2, 4, 3), (4, 1, 6)])
-def test_recv_counts_from_sources_matches_brute_force(N, P, M):
+def test_contract_order_matches_brute_force(N, P, M):
     g = torch.Generator().manual_seed(N * 100 + P * 10 + M)
     for _ in range(20):
         # per forwarder l, a sorted subset of its N*M slots (the inner exchange's order: forwarder, slot)
@@ -31,10 +31,10 @@ def test_recv_counts_from_sources_matches_brute_force(N, P, M):
         for l, s in enumerate(srcs):
             for slot in s.tolist():
                 want[(slot // M) * P + l] += 1
-        got = recv_counts_from_sources(torch.tensor(off, dtype=torch.int32), recv_src, N, P, M)
+        got, pos = contract_order(torch.tensor(off, dtype=torch.int32), recv_src, N, P, M, recv_src.numel())
         assert got.tolist() == want.tolist()
-        # and the contract positions built on them are a permutation of the valid rows
-        pos = contract_positions(got, N, P, recv_src.numel())
+        # the positions are those contract_positions derives from the counts: a permutation of the rows
+        assert torch.equal(pos, contract_positions(got, N, P, recv_src.numel()))
         assert sorted(pos.tolist()) == list(range(recv_src.numel()))
 
 

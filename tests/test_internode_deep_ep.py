@@ -113,9 +113,12 @@ def body_one_node(rank, world):
     idx = torch.randint(0, 4 * world, (8, 2))
     per_rank, rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * world)
     assert rdma is None
-    with pytest.raises(NotImplementedError, match="num_tokens_per_rdma_rank"):
+    with pytest.raises(NotImplementedError, match="internode_dispatch.*comm.ranks_per_node"):
         buf.internode_dispatch(torch.zeros(8, 128, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    with pytest.raises(NotImplementedError, match="num_tokens_per_rdma_rank"):
+        buf.dispatch(torch.zeros(8, 128, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
+                     num_tokens_per_rdma_rank=per_rank[:1], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     buf.destroy()
 
 

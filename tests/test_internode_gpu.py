@@ -39,19 +39,22 @@ def _need(world):
         pytest.skip("ep_plugin._C is built without NVSHMEM")
 
 
+# (mode, tokens per rank) per sizing: a full batch, zero-token and starved ranks, unrouted tokens, skew
+CASES = {False: (("random", 512), ("skew", "zero_first"), ("nowhere", 17), ("starve_last", 512), ("random", 300)),
+         True: (("random", 512), ("skew", "zero_first"))}
+
+
 def body_contract(rank, world, P):
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
     seed = 300
     for host_sync in (False, True):
         buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 512, host_sync, ranks_per_node=P), hidden=7168)
         assert buf.backend_name == "nvshmem"
-        modes = ("random", "skew", "nowhere", "starve_last") if not host_sync else ("random", "skew")
-        for mode in modes:
-            for tokens in (17, [0] + [9] * (world - 1), 512):
-                seed += 1
-                check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
-        check_against_reference(buf, rank, world, 7168, 200, 5, "random", "cuda", fp8=True)
-        check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "skew", "cuda", fp8=True)
+        for mode, tokens in CASES[host_sync]:
+            seed += 1
+            tokens = [0] + [9] * (world - 1) if tokens == "zero_first" else tokens
+            check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+        check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "random", "cuda", fp8=True)
         check_node_limited(buf, rank, world, P, "cuda")  # num_groups = nodes, group_topk 1
         if not host_sync:
             check_graph(buf, rank, world)
@@ -94,11 +97,10 @@ def body_peer_dies(rank, world, P):
     if rank == dead:
         backend.timeline = _DieAfterRailSend()
     t0 = time.monotonic()
-    caught, where = None, None
+    caught, where = None, "dispatch"
     try:
         res = buf.dispatch(x, idx, w)
         torch.cuda.synchronize()
-        where = "dispatch"
         buf.check()
         where = "combine"
         buf.combine(res.x, res.handle)

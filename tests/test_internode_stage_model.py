@@ -46,7 +46,11 @@ def test_check_predicts_both_shapes():
     r22 = next(r for r in rows if r["shape"] == "2x2" and r["op"] == "dispatch")
     assert r22["predicted_us"] == round(sum(STAGES_22["dispatch"].values()) * 1.1)
     r21 = next(r for r in rows if r["shape"] == "2x1" and r["op"] == "dispatch")
-    assert 0 < r21["predicted_us"] and "reorder" not in sm.predict_ours(sm._shape_of(DOC["bench"]["2x1"]), costs)
+    p21 = sm.predict_ours(sm._shape_of(DOC["bench"]["2x1"]), costs)
+    assert 0 < r21["predicted_us"] and "reorder" not in p21
+    # the one-rank node's gather over its 2 * 4096 slots runs at the reorder's copy rate
+    gather_bytes = 2.0 * 2 * 4096 * 7168 * 2
+    assert p21["forward"] == pytest.approx(gather_bytes / (costs.dispatch["reorder"][1] * 1e3))
 
 
 def test_cluster_table_and_cli(tmp_path, capsys):
@@ -65,6 +69,14 @@ def test_cluster_table_and_cli(tmp_path, capsys):
     ns = {"StageCosts": sm.StageCosts}
     exec(text, ns)
     assert ns["MEASURED_2X2"].dispatch == costs.dispatch
+
+
+def test_timeline_tables(tmp_path, capsys):
+    path = tmp_path / "internode.json"
+    path.write_text(json.dumps(DOC))
+    assert sm.main(["--from", str(path), "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "| dispatch | rail_send 440 (5)" in out and "sum 1419" in out and "cold 1400" in out
 
 
 def test_placeholder_is_marked(capsys):

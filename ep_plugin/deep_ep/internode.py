@@ -45,15 +45,19 @@ def num_nodes(buffer) -> int:
     return nodes
 
 
+def _one_node(buffer, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"ep_plugin.deep_ep: {what} is for a Buffer that spans nodes, but this Buffer's group is one node "
+        f"({buffer.group_size} ranks, ep_config comm.ranks_per_node={buffer._cfg.comm.ranks_per_node}); set "
+        "comm.ranks_per_node in ep_config to split it into nodes, or use the intranode calls (get_dispatch_layout "
+        "returns num_tokens_per_rdma_rank=None on one node)")
+
+
 def check_rdma_arg(buffer, num_tokens_per_rdma_rank) -> None:
     """num_tokens_per_rdma_rank is for a Buffer that spans nodes (DeepEP's get_dispatch_layout returns
     None on one node): refused on one node, before anything moves."""
     if num_tokens_per_rdma_rank is not None and num_nodes(buffer) <= 1:
-        raise NotImplementedError(
-            "ep_plugin.deep_ep: num_tokens_per_rdma_rank (internode dispatch) was given, but this Buffer's group "
-            f"is one node ({buffer.group_size} ranks, ep_config comm.ranks_per_node="
-            f"{buffer._cfg.comm.ranks_per_node}); set comm.ranks_per_node in ep_config to split it into nodes, or "
-            "pass num_tokens_per_rdma_rank=None (what get_dispatch_layout returns on one node)")
+        raise _one_node(buffer, "num_tokens_per_rdma_rank (internode dispatch)")
 
 
 def tokens_per_node(buffer, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
@@ -100,16 +104,16 @@ def internode_dispatch(buffer, x, handle=None, num_tokens_per_rank=None, num_tok
                        allocate_on_comm_stream: bool = False):
     """DeepEP's Buffer.internode_dispatch: Buffer.dispatch with the internode handle (computing
     num_tokens_per_rdma_rank from is_token_in_rank when it is not given)."""
-    if handle is None and num_tokens_per_rdma_rank is None and is_token_in_rank is not None:
-        num_tokens_per_rdma_rank = tokens_per_node(buffer, is_token_in_rank)
     if handle is None:
-        check_rdma_arg(buffer, num_tokens_per_rdma_rank if num_tokens_per_rdma_rank is not None else 0)
+        if num_nodes(buffer) <= 1:
+            raise _one_node(buffer, "internode_dispatch")
+        if num_tokens_per_rdma_rank is None and is_token_in_rank is not None:
+            num_tokens_per_rdma_rank = tokens_per_node(buffer, is_token_in_rank)
     return buffer.dispatch(x, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
-                          num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-                          expert_alignment=expert_alignment, config=config, previous_event=previous_event,
-                          async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-    return out
+                           num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                           num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                           expert_alignment=expert_alignment, config=config, previous_event=previous_event,
+                           async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
 
 
 def internode_combine(buffer, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,

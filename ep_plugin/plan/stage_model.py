@@ -118,6 +118,8 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
     out: Dict[str, float] = {}
     for stage in _stages(kind, shape.per_node):
         how, v = table.get(stage, ("fixed", 0.0))
+        if shape.per_node == 1 and stage in ("forward", "reduce_in_node") and "reorder" in table:
+            how, v = table["reorder"]  # one-rank nodes gather their slots: a copy, as the reorder (fitted at P > 1)
         if how == "fixed":
             out[stage] = v
             continue
@@ -261,6 +263,36 @@ def cluster_table(costs: StageCosts, hardware: str = "h800-cx7", eps: Sequence[i
     return rows
 
 
+def timeline_markdown(doc: dict, case: str = "uniform") -> str:
+    """docs/INTERNODE.md's stage tables from the device JSON: per bench shape and call, each stage's
+    slowest-rank median GPU µs (host µs), their sum, and the call's cold median (slowest rank)."""
+    out = []
+    names = {"dispatch": "nvshmem.dispatch_bf16", "dispatch_cached": "nvshmem.dispatch_cached",
+             "combine": "nvshmem.combine_bf16"}
+    for label, bench in sorted(_bench_docs(doc).items()):
+        row = _row(bench, case)
+        if not row.get("timeline"):
+            continue
+        cold = measured_cold(bench, case)
+        flat = [cold.get(f"nvlink.{op}") for op in ("dispatch_bf16", "combine_bf16", "dispatch_cached")]
+        out.append(f"{label} ({bench['meta'].get('device', '?')}, {bench['meta'].get('date', '?')}), {case}; flat nvlink "
+                   f"same run, cold dispatch / combine / cached: " + " / ".join("-" if v is None else f"{v:.0f}" for v in flat))
+        for kind in ("dispatch", "dispatch_cached", "combine"):
+            stages = [s_ for s_ in row["timeline"][0].get(kind, {}) if s_ != "total"]
+            if not stages:
+                continue
+            cells, gpu_sum = [], 0.0
+            for st in stages:
+                vals = [t[kind][st] for t in row["timeline"] if st in t.get(kind, {})]
+                g = max((v["gpu_us"] or 0.0) for v in vals)
+                h = max(v["host_us"] for v in vals)
+                gpu_sum += g
+                cells.append(f"{st} {g:.0f} ({h:.0f})")
+            c = cold.get(names[kind])
+            out.append(f"| {kind} | " + " | ".join(cells) + f" | sum {gpu_sum:.0f} | cold {'-' if c is None else f'{c:.0f}'} |")
+    return "\n".join(out)
+
+
 def emit(costs: StageCosts) -> str:
     """Python text of `costs` for MEASURED_2X2."""
     def tab(t):
@@ -277,6 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "MEASURED_2X2")
     p.add_argument("--label", default="2x2", help="the bench whose timeline is fitted (default 2x2)")
     p.add_argument("--emit", action="store_true", help="print the fitted costs as MEASURED_2X2 source text")
+    p.add_argument("--timeline", action="store_true", help="print the stage tables of every bench in --from")
     a = p.parse_args(argv)
     doc = None
     if a.src:
@@ -287,6 +320,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         costs = MEASURED_2X2
     if a.emit:
         print(emit(costs))
+        return 0
+    if a.timeline:
+        if doc is None:
+            p.error("--timeline needs --from")
+        print(timeline_markdown(doc))
         return 0
     mark = " -- PLACEHOLDER COSTS, NOT MEASURED" if costs.placeholder else ""
     print(f"stage costs: {costs.source}{mark}")

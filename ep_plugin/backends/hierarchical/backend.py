@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ...errors import EPTimeoutError
 from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts, PinnedRing,
                       counts_from_lists)
 from ..base import Backend, Capabilities
-from ...errors import EPTimeoutError
 from .local import LocalNode
 from .nodes import node_groups, resolve_ranks_per_node
 from .timeline import NO_TIMELINE
@@ -77,7 +77,7 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     recv_off [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank g = s*P + l, and goes to
     contract position start[g] + (i - the first inner row of (l, s)). Rows from recv_off[P] on (their
     recv_src is undefined) are not counted and stay in place. What recv_counts + contract_positions
-    give, in fewer launches (the fresh dispatch's host time)."""
+    give, in fewer launches (the fresh dispatch's host time). Positions always lie in [0, rows)."""
     P, N, M = per_node, nodes, max_tokens
     W = N * P
     dev = recv_src.device
@@ -94,13 +94,11 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     by_node = c.view(N, P)
     inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
     g = src.clamp(max=W - 1)
-    return c, torch.where(valid, start[g] + i - inner_start[g], i)
-
-
-def recv_counts_from_sources(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
-                             max_tokens: int) -> torch.Tensor:
-    """[W] int64 rows received from each group rank (contract_order's counts)."""
-    return contract_order(recv_off, recv_src, nodes, per_node, max_tokens, recv_src.numel())[0]
+    pos = torch.where(valid, start[g] + i - inner_start[g], i)
+    # a no-op on a complete exchange (a permutation of [0, rows)); after an inner timeout recv_off and
+    # recv_src hold whatever was there, and an index out of range would end the process's CUDA context
+    # with a device assert instead of letting check() raise EPTimeoutError
+    return c, pos.clamp_(0, max(rows - 1, 0))
 
 
 class HierarchicalBackend(Backend):
@@ -145,11 +143,13 @@ class HierarchicalBackend(Backend):
         if exact or not tpe.is_cuda:
             return counts_from_lists(send.tolist(), recv_counts.tolist(), tpe.tolist())
         if self._ring is None:
-            self._ring = PinnedRing({"send_counts": ((self.world,), torch.int64),
-                                     "recv_counts": ((self.world,), torch.int64),
-                                     "tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
-        return HostCounts(device={"send_counts": send, "recv_counts": recv_counts.long(),
-                                  "tokens_per_expert": tpe.long()}, ring=self._ring)
+            self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
+        # only tokens_per_expert is copied on every dispatch; the per-rank counts are read rarely (the
+        # generic weight reduction, DeepEP's host-synced dispatch) and then at the cost of a sync, as
+        # the nvlink backend's
+        return HostCounts(device={"tokens_per_expert": tpe.long()}, ring=self._ring,
+                          derived={"send_counts": lambda _c: send.tolist(),
+                                   "recv_counts": lambda _c: recv_counts.tolist()})
 
     def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
         """[W] int64 rows this rank receives from each rank: read off the slots for one-rank nodes, else
@@ -198,7 +198,11 @@ class HierarchicalBackend(Backend):
         rail = self._rails.get(fp8)
         if rail is None:
             rail = self._rails[fp8] = self._make_rail(fp8)
-        if hasattr(rail, "on_phase"):  # rails that launch their halves separately mark the send half
+        return self._marked(rail)
+
+    def _marked(self, rail):
+        """The rail, marking its send half on the timeline where it launches its halves separately."""
+        if hasattr(rail, "on_phase"):
             rail.on_phase = self.timeline.mark if self.timeline.enabled else None
         return rail
 
@@ -297,9 +301,7 @@ class HierarchicalBackend(Backend):
                 if ev is not None:
                     ev.current_stream_wait()
             tl.mark("reduce_in_node")
-            if hasattr(st.rail, "on_phase"):
-                st.rail.on_phase = tl.mark if tl.enabled else None
-            y = st.rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = self._marked(st.rail).combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
             tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
