@@ -156,8 +156,9 @@ class NvlinkBackend(Backend):
         C = get_c()
         self.device = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(self.device)
-        self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count)
         self.max_tokens = int(cfg.comm.max_tokens_per_rank)
+        # auto: by EP size and the batch the buffer is sized for (plan.py)
+        self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel

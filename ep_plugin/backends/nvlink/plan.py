@@ -1,17 +1,25 @@
-"""How many SMs the nvlink kernels use: `comm.num_sms` as given, or a count planned for `auto`."""
+"""What the nvlink kernels run with: the SM count (`comm.num_sms`, or a count planned for `auto`) and
+the dispatch / combine kernels (`comm.dispatch_kernel` / `comm.combine_kernel`, or `auto`), from the
+measured runs named below."""
 from __future__ import annotations
 
 from typing import Union
 
-# 24 SMs already reach the NVLink ceiling at 4096 tokens x 7168 on H200 (benchmarks/NOTES_nvlink.md),
-# and leave the rest of the GPU to the experts.
+# `auto` SMs at 4096 tokens (hidden 7168, top-8 of 256, 4x H200, 2026-11-26, bench_kernels; cold-call
+# dispatch + combine with the auto kernels, us): the smallest count within 5% of the fastest measured.
+# EP2: 8 SMs 1212, 24 SMs 674, 48 SMs 628 (24 is 7% off: 48); EP4: 16 SMs 1503, 24 SMs 1446, 48 SMs 1420
+# (24 is 2% off: 24). Small batches are bound by latency and host work, not SMs: 24.
 AUTO_SMS = 24
+AUTO_SMS_BY_WORLD = {2: 48}
+AUTO_SMS_MIN_TOKENS = 1024  # below this many tokens per rank: AUTO_SMS
 
 
-def plan_num_sms(requested: Union[int, str], sm_count: int) -> int:
-    """`auto` -> AUTO_SMS, at most a quarter of the GPU; an int is clamped to the GPU."""
+def plan_num_sms(requested: Union[int, str], sm_count: int, world: int = 0, tokens: int = 0) -> int:
+    """`auto` -> the table above for this EP size and batch (at most half of the GPU); an int is
+    clamped to the GPU."""
     if requested == "auto":
-        return max(1, min(AUTO_SMS, sm_count // 4))
+        want = AUTO_SMS_BY_WORLD.get(world, AUTO_SMS) if tokens >= AUTO_SMS_MIN_TOKENS else AUTO_SMS
+        return max(1, min(want, sm_count // 2))
     return max(1, min(int(requested), sm_count))
 
 

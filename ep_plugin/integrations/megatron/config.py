@@ -68,7 +68,8 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
 def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bool = False,
                    device_counts: bool = False) -> EPConfig:
     """The EPConfig of one dispatcher: the attached config, else ep_plugin's defaults, with the
-    TransformerConfig's expert count and top-k. Its comm.max_tokens_per_rank is the buffer's
+    TransformerConfig's expert count and top-k, and its moe_flex_dispatcher_num_sms as comm.num_sms
+    when that is set. Its comm.max_tokens_per_rank is the buffer's
     capacity, never the size of a batch.
 
     comm.host_sync stays as attached (false by default) for forwards traced by torch.compile
@@ -80,6 +81,9 @@ def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bo
     raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
+    sms = getattr(transformer_config, "moe_flex_dispatcher_num_sms", None)
+    if sms is not None:  # megatron's own SM budget for the flex dispatchers' communication wins
+        raw["comm"]["num_sms"] = int(sms)
     if not (compiled or device_counts):
         # megatron's experts split their input by host counts, so the host waits for them anyway: an
         # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
