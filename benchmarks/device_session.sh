@@ -3,7 +3,8 @@
 # build (DeepEP V1 beside it in the background), the nvlink GPU tests, per-kernel phases and the
 # kernel-choice benchmark (bench_kernels.py, DeepEP in the same run) at EP4 and EP2, and the decode-pair
 # yardstick (each library in its own process). Every step has its own time limit; logs go to $OUT.
-#   bash benchmarks/device_session.sh [steps...]     steps: test phases kernels pair extra (default: all)
+#   bash benchmarks/device_session.sh [steps...]     steps: test phases kernels pair pipe extra (default: test phases
+#   kernels pair extra)
 # Carry .deepep (../shared/gpu/deepep_reference.sh prepare) and .yard (copies of ../shared/gpu/yardstick_*.py).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -59,10 +60,11 @@ if has pair; then
     done
   done
 fi
-if has lags; then  # the pipelined combine's write lag (EP_PLUGIN_PIPE_LAG), EP4 then EP2, 24 SMs
-  for lag in 6 16 28; do
-    EP_PLUGIN_PIPE_LAG=$lag run lags 60 $PY benchmarks/bench_kernels.py --world 4 --sms 24 48 --no-deepep \
-      --pairs split/pipelined split/fused --iters 20 --out "$OUT/lag$lag"
+if has pipe; then  # the pipelined combine's measurement knobs (unit rows, reduce backoff) at EP4, 24 and 48 SMs
+  for v in "8 0" "32 0" "8 200" "32 200"; do
+    set -- $v
+    EP_PLUGIN_PIPE_UNIT=$1 EP_PLUGIN_PIPE_BACKOFF=$2 run pipe 60 $PY benchmarks/bench_kernels.py --world 4 --sms 24 48 \
+      --no-deepep --pairs split/pipelined --iters 20 --out "$OUT/pipe_u$1_b$2"
   done
 fi
 if has extra && [ -n "${EXTRA:-}" ]; then  # other scripts with their arguments, ';'-separated

@@ -10,7 +10,7 @@
 // block reduce chunks as they complete.
 //
 // Each block: thread 0 streams send units through common/tma.cuh's BulkRing (local x -> shared ->
-// the source's combine area, slot [me][position]). A unit is up to kUnitRows consecutive rows for one
+// the source's combine area, slot [me][position]). A unit is up to unit_rows (8) consecutive rows for one
 // source; units interleave the sources (rotated by rank, so the ranks start on different links) and
 // are strided over blocks, so every link carries rows at once and the sources' early tokens go first.
 // Once a unit's bulk stores have completed (wait_group), one system fence and a relaxed add per
@@ -34,21 +34,22 @@ namespace ep {
 namespace nvl {
 namespace {
 
-constexpr int kUnitRows = 8;   // rows per send unit: one fence per unit, its chunks' adds
-constexpr int kPend = 64;      // ring items between loaded and published (> kRingMaxSlots + the write lag)
+constexpr int kWriteLag = 16;  // bulk store groups in flight before the oldest is waited for (6 / 16 / 28
+                               // measured alike: 680 us queued at EP4, 24 SMs, 4x H200, 2026-11-26)
+constexpr int kPend = 64;      // ring items between loaded and published (> kRingMaxSlots + kWriteLag)
 
 struct PendUnit {
   int src, row0, n;  // n > 0 on a unit's last item: rows row0 .. row0+n-1 of x, sent to src
 };
 
-// LAG: bulk store groups whose writes may still be in flight before the oldest is waited for and
-// published. A store's shared memory is free once read (the ring's own lag), so LAG may exceed the
-// ring's slots: more bytes in flight per SM than the ring holds.
-template <int MAXW, int U, int LAG>
+// unit_rows: rows per send unit (one system fence per unit, then its chunks' adds); sleep_ns: the
+// reduce warps' pause between polls (0: a tight spin). A store's shared memory is free once read (the
+// ring's own lag), so kWriteLag may exceed the ring's slots.
+template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, const int* __restrict__ recv_src, int4* __restrict__ y,
-                        int T, int nslot) {
+                        int T, int nslot, int unit_rows, unsigned sleep_ns) {
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
   __shared__ char* s_dst[kRingMaxSlots];  // where each ring slot's row goes
@@ -70,7 +71,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     const int npeers = W - 1;
     int max_units = 0;
     for (int s = 0; s < W; ++s)
-      if (s != me) max_units = max(max_units, (s_off[s + 1] - s_off[s] + kUnitRows - 1) / kUnitRows);
+      if (s != me) max_units = max(max_units, (s_off[s + 1] - s_off[s] + unit_rows - 1) / unit_rows);
     const int nunits = max_units * npeers;
     int published = 0;  // ring items whose units have been published
     // Publishes the units of the items whose writes are complete: every item below `done`.
@@ -101,15 +102,15 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     auto store_oldest = [&]() {
       tma_store(s_dst[ring.slot_of(ring.tail)], ring.wait_oldest(), row_bytes);
       ring.pop();
-      tma_store_wait<LAG>();  // items below tail - LAG are written
-      if (ring.tail - LAG > published) publish(ring.tail - LAG);
+      tma_store_wait<kWriteLag>();  // items below tail - kWriteLag are written
+      if (ring.tail - kWriteLag > published) publish(ring.tail - kWriteLag);
     };
     fence_proxy_async();  // the peers' reads of their areas (acquired above) before the bulk writes
     for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
       const int s = (me + 1 + u % npeers) % W;
-      const int q0 = (u / npeers) * kUnitRows, cnt = s_off[s + 1] - s_off[s];
+      const int q0 = (u / npeers) * unit_rows, cnt = s_off[s + 1] - s_off[s];
       if (q0 >= cnt) continue;
-      const int n = min(kUnitRows, cnt - q0), row0 = s_off[s] + q0;
+      const int n = min(unit_rows, cnt - q0), row0 = s_off[s] + q0;
       char* dst0 = c.peers[s] + c.off_combine + (static_cast<size_t>(me) * c.max_tokens + q0) * row_bytes;
       for (int j = 0; j < n; ++j) {
         while (ring.full()) store_oldest();
@@ -130,7 +131,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       unit = __shfl_sync(kFull, unit, 0);
       if (unit >= nchunks) break;
       if (!reduce_chunk<MAXW, U>(c, reinterpret_cast<const int4*>(x), send_pos, self_lo, y, T, unit, lane,
-                                 deadline))
+                                 deadline, sleep_ns))
         break;
     }
   }
@@ -149,33 +150,23 @@ bool combine_pipe_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRing
 
 namespace {
 
-template <int MAXW, int U, int LAG>
+template <int MAXW, int U>
 void launch_pipe(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  const int* recv_src, int4* y, int T, int nslot, cudaStream_t stream) {
-  static bool smem_set[64] = {};
-  ring_smem_once(combine_pipe_tma_kernel<MAXW, U, LAG>, smem_set);
-  combine_pipe_tma_kernel<MAXW, U, LAG><<<blocks, kThreads, static_cast<size_t>(nslot) * c.hidden * 2, stream>>>(
-      c, x, send_pos, recv_off, recv_src, y, T, nslot);
-}
-
-// The write lag: EP_PLUGIN_PIPE_LAG (6, 16 or 28; measurement only), else 16.
-int write_lag() {
-  static int lag = [] {
-    const char* v = getenv("EP_PLUGIN_PIPE_LAG");
-    const int n = v ? atoi(v) : 16;
-    return n == 6 || n == 28 ? n : 16;
+  // Measurement knobs of 2026-11-26 (not configuration; they go once decided): EP_PLUGIN_PIPE_UNIT
+  // rows per send unit (8 or 32), EP_PLUGIN_PIPE_BACKOFF ns between the reduce warps' polls (0 or 200).
+  static const int unit_rows = [] {
+    const char* v = getenv("EP_PLUGIN_PIPE_UNIT");
+    return v && atoi(v) == 32 ? 32 : 8;
   }();
-  return lag;
-}
-
-template <int MAXW, int U>
-void launch_pipe_lag(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                     const int* recv_src, int4* y, int T, int nslot, cudaStream_t stream) {
-  switch (write_lag()) {
-    case 6: launch_pipe<MAXW, U, 6>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream); break;
-    case 28: launch_pipe<MAXW, U, 28>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream); break;
-    default: launch_pipe<MAXW, U, 16>(c, blocks, x, send_pos, recv_off, recv_src, y, T, nslot, stream);
-  }
+  static const unsigned sleep_ns = [] {
+    const char* v = getenv("EP_PLUGIN_PIPE_BACKOFF");
+    return v && atoi(v) == 200 ? 200u : 0u;
+  }();
+  static bool smem_set[64] = {};
+  ring_smem_once(combine_pipe_tma_kernel<MAXW, U>, smem_set);
+  combine_pipe_tma_kernel<MAXW, U><<<blocks, kThreads, static_cast<size_t>(nslot) * c.hidden * 2, stream>>>(
+      c, x, send_pos, recv_off, recv_src, y, T, nslot, unit_rows, sleep_ns);
 }
 
 }  // namespace
@@ -186,9 +177,9 @@ void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int*
   const char* xb = reinterpret_cast<const char*>(x);
   // recv_src may be null when this rank received no rows (no unit is then sent)
   if (c.world <= 4)
-    launch_pipe_lag<4, 3>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
+    launch_pipe<4, 3>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
   else
-    launch_pipe_lag<8, 2>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
+    launch_pipe<8, 2>(c, blocks, xb, send_pos, recv_off, recv_src, y, T, nslot, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
