@@ -41,6 +41,7 @@ PROFILE=${LL_PROFILE:-5}
 #                gathers a token's K picks one dependent load after another)
 #   blocks64     default on a 64-block grid (engine.blocks; the default is one block per SM)
 VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 blocks64:eng.blocks=64 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
+VARIANTS_EP4=${LL_VARIANTS_EP4:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 ob0_fused:ob=0,eng.fused_launch=1"}
 PROFILED=${LL_PROFILED:-"default ob0 shim_ob0"}  # the variants whose kernels are traced (DeepEP's always)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's ep_plugin (built in place by device_build.sh)
 [ -d /tmp/deepep ] && export PYTHONPATH=$PYTHONPATH:/tmp/deepep
@@ -95,7 +96,7 @@ PYEOF
   exit 0
 fi
 
-say "variants: $VARIANTS"
+say "variants: EP2 $VARIANTS; EP4 $VARIANTS_EP4"
 
 pair() {  # ranks lib limit_s extra args...
   local r=$1 lib=$2 lim=$3
@@ -117,7 +118,8 @@ pair() {  # ranks lib limit_s extra args...
 for r in 2 4; do
   pair $r deepep 30
   # shellcheck disable=SC2086
-  pair $r ep_plugin 55 --variants $VARIANTS --profile-variants $PROFILED
+  v=$VARIANTS; [ $r = 4 ] && v=$VARIANTS_EP4
+  pair $r ep_plugin 55 --variants $v --profile-variants $PROFILED
 done
 say "== merged (slowest rank's median, us)"
 python3 benchmarks/bench_decode_pair.py --merge "$W"/pair_ep*.json --out "$OUT/ll_pair.json" --plot "$OUT/ll_pair.png" \
