@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# Issue 29's device run: where a decode pair's time goes, ours and DeepEP's, at EP2 and EP4, and the A/B
-# of the low-latency knobs. One device call on a 4-GPU host, after the builds:
-#   bash benchmarks/device_build.sh && bash .deepep/deepep_reference.sh build && bash benchmarks/ll_device.sh
-# (carry [".deepep"]; nothing else). Budget LL_BUDGET_S (default 150 s); each step runs only if the time
-# left allows it, in this order:
+# Issue 29's device runs, on a 4-GPU host after the builds (carry [".deepep"]; nothing else):
+#   bash benchmarks/device_build.sh && bash .deepep/deepep_reference.sh build && bash benchmarks/ll_device.sh [pair|tests]
+#
+# pair (default; budget LL_BUDGET_S, 150 s): where a decode pair's time goes, ours and DeepEP's, at EP2 and
+# EP4, and the A/B of the low-latency knobs. Each step runs only if the time left allows it, in order:
 #   1. EP2 (GPUs 0,1), then EP4 (0-3): benchmarks/bench_decode_pair.py, DeepEP V1 in a process of its own,
 #      then ep_plugin's variants (LL_VARIANTS) in one process: graph cold / queued, eager cold / queued,
 #      BF16 and FP8, and per-kernel timelines under the profiler (LL_PROFILE pairs per protocol);
-#   2. the merge: table, A/B lines (each variant / DeepEP, / ob2), plot;
+#   2. the merge: table, A/B lines (each variant / DeepEP, / default, / ob0), plot;
 #   3. DeepEP v1.2.1's own tests/test_low_latency.py through ep_plugin.deep_ep (no ep_config) at EP2: its
 #      bench line, and the same on DeepEP itself (LL_DEEPEP_TEST=0 skips).
-# Writes three files to $OUT: ll_pair.log (everything printed), ll_pair.json (merged rows and
-# timelines), ll_pair.png (the plot, when matplotlib imports).
+#   Writes $OUT/ll_pair.log (everything printed), ll_pair.json (merged rows and timelines), ll_pair.png.
+# tests (budget LL_BUDGET_S, 300 s): issue 29's "done when", in order:
+#   1. DeepEP v1.2.1's own tests/test_low_latency.py through ep_plugin.deep_ep (no ep_config) at 4, then 2 ranks;
+#   2. tests/test_low_latency_gpu.py at EP4, then EP2 (EP_TEST_WORLD): hooks, graphs, masks, FP8, repeated
+#      picks, zero-token ranks, output sets, timeouts;
+#   3. benchmarks/bench_ll_overlap.py at EP2 and EP4 (a GEMM between send and hook runs at full speed).
+#   Writes $OUT/ll_tests.log (the summary and every step's tail) and $OUT/ll_overlap.json.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+MODE=${1:-pair}
+case "$MODE" in pair) B=${LL_BUDGET_S:-150} ;; tests) B=${LL_BUDGET_S:-300} ;;
+  *) echo "usage: $0 [pair|tests]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/ep_out}
 mkdir -p "$OUT"
-LOG=$OUT/ll_pair.log
-W=/tmp/ll_pair
+LOG=$OUT/ll_$MODE.log
+W=/tmp/ll_$MODE
 rm -rf "$W" && mkdir -p "$W"
 T0=$(date +%s)
-B=${LL_BUDGET_S:-150}
 PROFILE=${LL_PROFILE:-5}
 # the A/B knobs: NAME:k=v,... (bench_decode_pair.py's docstring); default = what a user's config gives
 #   default      the shipped config (output_buffers 2 since 8ccd946: heap sets, one SEND|RECV launch)
@@ -34,15 +41,62 @@ PROFILE=${LL_PROFILE:-5}
 #                gathers a token's K picks one dependent load after another)
 #   blocks64     default on a 64-block grid (engine.blocks; the default is one block per SM)
 VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 blocks64:eng.blocks=64 ob0_fused:ob=0,eng.fused_launch=1 ob0_nvshmem:ob=0,cfg.comm.backend=nvshmem"}
+VARIANTS_EP4=${LL_VARIANTS_EP4:-"default ob0 shim shim_ob0:shim=1,ob=0 serial:eng.kernel_flags=4 ob0_fused:ob=0,eng.fused_launch=1"}
 PROFILED=${LL_PROFILED:-"default ob0 shim_ob0"}  # the variants whose kernels are traced (DeepEP's always)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's ep_plugin (built in place by device_build.sh)
 [ -d /tmp/deepep ] && export PYTHONPATH=$PYTHONPATH:/tmp/deepep
 left() { echo $(( B - ($(date +%s) - T0) )); }
 say() { echo "$*" | tee -a "$LOG"; }
-say "== ll_device.sh $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ); budget ${B}s; variants: $VARIANTS"
+say "== ll_device.sh $MODE $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ); budget ${B}s"
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tee -a "$LOG"
 python3 -c "import ep_plugin, ep_plugin._C as C; print(ep_plugin.__file__, '_C NVSHMEM', C.HAS_NVSHMEM)" 2>&1 | tail -1 | tee -a "$LOG"
 python3 -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tail -1 | tee -a "$LOG"
+TESTS=/tmp/deepep/tests
+[ -d "$TESTS" ] || TESTS=.deepep/DeepEP/tests
+
+step() {  # name, need_s, limit_s, command...: runs it if the time left allows, logs its summary lines
+  local n=$1 need=$2 lim=$3 l t0 rc
+  shift 3
+  l=$(left)
+  [ "$l" -lt "$need" ] && { say "-- $n skipped: ${l}s left"; return; }
+  [ "$lim" -gt "$l" ] && lim=$l
+  t0=$(date +%s)
+  timeout -k 5 "$lim" "$@" > "$W/$n.log" 2>&1
+  rc=$?
+  say "-- $n rc=$rc $(( $(date +%s) - t0 ))s"
+  grep -E "passed|failed|PASSED|FAILED|^E  |Error|Dispatch \+ combine|send/recv|deepep_ll_test|overlap|GEMM|total" \
+    "$W/$n.log" | head -20 | tee -a "$LOG"
+}
+
+if [ "$MODE" = tests ]; then
+  step deepep_test_ep4 60 120 env CUDA_VISIBLE_DEVICES=0,1,2,3 python3 benchmarks/deepep_ll_test.py --tests "$TESTS" --shim --ranks 4
+  step deepep_test_ep2 50 100 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/deepep_ll_test.py --tests "$TESTS" --shim --ranks 2
+  for w in 4 2; do
+    devs=0,1; [ $w = 4 ] && devs=0,1,2,3
+    step "ll_gpu_ep$w" 90 200 env CUDA_VISIBLE_DEVICES=$devs EP_TEST_WORLD=$w EP_TEST_STACK_DUMP_S=190 \
+      python3 -m pytest -q -s -m gpu tests/test_low_latency_gpu.py -rA -p no:cacheprovider
+  done
+  for w in 2 4; do
+    devs=0,1; [ $w = 4 ] && devs=0,1,2,3
+    step "overlap_ep$w" 30 60 env CUDA_VISIBLE_DEVICES=$devs python3 benchmarks/bench_ll_overlap.py --ranks $w \
+      --iters 30 --timeout 55 --out "$W/overlap_ep$w.json"
+  done
+  python3 - "$W" "$OUT/ll_overlap.json" <<'PYEOF'
+import glob, json, sys
+docs = {}
+for p in sorted(glob.glob(sys.argv[1] + "/overlap_ep*.json")):
+    try:
+        docs[p.rsplit("/", 1)[1]] = json.load(open(p))
+    except Exception as exc:  # noqa: BLE001
+        docs[p] = {"error": str(exc)}
+json.dump(docs, open(sys.argv[2], "w"), indent=1)
+PYEOF
+  for n in "$W"/*.log; do [ -f "$n" ] && { echo "=== $(basename "$n")"; tail -40 "$n"; }; done >> "$LOG"
+  say "== done in $(( $(date +%s) - T0 ))s"
+  exit 0
+fi
+
+say "variants: EP2 $VARIANTS; EP4 $VARIANTS_EP4"
 
 pair() {  # ranks lib limit_s extra args...
   local r=$1 lib=$2 lim=$3
@@ -64,24 +118,15 @@ pair() {  # ranks lib limit_s extra args...
 for r in 2 4; do
   pair $r deepep 30
   # shellcheck disable=SC2086
-  pair $r ep_plugin 55 --variants $VARIANTS --profile-variants $PROFILED
+  v=$VARIANTS; [ $r = 4 ] && v=$VARIANTS_EP4
+  pair $r ep_plugin 55 --variants $v --profile-variants $PROFILED
 done
 say "== merged (slowest rank's median, us)"
 python3 benchmarks/bench_decode_pair.py --merge "$W"/pair_ep*.json --out "$OUT/ll_pair.json" --plot "$OUT/ll_pair.png" \
   2>&1 | tee -a "$LOG"
 
 if [ "${LL_DEEPEP_TEST:-1}" != 0 ]; then
-  TESTS=/tmp/deepep/tests
-  [ -d "$TESTS" ] || TESTS=.deepep/DeepEP/tests
-  for how in --shim ""; do
-    l=$(left)
-    [ "$l" -lt 35 ] && { say "-- DeepEP test_low_latency ${how:-on DeepEP} skipped: ${l}s left"; continue; }
-    t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=0,1 timeout -k 5 $((l - 5)) python3 benchmarks/deepep_ll_test.py --tests "$TESTS" $how --ranks 2 \
-      > "$W/dtest$how.log" 2>&1
-    rc=$?
-    say "-- DeepEP v1.2.1 tests/test_low_latency.py EP2 ${how:-(DeepEP itself)} rc=$rc $(( $(date +%s) - t0 ))s"
-    grep -E "deepep_ll_test|Dispatch \+ combine|send/recv|bandwidth|Error|error|assert" "$W/dtest$how.log" | head -12 | tee -a "$LOG"
-  done
+  step deepep_test_shim_ep2 35 100 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/deepep_ll_test.py --tests "$TESTS" --shim --ranks 2
+  step deepep_test_deepep_ep2 35 100 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/deepep_ll_test.py --tests "$TESTS" --ranks 2
 fi
 say "== done in $(( $(date +%s) - T0 ))s"

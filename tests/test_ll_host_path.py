@@ -319,3 +319,35 @@ def test_bench_runs(solo, capsys):
     bench.main(["-n", "20", "--repeats", "1", "--output-buffers", "2"])
     out = capsys.readouterr().out
     assert "HOST OVERHEAD ONLY" in out and out.count(" fp8 ") == 3 and out.count(" bf16 ") == 3
+
+
+def test_decode_pair_bench_variants_timelines_and_merge():
+    """benchmarks/bench_decode_pair.py's CPU-side logic (the device run has no second chance): variant
+    specs, the per-kernel timeline of traced pairs aligned across ranks, the merged table and A/B lines."""
+    from benchmarks import bench_decode_pair as dp
+    assert dp.parse_variant("ob2")["ob"] == 2 and dp.parse_variant("shim")["shim"]
+    v = dp.parse_variant("x:ob=0,eng.fused_launch=1,cfg.comm.backend=nvshmem")
+    assert v == {"name": "x", "ob": 0, "shim": False, "eng": {"fused_launch": 1}, "cfg": {"comm.backend": "nvshmem"}}
+    for bad in ("nope", "x:ob=-1", "x:what=1", "x:ob"):
+        with pytest.raises(ValueError):
+            dp.parse_variant(bad)
+
+    def pair(t0, ks):
+        return {"t0": t0, "kernels": [{"name": n, "ts": t, "dur": d} for n, t, d in ks]}
+
+    r0 = [pair(100, [("dispatch", 105, 10), ("combine", 120, 12)]), pair(200, [("dispatch", 204, 11), ("combine", 221, 12)])]
+    r1 = [pair(101, [("dispatch", 108, 10), ("combine", 125, 9)]), pair(199, [("dispatch", 206, 10), ("combine", 222, 12)])]
+    tl = dp.timeline([r0, r1])
+    a, b = tl["ranks"]
+    assert [k["name"] for k in a["kernels"]] == ["dispatch", "combine"] and a["launch_gap"] == 4.5
+    assert b["kernels"][0]["start"] == 7.5 and b["end"] == 34.5 and a["gaps"] == [5.5]
+    rec = {"variant": "default", "spec": {}, "engine": {}, "wall_s": 1.0,
+           "dtypes": {"bf16": {"us": {"graph_cold": [80.0, 90.0, 85.0]}, "errors": {}, "checksum": 3.0}}}
+    merged = dp.merge_ranks([rec, rec])
+    assert merged["dtypes"]["bf16"]["slowest_median_us"]["graph_cold"] == 85.0
+    docs = [{"world": 2, "lib": "ep_plugin", "results": [merged, dict(merged, variant="ob0")]},
+            {"world": 2, "lib": "deepep", "results": [dict(merged, variant="deepep")]}]
+    rows = dp.rows_of(docs)
+    assert "85.0" in dp.table(rows)
+    ab = dp.ab_lines(rows)
+    assert "vs deepep: graph cold 1.00" in ab and "outputs of the ep_plugin variants: equal" in ab

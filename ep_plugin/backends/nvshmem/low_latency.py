@@ -176,8 +176,12 @@ class NvshmemLowLatency(ReportsFaults):
         xs = [recv_x, *recv_x] if isinstance(recv_x, tuple) else [recv_x]
         return xs + [recv_count, src_info, layout_range, state]
 
-    def _raise_held(self) -> None:
+    def _take_held(self) -> int:
+        """The held heap set the last _dispatch_outputs picked (-1: none), cleared: read right after it."""
         i, self._held = self._held, -1
+        return i
+
+    def _raise_held(self, i: int) -> None:
         raise OutputsStillHeldError(
             f"low-latency dispatch: output set {i} of comm.low_latency.output_buffers={self.output_buffers} was "
             f"still referenced (recv_x, recv_count, the handle, or a view of them, from the dispatch "
@@ -265,8 +269,10 @@ class NvshmemLowLatency(ReportsFaults):
         rt = self._rt
         fp8 = 1 if use_fp8 else 0
         stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
+        held = -1
         if self.fused_launch and not hook:
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
+            held = self._take_held()
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV, *ptrs,
                         stats_ptr, _current_stream(), out_set, state["ptrs"][2])
             recv = None
@@ -275,6 +281,7 @@ class NvshmemLowLatency(ReportsFaults):
             # Output sets: the senders need the set, so the outputs come first (views made once). Fresh
             # outputs: their allocations follow the send half, overlapping it.
             outputs = self._dispatch_outputs(use_fp8, x.device) if self.output_sets else None
+            held = self._take_held()
             set_args = (outputs[6], outputs[4]["ptrs"][2]) if outputs else ()  # the set and self_pos
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
                         0, 0, 0, 0, 0, 0, 0, stream, *set_args)
@@ -288,8 +295,8 @@ class NvshmemLowLatency(ReportsFaults):
             else:
                 def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
                     rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set, self_ptr)
-        if self._held >= 0:
-            self._raise_held()
+        if held >= 0:
+            self._raise_held(held)
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
                                   max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
                                   topk=K, use_fp8=use_fp8, backend=self.name, state=state)
