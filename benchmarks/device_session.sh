@@ -3,8 +3,7 @@
 # build (DeepEP V1 beside it in the background), the nvlink GPU tests, per-kernel phases and the
 # kernel-choice benchmark (bench_kernels.py, DeepEP in the same run) at EP4 and EP2, and the decode-pair
 # yardstick (each library in its own process). Every step has its own time limit; logs go to $OUT.
-#   bash benchmarks/device_session.sh [steps...]     steps: test phases kernels pair pipe extra (default: test phases
-#   kernels pair extra)
+#   bash benchmarks/device_session.sh [steps...]     steps: test phases kernels pair extra (default: all)
 # Carry .deepep (../shared/gpu/deepep_reference.sh prepare) and .yard (copies of ../shared/gpu/yardstick_*.py).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -58,13 +57,6 @@ if has pair; then
     for lib in "deepep" "ep_plugin --ob 0" "ep_plugin --ob 2" "deep_ep_shim"; do
       CUDA_VISIBLE_DEVICES=$dev run pair 60 $PY .yard/yardstick_decode_pair.py $lib --ranks $w --iters 30
     done
-  done
-fi
-if has pipe; then  # the pipelined combine's measurement knobs (unit rows, reduce backoff) at EP4, 24 and 48 SMs
-  for v in "8 0" "32 0" "8 200" "32 200"; do
-    set -- $v
-    EP_PLUGIN_PIPE_UNIT=$1 EP_PLUGIN_PIPE_BACKOFF=$2 run pipe 60 $PY benchmarks/bench_kernels.py --world 4 --sms 24 48 \
-      --no-deepep --pairs split/pipelined --iters 20 --out "$OUT/pipe_u$1_b$2"
   done
 fi
 if has extra && [ -n "${EXTRA:-}" ]; then  # other scripts with their arguments, ';'-separated

@@ -26,21 +26,6 @@ __device__ __forceinline__ int wait_geq(const int* p, int target, unsigned long 
   return kArrived;
 }
 
-// wait_geq with a pause of about sleep_ns between polls: for many waiters on flags that peers write
-// over NVLink (the pipelined combine's reduce warps), so the polls leave the memory system to the data.
-__device__ __forceinline__ int wait_geq_backoff(const int* p, int target, unsigned long long deadline,
-                                                const int* aborted, unsigned sleep_ns) {
-  unsigned it = 0;
-  while (static_cast<int>(static_cast<unsigned>(ld_acquire_sys(p)) - static_cast<unsigned>(target)) < 0) {
-    __nanosleep(sleep_ns);
-    if (((++it) & 15u) == 0) {
-      if (ld_volatile(aborted)) return kGaveUp;
-      if (globaltimer() > deadline) return kTimedOut;
-    }
-  }
-  return kArrived;
-}
-
 // Sets the abort word, then publishes the failure to the host. C is a transport's kernel context
 // with `aborted` (device) and `host` (host-mapped: missing[peer], err_kernel, err). err is written
 // last, behind a system fence, so a host that sees err also sees which peer and which kernel.

@@ -10,7 +10,7 @@
 // block reduce chunks as they complete.
 //
 // Each block: thread 0 streams send units through common/tma.cuh's BulkRing (local x -> shared ->
-// the source's combine area, slot [me][position]). A unit is up to unit_rows (8) consecutive rows for one
+// the source's combine area, slot [me][position]). A unit is up to unit_rows (8 or 32) consecutive rows for one
 // source; units interleave the sources (rotated by rank, so the ranks start on different links) and
 // are strided over blocks, so every link carries rows at once and the sources' early tokens go first.
 // Once a unit's bulk stores have completed (wait_group), one system fence and a relaxed add per
@@ -23,8 +23,6 @@
 //   3. the last block releases REDUCE_DONE[me] = ce at every peer and sets epochs[E_COMBINE] = ce
 //      unless the call was aborted, and resets the work queue.
 // A timeout in step 1 is recorded with K_SEND, a chunk wait with K_REDUCE; sends never wait on a peer.
-#include <cstdlib>
-
 #include "common/error.h"
 #include "common/tma.cuh"
 #include "nvlink/combine_sum.cuh"
@@ -42,14 +40,13 @@ struct PendUnit {
   int src, row0, n;  // n > 0 on a unit's last item: rows row0 .. row0+n-1 of x, sent to src
 };
 
-// unit_rows: rows per send unit (one system fence per unit, then its chunks' adds); sleep_ns: the
-// reduce warps' pause between polls (0: a tight spin). A store's shared memory is free once read (the
-// ring's own lag), so kWriteLag may exceed the ring's slots.
+// unit_rows: rows per send unit (one system fence per unit, then its chunks' adds). A store's shared
+// memory is free once read (the ring's own lag), so kWriteLag may exceed the ring's slots.
 template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, const int* __restrict__ recv_src, int4* __restrict__ y,
-                        int T, int nslot, int unit_rows, unsigned sleep_ns) {
+                        int T, int nslot, int unit_rows) {
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
   __shared__ char* s_dst[kRingMaxSlots];  // where each ring slot's row goes
@@ -131,7 +128,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       unit = __shfl_sync(kFull, unit, 0);
       if (unit >= nchunks) break;
       if (!reduce_chunk<MAXW, U>(c, reinterpret_cast<const int4*>(x), send_pos, self_lo, y, T, unit, lane,
-                                 deadline, sleep_ns))
+                                 deadline))
         break;
     }
   }
@@ -153,20 +150,14 @@ namespace {
 template <int MAXW, int U>
 void launch_pipe(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  const int* recv_src, int4* y, int T, int nslot, cudaStream_t stream) {
-  // Measurement knobs of 2026-11-26 (not configuration; they go once decided): EP_PLUGIN_PIPE_UNIT
-  // rows per send unit (8 or 32), EP_PLUGIN_PIPE_BACKOFF ns between the reduce warps' polls (0 or 200).
-  static const int unit_rows = [] {
-    const char* v = getenv("EP_PLUGIN_PIPE_UNIT");
-    return v && atoi(v) == 32 ? 32 : 8;
-  }();
-  static const unsigned sleep_ns = [] {
-    const char* v = getenv("EP_PLUGIN_PIPE_BACKOFF");
-    return v && atoi(v) == 200 ? 200u : 0u;
-  }();
+  // Rows per send unit: 8 at EP2 (measured there), 32 above (EP4, 24 SMs: 645 us queued against 681 with
+  // 8, 4x H200, 2026-11-26: fewer system fences per row). A pause between the reduce warps' polls
+  // (200 ns) measured no different from a tight spin: none.
+  const int unit_rows = c.world <= 2 ? 8 : 32;
   static bool smem_set[64] = {};
   ring_smem_once(combine_pipe_tma_kernel<MAXW, U>, smem_set);
   combine_pipe_tma_kernel<MAXW, U><<<blocks, kThreads, static_cast<size_t>(nslot) * c.hidden * 2, stream>>>(
-      c, x, send_pos, recv_off, recv_src, y, T, nslot, unit_rows, sleep_ns);
+      c, x, send_pos, recv_off, recv_src, y, T, nslot, unit_rows);
 }
 
 }  // namespace

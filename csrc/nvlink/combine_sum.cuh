@@ -77,11 +77,10 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
 // every peer's arrival counter of chunk `chunk` (arrive[chunk][p] in this rank's buffer) reaches the rows
 // expected from that peer (from send_pos), sums the chunk's tokens, then zeroes the counters for the
 // next combine. False when a wait failed (a timeout is recorded against K_REDUCE).
-// sleep_ns > 0: poll the counters with that pause (wait_geq_backoff).
 template <int MAXW, int U>
 __device__ __forceinline__ bool reduce_chunk(const Ctx& c, const int4* __restrict__ x, const int* __restrict__ send_pos,
                                              int self_lo, int4* __restrict__ y, int T, int chunk, int lane,
-                                             unsigned long long deadline, unsigned sleep_ns = 0) {
+                                             unsigned long long deadline) {
   const int W = c.world, me = c.rank;
   const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
   int* arrive = reinterpret_cast<int*>(c.peers[me] + c.off_arrive);  // [chunk][src]
@@ -90,9 +89,7 @@ __device__ __forceinline__ bool reduce_chunk(const Ctx& c, const int4* __restric
     int expect = 0;
     for (int t = t0; t < t0 + nt; ++t) expect += send_pos[static_cast<size_t>(t) * W + lane] >= 0;
     int* ctr = arrive + chunk * kMaxRanks + lane;
-    const int r = !expect ? kArrived
-                  : sleep_ns ? wait_geq_backoff(ctr, expect, deadline, c.aborted, sleep_ns)
-                             : wait_geq(ctr, expect, deadline, c.aborted);
+    const int r = expect ? wait_geq(ctr, expect, deadline, c.aborted) : kArrived;
     if (r == kTimedOut) record_timeout(c, lane, K_REDUCE);
     ok = r == kArrived;
   }
