@@ -7,7 +7,8 @@ queued; protocols.py).
     python3 benchmarks/bench_dispatch.py --cases throughput sm_sweep --sms 8 16 24 32
 
 Cases: throughput (4096 tokens/rank, hidden 7168, 256 experts, top-8, uniform routing),
-group_limited (the same, experts in 4 contiguous groups, each token's top-8 inside its best 2 groups),
+group_limited (the same, experts in 4 contiguous groups, each token's top-8 inside its best 2 groups), group_limited8
+(8 groups, best 4: DeepSeek-V3's),
 latency (128 tokens/rank; adds the low-latency calls: ep_plugin's EPBuffer.low_latency_dispatch/combine
 with comm.low_latency.max_tokens_per_rank 128, and DeepEP's), sm_sweep (optional: nvlink at --sms).
 Low-latency rows: dispatch BF16, dispatch FP8, combine BF16 (weighted), and the two halves of each call
@@ -514,7 +515,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2], help="EP sizes, one run each (default 2)")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, "sm_sweep"])
-    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32], help="SM counts of the sm_sweep case")
+    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 48], help="SM counts of the sm_sweep case")
     ap.add_argument("--num-sms", type=int, default=24, help="SMs for ep_plugin's kernels and DeepEP's (even)")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per op and protocol")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before each protocol")

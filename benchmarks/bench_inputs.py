@@ -12,7 +12,11 @@ import torch.distributed as dist
 
 E, K, H = 256, 8, 7168
 NUM_GROUPS, GROUP_TOPK = 4, 2
-CASES = {"throughput": (4096, "uniform"), "group_limited": (4096, "group_limited"), "latency": (128, "uniform")}
+# group-limited routings: (num_groups, group_topk); "group_limited" is 4 groups / top-2, "group_limited8"
+# DeepSeek-V3's 8 groups / top-4
+GROUPINGS = {"group_limited": (NUM_GROUPS, GROUP_TOPK), "group_limited8": (8, 4)}
+CASES = {"throughput": (4096, "uniform"), "group_limited": (4096, "group_limited"),
+         "group_limited8": (4096, "group_limited8"), "latency": (128, "uniform")}
 MAX_TOKENS = 4096  # comm.max_tokens_per_rank of every benchmark buffer
 
 
@@ -68,7 +72,7 @@ def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk
 def make_routing(T: int, routing: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
-    idx = scores.topk(K, dim=1).indices if routing == "uniform" else group_limited_topk(scores, K, NUM_GROUPS, GROUP_TOPK)
+    idx = scores.topk(K, dim=1).indices if routing == "uniform" else group_limited_topk(scores, K, *GROUPINGS[routing])
     return idx.to(torch.int64).contiguous(), torch.rand(T, K, generator=g)
 
 

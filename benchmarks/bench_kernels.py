@@ -4,7 +4,8 @@
     python3 benchmarks/bench_kernels.py --world 4 --sms 16 24 48 --out /tmp/res
     CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/bench_kernels.py --world 2 --sms 8 16 24 48
 
-Throughput case of DESIGN.md (4096 tokens per rank, hidden 7168, 256 experts, top-8, uniform, BF16), both
+Throughput case of DESIGN.md (4096 tokens per rank, hidden 7168, 256 experts, top-8, uniform or --case
+group-limited routing, BF16), all three
 protocols (protocols.py: cold is the headline, queued the kernels' view), slowest rank's median. Every
 kernel pair is first checked against the torch backend on the same inputs (received rows equal, combine
 equal within BF16 rounding); a pair that differs is reported and not timed. DeepEP's rows come from
@@ -58,7 +59,7 @@ def check_pair(buf, inp, ref_out, ref_y, rows_out):
 
 def rank_main(rank, world, port, args, q):
     init_rank(rank, world, port)
-    inp = make_inputs("throughput", rank, world)
+    inp = make_inputs(args.case, rank, world)
     # hidden: a cold call whose host work is hidden behind a GPU sleep (cold - hidden = the host's share)
     proto = Protocols(args.warmup, args.iters, ("cold", "queued", "hidden"))
     ref = ep_plugin.EPBuffer(None, ep_config("torch", 24), hidden=H)
@@ -67,7 +68,7 @@ def rank_main(rank, world, port, args, q):
     rows_out = lambda rows: (rows.float() * scale).to(torch.bfloat16)  # noqa: E731
     ref_y = ref.combine(rows_out(ref_out.x), ref_out.handle)
     ref.close()
-    out = {"world": world, "sms": args.sms, "rows": []}
+    out = {"world": world, "sms": args.sms, "case": args.case, "rows": []}
 
     def row(name, sms, ops, note=None):
         r = {"name": name, "sms": sms, "ops": {k: slowest(v) for k, v in ops.items()}, "note": note}
@@ -121,14 +122,39 @@ def rank_main(rank, world, port, args, q):
     dist.destroy_process_group()
 
 
+def plot(report, path):
+    """Cold-call dispatch and combine time against SMs: ep_plugin (auto kernels) and DeepEP V1."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, op in zip(axes, ("dispatch", "combine")):
+        for name, style in (("ep_plugin auto/auto", "o-"), ("deepep v1", "s--")):
+            pts = sorted((r["sms"], r["ops"][op]["cold_us"]) for r in report.get("rows", [])
+                         if r["name"] == name and op in r["ops"] and r["ops"][op].get("cold_us"))
+            if pts:
+                ax.plot(*zip(*pts), style, label=name)
+        ax.set(title=f"EP{report.get('world')} {op} ({report.get('case', 'throughput')}, cold)", xlabel="SMs",
+               ylabel="us, slowest rank")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--sms", type=int, nargs="+", default=[24])
+    ap.add_argument("--case", default="throughput", choices=["throughput", "group_limited", "group_limited8"],
+                    help="bench_inputs.CASES: uniform, 4 groups / top-2, or 8 groups / top-4 routing")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pairs", nargs="+", default=[f"{d}/{c}" for d, c in PAIRS],
-                    help="dispatch/combine kernel pairs (EP_PLUGIN_PIPE_LAG sets the pipelined combine's write lag)")
+                    help="dispatch/combine kernel pairs")
     ap.add_argument("--no-deepep", action="store_true")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -140,10 +166,12 @@ def main(argv=None):
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "commit": os.popen(f"git -C {HERE} rev-parse --short HEAD 2>/dev/null").read().strip() or None,
             "seconds": round(time.time() - t0, 1), "complete": done}
-    path = os.path.join(args.out, f"bench_kernels_ep{args.world}.json")
+    suffix = "" if args.case == "throughput" else f"_{args.case}"
+    path = os.path.join(args.out, f"bench_kernels_ep{args.world}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, **(report or {})}, f, indent=1)
-    print(f"wrote {path} ({meta['seconds']} s, complete={done})", flush=True)
+    png = plot(report or {}, path[:-len(".json")] + ".png")
+    print(f"wrote {path}{' and ' + png if png else ''} ({meta['seconds']} s, complete={done})", flush=True)
     return 0 if done else 1
 
 
