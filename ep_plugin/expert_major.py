@@ -16,11 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from .types import ExpertLayout
-
-
-def padded(counts: List[int], alignment: int) -> List[int]:
-    return [(n + alignment - 1) // alignment * alignment for n in counts]
+from .types import ExpertLayout, padded
 
 
 def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
