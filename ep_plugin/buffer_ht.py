@@ -37,7 +37,7 @@ class HighThroughputCalls:
         cached = handle is not None
         if cached:
             checks.handle(handle, num_tokens=data.shape[0])
-            topk_idx = handle.topk_idx if topk_idx is None else topk_idx
+            topk_idx = checks.cached(data, topk_idx, topk_weights, handle)
         alignment = checks.layout(layout, expert_alignment, handle)
         if not cached:
             checks.routing(data, topk_idx, topk_weights)

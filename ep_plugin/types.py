@@ -184,6 +184,9 @@ class Handle:
     expert: Optional[ExpertLayout] = None  # set by an expert-major dispatch (layout="expert")
     # Set by EPBuffer after the dispatch: combine and a cached dispatch refuse a handle of another buffer.
     buffer_id: Optional[int] = field(default=None, repr=False)
+    # The caller's topk_idx when EPBuffer dispatched another tensor (repeated experts merged): a cached
+    # dispatch accepts either.
+    given_topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def send_counts(self) -> List[int]:

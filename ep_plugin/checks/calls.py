@@ -114,6 +114,32 @@ class CallChecks:
             need(topk_weights.device == data.device, ValueError, "topk_weights must be on x's device")
             need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
 
+    def cached(self, data, topk_idx, topk_weights, handle: Handle) -> torch.Tensor:
+        """A cached dispatch (handle checked already): topk_idx omitted or that dispatch's own tensor,
+        topk_weights [T, K] float32 (K the handle's) or None. -> the ids the backend takes."""
+        own = handle.topk_idx
+        need(topk_idx is None or topk_idx is own or topk_idx is handle.given_topk_idx, ValueError,
+             "a cached dispatch (handle given) reuses its dispatch's routing: omit topk_idx, or pass that "
+             "dispatch's own topk_idx tensor, got another tensor")
+        if topk_weights is not None:
+            K = own.shape[1]
+            key = ("cached", call_form(data, topk_weights), K, handle.is_token_in_rank.device)
+            if key not in self.forms:
+                T = data.shape[0]
+                need(isinstance(topk_weights, torch.Tensor), TypeError,
+                     f"topk_weights must be a torch.Tensor, got {type(topk_weights).__name__}")
+                need(topk_weights.dtype == torch.float32, TypeError,
+                     f"topk_weights must be float32, got {topk_weights.dtype}")
+                need(tuple(topk_weights.shape) == (T, K), ValueError,
+                     f"topk_weights must have the handle's shape [{T}, {K}] (tokens, top-k of its dispatch), "
+                     f"got {tuple(topk_weights.shape)}")
+                need(topk_weights.device == handle.is_token_in_rank.device == data.device, ValueError,
+                     f"topk_weights is on {topk_weights.device}, x on {data.device}, the handle's dispatch ran "
+                     f"on {handle.is_token_in_rank.device}")
+                need(topk_weights.is_contiguous(), ValueError, "topk_weights must be contiguous")
+                self.forms.add(key)
+        return own
+
     def expert_ids(self, topk_idx: torch.Tensor, checked_by_engine: bool) -> None:
         """Ids outside [-1, E): on the host with comm.validate: full (one sync), else queued on the device
         (on CPU: raised now) unless the engine checks them itself."""

@@ -147,6 +147,11 @@ class NvlinkBackend(Backend):
     def buffer_bytes(self) -> int:
         return self._rt.buffer_bytes
 
+    def device_problem(self, device: torch.device):
+        if device.type != "cuda" or device.index != self.device:
+            return f"is on {device}, but this nvlink buffer lives on cuda:{self.device}"
+        return None
+
     def check(self) -> None:
         """Raise EPTimeoutError if a kernel of this buffer timed out, ValueError if a notify saw an expert
         id outside [-1, E) (routed nowhere meanwhile); reads host-mapped memory only."""

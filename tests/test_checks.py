@@ -1,0 +1,60 @@
+"""The holes of issue 31, one test each: every call form refuses bad input before anything moves,
+with a ValueError/TypeError naming the argument, and the group stays usable (torch backend, gloo)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_plugin
+import ep_plugin.deep_ep as deep_ep
+from tests._dist import spawn
+
+H, E, K, T = 64, 4, 2, 5
+
+
+def _buffer(hidden=H, experts=E):
+    return ep_plugin.EPBuffer(None, {"moe": {"num_experts": experts, "topk": K},
+                                     "comm": {"backend": "torch", "max_tokens_per_rank": 16}}, hidden=hidden)
+
+
+def _inputs(rank, hidden=H):
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(T, hidden, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, idx, torch.rand(T, K, generator=g)
+
+
+def _raises(call, exc, *words):
+    with pytest.raises(exc) as info:
+        call()
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def _still_usable(buf, rank):
+    x, idx, w = _inputs(rank)
+    res = buf.dispatch(x, idx, w)
+    y = buf.combine(res.x, res.handle)
+    reached = torch.stack([((idx >= 0) & (idx // (E // buf.world) == r)).any(1) for r in range(buf.world)], 1)
+    torch.testing.assert_close(y, x * reached.sum(1, keepdim=True))
+
+
+
+def cached_body(rank, world):
+    buf = _buffer()
+    x, idx, w = _inputs(rank)
+    res = buf.dispatch(x, idx, w)
+    h = res.handle
+    _raises(lambda: buf.dispatch(x, handle=h, topk_weights=w[:, :1].contiguous()), ValueError, "topk_weights")
+    _raises(lambda: buf.dispatch(x, handle=h, topk_weights=w.double()), TypeError, "topk_weights")
+    _raises(lambda: buf.dispatch(x, handle=h, topk_weights=w[:-1]), ValueError, "topk_weights")
+    _raises(lambda: buf.dispatch(x, handle=h, topk_weights=w.t().contiguous().t()), ValueError, "topk_weights")
+    _raises(lambda: buf.dispatch(x, idx.clone(), handle=h), ValueError, "topk_idx")
+    _raises(lambda: buf.dispatch(x, idx.int(), handle=h), ValueError, "topk_idx")
+    again = buf.dispatch(x, idx, handle=h, topk_weights=w)  # the dispatch's own ids: accepted
+    torch.testing.assert_close(again.x, res.x)
+    torch.testing.assert_close(again.topk_weights, res.topk_weights)
+    _still_usable(buf, rank)
+
+
+def test_cached_dispatch_checks_its_routing():
+    spawn(cached_body, 2)
