@@ -65,8 +65,8 @@ class EPBuffer(HighThroughputCalls, LowLatencyCalls):
         self._id = next(_buffer_ids)
         self._checks = CallChecks(hidden=hidden, num_experts=self.num_experts, world=self.world,
                                   max_tokens=self.cfg.comm.max_tokens_per_rank, backend=self._backend.name,
-                                  caps=self._backend.capabilities, full_validation=self.cfg.comm.validate == "full",
-                                  buffer_id=self._id)
+                                  caps=self._backend.capabilities, device_problem=self._backend.device_problem,
+                                  full_validation=self.cfg.comm.validate == "full", buffer_id=self._id)
         self._low_latency = None          # the engine, built at the first low-latency call
         self._low_latency_mask: tuple = ()
         self._closed = False

@@ -58,3 +58,14 @@ def cached_body(rank, world):
 
 def test_cached_dispatch_checks_its_routing():
     spawn(cached_body, 2)
+
+
+def device_body(rank, world):
+    buf = _buffer()
+    x, idx, w = (t.to("meta") for t in _inputs(rank))
+    _raises(lambda: buf.dispatch(x, idx, w), ValueError, "x is on meta", "gloo")
+    _still_usable(buf, rank)
+
+
+def test_dispatch_refuses_a_device_the_buffer_does_not_move():
+    spawn(device_body, 2)

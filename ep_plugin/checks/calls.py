@@ -19,9 +19,10 @@ class CallChecks:
     capabilities) and the forms that passed. EPBuffer owns one; the low-latency checks share it."""
 
     def __init__(self, *, hidden: int, num_experts: int, world: int, max_tokens: int, backend: str, caps,
-                 full_validation: bool, buffer_id: int):
+                 device_problem, full_validation: bool, buffer_id: int):
         self.hidden, self.num_experts, self.world = hidden, num_experts, world
         self.max_tokens, self.backend, self.caps = max_tokens, backend, caps
+        self.device_problem = device_problem  # the backend's answer: why it cannot move a device's tensors
         self.full_validation = full_validation
         self.buffer_id = buffer_id
         self.forms = Forms()
@@ -62,6 +63,8 @@ class CallChecks:
         need(data.dim() == 2 and data.shape[1] == self.hidden, ValueError,
              f"x must have shape [num_tokens, {self.hidden}], got {tuple(data.shape)}")
         need(data.is_contiguous(), ValueError, "x must be contiguous")
+        problem = self.device_problem(data.device)
+        need(problem is None, ValueError, f"x {problem} (the {self.backend} backend of this buffer)")
         need(data.shape[0] <= self.max_tokens, ValueError,
              f"x has {data.shape[0]} tokens, more than comm.max_tokens_per_rank={self.max_tokens} "
              "the buffer was sized for")

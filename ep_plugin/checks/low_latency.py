@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from ..backends.base import group_device_problem
 from ..types import FP8_BLOCK, LowLatencyHandle
 from .calls import CallChecks
 from .core import need
@@ -17,15 +17,8 @@ LOW_LATENCY_MAX_TOPK = 32  # the largest top-k the low-latency calls take (an en
 
 def device(group, x: torch.Tensor) -> None:
     """x on a device the group's process-group backend moves: CUDA (the current device) with NCCL, CPU else."""
-    pg = dist.get_backend(group)
-    if x.is_cuda:
-        need("nccl" in pg, ValueError, f"x is on {x.device}, but the group's backend {pg!r} moves CPU tensors")
-        need(x.device.index == torch.cuda.current_device(), ValueError,
-             f"x is on {x.device}, but the current CUDA device is cuda:{torch.cuda.current_device()}")
-    else:
-        need(x.device.type == "cpu" and pg != "nccl", ValueError,
-             f"x is on {x.device}, but the group's backend {pg!r} moves "
-             f"{'CUDA tensors of the current device' if pg == 'nccl' else 'CPU tensors'}")
+    problem = group_device_problem(group, x.device)
+    need(problem is None, ValueError, f"x {problem}")
 
 
 def dispatch(c: CallChecks, group, M: int, num_local_experts: int, x, topk_idx, use_fp8, round_scale,
