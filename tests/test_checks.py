@@ -69,3 +69,15 @@ def device_body(rank, world):
 
 def test_dispatch_refuses_a_device_the_buffer_does_not_move():
     spawn(device_body, 2)
+
+
+def topk_zero_body(rank, world):
+    buf = _buffer()
+    x, _, _ = _inputs(rank)
+    _raises(lambda: buf.dispatch(x, torch.empty(T, 0, dtype=torch.int64)), ValueError, "topk_idx", "K >= 1")
+    _raises(lambda: buf.dispatch(x, torch.empty(T, 0, dtype=torch.int64), torch.empty(T, 0)), ValueError, "topk_idx")
+    _still_usable(buf, rank)
+
+
+def test_topk_of_zero_columns_is_refused():
+    spawn(topk_zero_body, 2)

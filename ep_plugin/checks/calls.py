@@ -106,6 +106,8 @@ class CallChecks:
         need(topk_idx.device == data.device, ValueError, f"topk_idx is on {topk_idx.device}, x on {data.device}")
         need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
         K = topk_idx.shape[1]
+        need(K >= 1, ValueError,
+             f"topk_idx must have K >= 1 columns (-1 marks an unused pick), got shape {tuple(topk_idx.shape)}")
         need(self.caps.max_topk is None or K <= self.caps.max_topk, ValueError,
              f"the {self.backend} backend supports topk <= {self.caps.max_topk}, got {K}")
         if topk_weights is not None:
@@ -157,7 +159,8 @@ class CallChecks:
         need(isinstance(handle, Handle), TypeError, f"handle must be a Handle from dispatch, got {type(handle).__name__}")
         need(handle.backend == self.backend, TypeError,
              f"handle was made by the {handle.backend} backend, this buffer uses {self.backend}")
-        need(handle.num_experts == self.num_experts, ValueError, "handle comes from a buffer with another expert count")
+        need(handle.num_experts == self.num_experts, ValueError,
+             "handle comes from a buffer with another expert count")
         if num_tokens is not None:
             need(handle.num_tokens == num_tokens, ValueError,
                  f"handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
