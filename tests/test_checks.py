@@ -81,3 +81,20 @@ def topk_zero_body(rank, world):
 
 def test_topk_of_zero_columns_is_refused():
     spawn(topk_zero_body, 2)
+
+
+def other_buffer_body(rank, world):
+    a, b = _buffer(), _buffer(hidden=2 * H)
+    x, idx, w = _inputs(rank)
+    res = a.dispatch(x, idx, w)
+    rows = torch.randn(res.x.shape[0], 2 * H)
+    _raises(lambda: b.combine(rows, res.handle), ValueError, "handle", "another EPBuffer")
+    _raises(lambda: b.dispatch(torch.randn(T, 2 * H), handle=res.handle), ValueError, "handle", "another EPBuffer")
+    _still_usable(a, rank)
+    xb, _, _ = _inputs(rank, 2 * H)
+    rb = b.dispatch(xb, idx)
+    assert b.combine(rb.x, rb.handle).shape == (T, 2 * H)
+
+
+def test_handles_name_their_buffer():
+    spawn(other_buffer_body, 2)

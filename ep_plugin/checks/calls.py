@@ -161,6 +161,9 @@ class CallChecks:
              f"handle was made by the {handle.backend} backend, this buffer uses {self.backend}")
         need(handle.num_experts == self.num_experts, ValueError,
              "handle comes from a buffer with another expert count")
+        need(handle.buffer_id == self.buffer_id, ValueError,
+             "handle comes from another EPBuffer's dispatch: combine, and dispatch again with it, on the buffer "
+             "that dispatched")
         if num_tokens is not None:
             need(handle.num_tokens == num_tokens, ValueError,
                  f"handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
