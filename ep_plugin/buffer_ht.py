@@ -10,6 +10,7 @@ import torch
 
 from .autograd import CombineFn, DispatchFn
 from .checks import need
+from .expert_major import merge_repeats
 from .types import DispatchResult, ExpertDispatchResult, Handle, XInput
 
 
@@ -39,8 +40,12 @@ class HighThroughputCalls:
             checks.handle(handle, num_tokens=data.shape[0])
             topk_idx = checks.cached(data, topk_idx, topk_weights, handle)
         alignment = checks.layout(layout, expert_alignment, handle)
+        given = None
         if not cached:
             checks.routing(data, topk_idx, topk_weights)
+            if alignment is not None:  # one expert-major row per (token, expert), however often it is named
+                given = topk_idx
+                topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
         async_op = self._async(async_op)
         grad = torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad))
         if grad:
@@ -55,6 +60,8 @@ class HighThroughputCalls:
                                                         alignment)
             rx, rw = out.x, out.topk_weights
         out.handle.buffer_id = self._id
+        if given is not None:
+            out.handle.given_topk_idx = given
         if out.handle.exact and not cached:  # the host has waited already: surface a bad id now
             self._raise_pending()
         rows = (rx, out.scales) if scales is not None else rx

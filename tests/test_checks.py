@@ -98,3 +98,27 @@ def other_buffer_body(rank, world):
 
 def test_handles_name_their_buffer():
     spawn(other_buffer_body, 2)
+
+
+def repeats_body(rank, world):
+    buf = _buffer()
+    x = torch.randn(3, H)
+    # token 0 names expert 1 twice, token 1 one expert on rank 1, token 2 one expert on each rank
+    idx = torch.tensor([[1, 1], [2, -1], [0, 3]])
+    w = torch.tensor([[0.25, 0.5], [1.0, 0.0], [0.125, 2.0]], requires_grad=True)
+    res = buf.dispatch(x, idx, w, layout="expert")
+    if rank == 0:  # local experts 0, 1: token 2 to expert 0 and token 0 to expert 1, from both ranks
+        assert res.tokens_per_expert == [2, 2], res.tokens_per_expert
+        assert res.x.shape[0] == 4
+        got = sorted(res.topk_weights.tolist())
+        assert got == pytest.approx(sorted([0.125, 0.125, 0.75, 0.75])), got
+    y = buf.combine(res.x, res.handle)
+    once = torch.tensor([[1.0], [1.0], [2.0]])  # one row per (token, expert): as the low-latency calls
+    torch.testing.assert_close(y, x * once)
+    res.topk_weights.sum().backward()  # both picks of the repeated expert get the row's gradient
+    assert w.grad.tolist() == [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]], w.grad.tolist()
+    _still_usable(buf, rank)
+
+
+def test_a_repeated_expert_gets_one_expert_major_row():
+    spawn(repeats_body, 2)
