@@ -38,7 +38,6 @@ def _still_usable(buf, rank):
     torch.testing.assert_close(y, x * reached.sum(1, keepdim=True))
 
 
-
 def cached_body(rank, world):
     buf = _buffer()
     x, idx, w = _inputs(rank)
@@ -122,3 +121,36 @@ def repeats_body(rank, world):
 
 def test_a_repeated_expert_gets_one_expert_major_row():
     spawn(repeats_body, 2)
+
+
+def deep_ep_body(rank, world):
+    group = dist.group.WORLD
+    buf = deep_ep.Buffer(group, int(1e8), 0, ep_config={"comm": {"backend": "torch", "max_tokens_per_rank": 16}})
+    x, idx, w = _inputs(rank)
+    x = x.to(torch.bfloat16)
+    _raises(lambda: buf.get_dispatch_layout(idx, 3), ValueError, "num_experts", "3")
+    _raises(lambda: buf.get_dispatch_layout(torch.full((T, K), E), E), ValueError, "topk_idx", f"[-1, {E})")
+    _raises(lambda: buf.get_dispatch_layout(torch.full((T, K), -2), E), ValueError, "topk_idx")
+    _raises(lambda: buf.get_dispatch_layout(idx.int(), E), TypeError, "topk_idx")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    ok = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+              topk_idx=idx, topk_weights=w)
+    wrong = {
+        "num_tokens_per_expert": [torch.cat([per_expert, per_expert]), per_expert[:-1], per_expert + 1,
+                                  per_expert.float()],
+        "num_tokens_per_rank": [per_rank + 1, per_rank[:1]],
+        "is_token_in_rank": [~in_rank, in_rank[:-1]],
+    }
+    for name, values in wrong.items():
+        for v in values:
+            _raises(lambda: buf.dispatch(x, **dict(ok, **{name: v})), (ValueError, TypeError), name)
+    recv_x, _, _, counts, handle, _ = buf.dispatch(x, **ok)
+    y, _, _ = buf.combine(recv_x, handle)
+    reached = in_rank.sum(1, keepdim=True).to(torch.float32)
+    torch.testing.assert_close(y.float(), x.float() * reached, rtol=2e-2, atol=2e-2)
+    assert len(buf._buffers) == 1  # no second EPBuffer with another expert count
+    buf.destroy()
+
+
+def test_deep_ep_checks_its_layout_tensors():
+    spawn(deep_ep_body, 2)

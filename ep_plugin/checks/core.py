@@ -71,12 +71,8 @@ class ExpertIdCheck:
             if bool(bad):
                 self._raise(topk_idx)
             return
-        self.record_flag(bad)
-
-    def record_flag(self, bad: torch.Tensor) -> None:
-        """OR a device bool into the flag (another check's finding, raised the same way)."""
-        if self._flag is None or self._flag.device != bad.device:
-            self._flag = torch.zeros((), dtype=torch.bool, device=bad.device)
+        if self._flag is None or self._flag.device != topk_idx.device:
+            self._flag = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
             self._host = torch.zeros((), dtype=torch.bool, pin_memory=True, device="cpu")
         self._flag.logical_or_(bad)
         if not torch.cuda.is_current_stream_capturing():
