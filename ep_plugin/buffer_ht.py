@@ -39,6 +39,8 @@ class HighThroughputCalls:
         if cached:
             checks.handle(handle, num_tokens=data.shape[0])
             topk_idx = checks.cached(data, topk_idx, topk_weights, handle)
+            if handle.given_topk_idx is not None and topk_weights is not None:  # merged as the handle's ids
+                topk_weights = merge_repeats(handle.given_topk_idx, topk_weights)[1]
         alignment = checks.layout(layout, expert_alignment, handle)
         given = None
         if not cached:
@@ -60,7 +62,7 @@ class HighThroughputCalls:
                                                         alignment)
             rx, rw = out.x, out.topk_weights
         out.handle.buffer_id = self._id
-        if given is not None:
+        if given is not None and given is not topk_idx:
             out.handle.given_topk_idx = given
         if out.handle.exact and not cached:  # the host has waited already: surface a bad id now
             self._raise_pending()
