@@ -44,11 +44,11 @@ def case_strategy(num_buffers: int, max_tokens: int):
     })
 
 
-def build_buffers(backend: str, shapes, max_tokens: int):
+def build_buffers(backend: str, shapes, max_tokens: int, comm=None):
     """One EPBuffer per (hidden, experts), reused by every case."""
     return [ep_plugin.EPBuffer(None, {"moe": {"num_experts": E, "topk": 1},
                                       "comm": {"backend": backend, "max_tokens_per_rank": max_tokens,
-                                               "timeout_s": 20}}, hidden=H) for H, E in shapes]
+                                               "timeout_s": 20, **(comm or {})}}, hidden=H) for H, E in shapes]
 
 
 def _inputs(case, rank, world, H, E, device, max_tokens):
@@ -255,14 +255,14 @@ def _run(case, rank, world, bufs, shapes, device, max_tokens):
         raise Bad("; ".join(problems))
 
 
-def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out):
+def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, comm=None):
     """Rank 0 draws `examples` cases (hypothesis) and leads; the others follow. Writes the case count and
     the time to out (a path) on rank 0."""
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:  # ranks share the cores: intra-op threads of two processes spinning on 2 cores cost ~100x
         torch.set_num_threads(1)
-    bufs = build_buffers(backend, shapes, max_tokens)
+    bufs = build_buffers(backend, shapes, max_tokens, comm)
     group = dist.group.WORLD
     count, failed = [0], []
 

@@ -22,3 +22,15 @@ def test_fuzz_torch_backend(tmp_path):
     count, seconds = out.read_text().split()
     print(f"torch backend fuzz: {count} cases in {seconds} s")
     assert int(count) >= EXAMPLES
+
+
+def test_fuzz_low_latency_torch_engine(tmp_path):
+    """The low-latency calls' fuzzer on the torch engine (gloo): the same protocol, fewer cases (CI time)."""
+    from tests.fuzz_ll_cases import fuzz_body
+
+    out = tmp_path / "count"
+    n = int(os.environ.get("EP_FUZZ_LL_EXAMPLES", 300))
+    spawn(fuzz_body, 2, "torch", [(128, 4), (64, 4)], "cpu", 8, n, str(out))
+    count, seconds = out.read_text().split()
+    print(f"low-latency torch engine fuzz: {count} cases in {seconds} s")
+    assert int(count) >= n
