@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import make_backend
+from .backends.registry import make_low_latency
 from .buffer_ht import HighThroughputCalls
 from .buffer_ll import LowLatencyCalls
 from .checks import CallChecks, need
@@ -70,6 +71,14 @@ class EPBuffer(HighThroughputCalls, LowLatencyCalls):
         self._low_latency = None          # the engine, built at the first low-latency call
         self._low_latency_mask: tuple = ()
         self._closed = False
+
+    def _low_latency_engine(self):
+        """The low-latency engine, built at the first low-latency call (a collective over the group)."""
+        if self._low_latency is None:
+            self._low_latency = make_low_latency(self.group, self.cfg, self.hidden, self.num_experts)
+            if self._low_latency_mask:
+                self._low_latency.set_mask(list(self._low_latency_mask))
+        return self._low_latency
 
     @property
     def backend_name(self) -> str:

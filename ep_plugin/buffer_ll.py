@@ -7,7 +7,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backends.registry import make_low_latency
 from .checks import call_form, need
 from .checks import low_latency as ll_checks
 from .types import EPEvent, LowLatencyHandle
@@ -65,8 +64,7 @@ class LowLatencyCalls:
             engine = self._low_latency_engine()
         forms = self._checks.forms
         if form is None or ("ll_dispatch", form) not in forms:
-            ll_checks.dispatch(self._checks, self.group, self.cfg.comm.low_latency.max_tokens_per_rank,
-                               self.num_local_experts, x, topk_idx, use_fp8, round_scale, recv_stats)
+            self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
             limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
             need(limit is None or topk_idx.shape[1] <= limit, ValueError,
                  f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
@@ -109,7 +107,7 @@ class LowLatencyCalls:
         # the handle is checked on every call; the tensors' checks once per form of call
         if (form is None or ("ll_combine", form) not in checks.forms
                 or not ll_checks.same_handle(checks, handle, topk_idx)):
-            ll_checks.combine(checks, self.num_local_experts, x, topk_idx, topk_weights, handle, out)
+            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
             checks.forms.add(("ll_combine", form))
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
@@ -143,12 +141,16 @@ class LowLatencyCalls:
         if self._low_latency is not None:
             self._low_latency.set_mask(list(self._low_latency_mask))
 
-    def _low_latency_engine(self):
-        if self._low_latency is None:
-            self._low_latency = make_low_latency(self.group, self.cfg, self.hidden, self.num_experts)
-            if self._low_latency_mask:
-                self._low_latency.set_mask(list(self._low_latency_mask))
-        return self._low_latency
+    # the checks (ep_plugin.checks.low_latency), as methods: what a test or a benchmark instruments
+    def _check_low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale, recv_stats) -> None:
+        ll_checks.dispatch(self._checks, self.cfg.comm.low_latency.max_tokens_per_rank, self.num_local_experts,
+                           x, topk_idx, use_fp8, round_scale, recv_stats, self._check_low_latency_device)
+
+    def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, out) -> None:
+        ll_checks.combine(self._checks, self.num_local_experts, x, topk_idx, topk_weights, handle, out)
+
+    def _check_low_latency_device(self, x) -> None:
+        ll_checks.device(self.group, x)
 
     def _raise_pending_low_latency(self) -> None:
         if self._closed:

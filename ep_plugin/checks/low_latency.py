@@ -21,8 +21,9 @@ def device(group, x: torch.Tensor) -> None:
     need(problem is None, ValueError, f"x {problem}")
 
 
-def dispatch(c: CallChecks, group, M: int, num_local_experts: int, x, topk_idx, use_fp8, round_scale,
-             recv_stats) -> None:
+def dispatch(c: CallChecks, M: int, num_local_experts: int, x, topk_idx, use_fp8, round_scale, recv_stats,
+             device_check) -> None:
+    """device_check(x): the buffer's device rule (device() on its group)."""
     H = c.hidden
     need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
     need(x.dtype == torch.bfloat16, TypeError,
@@ -39,7 +40,7 @@ def dispatch(c: CallChecks, group, M: int, num_local_experts: int, x, topk_idx, 
          f"use_fp8 needs hidden divisible by {FP8_BLOCK} (one scale per {FP8_BLOCK} channels), got "
          f"hidden={H}: pass use_fp8=False")
     need(use_fp8 or not round_scale, ValueError, "round_scale applies to the FP8 cast: it needs use_fp8=True")
-    device(group, x)
+    device_check(x)
     topk(topk_idx, x.shape[0], None, x.device)
     if recv_stats is not None:
         E_l = num_local_experts
