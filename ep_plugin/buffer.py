@@ -44,6 +44,12 @@ class EPBuffer(HighThroughputCalls, LowLatencyCalls):
     handles must not be used after close(), nor with another buffer.
     """
 
+    # The calls, each defined with its checks' caller in its own file, named here as the façade's API.
+    dispatch = HighThroughputCalls.dispatch
+    combine = HighThroughputCalls.combine
+    low_latency_dispatch = LowLatencyCalls.low_latency_dispatch
+    low_latency_combine = LowLatencyCalls.low_latency_combine
+
     def __init__(self, group=None, cfg=None, hidden: int = None, *, num_experts: Optional[int] = None):
         from .config import load_config
 

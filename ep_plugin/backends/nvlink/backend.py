@@ -148,9 +148,9 @@ class NvlinkBackend(Backend):
         return self._rt.buffer_bytes
 
     def device_problem(self, device: torch.device):
-        if device.type != "cuda" or device.index != self.device:
+        if device.type == "cuda" and device.index != self.device:
             return f"is on {device}, but this nvlink buffer lives on cuda:{self.device}"
-        return None
+        return super().device_problem(device)  # the group's rule: an NCCL group refuses the CPU
 
     def check(self) -> None:
         """Raise EPTimeoutError if a kernel of this buffer timed out, ValueError if a notify saw an expert
