@@ -51,13 +51,14 @@ def build_buffers(backend: str, shapes, max_tokens: int, comm=None):
                                                "timeout_s": 20, **(comm or {})}}, hidden=H) for H, E in shapes]
 
 
-def _inputs(case, rank, world, H, E, device, max_tokens):
-    """Every rank's inputs are a function of the case: each rank rebuilds all of them (the reference)."""
+def inputs(case, world, H, E, max_tokens, cap_k=False):
+    """Every rank's (x float32, topk_idx, weights) are a function of the case: each rank rebuilds all of
+    them (the reference). K past E only with repeats, unless cap_k."""
     xs, idxs, ws = [], [], []
     for r in range(world):
         g = torch.Generator().manual_seed(case["seed"] + 7919 * r)
         T = (case["T"] + 3 * r) % (max_tokens + 1)
-        K = case["K"] if case["repeats"] else min(case["K"], E)
+        K = case["K"] if case["repeats"] and not cap_k else min(case["K"], E)
         x = torch.randn(T, H, generator=g)
         if case["repeats"]:
             idx = torch.randint(-1, E, (T, K), generator=g)
@@ -105,10 +106,10 @@ def _same(problems, got, want, what):
         problems.append(f"{what} {got}, want {want}")
 
 
-def run_case(case, rank, world, bufs, shapes, device, max_tokens) -> str:
-    """One case on this rank: '' when it behaved, else what went wrong."""
+def run_case(run, case, rank, *args) -> str:
+    """One case on this rank, run(case, rank, *args): '' when it behaved, else what went wrong."""
     try:
-        _run(case, rank, world, bufs, shapes, device, max_tokens)
+        run(case, rank, *args)
         return ""
     except Bad as e:
         return f"rank {rank}: {e}"
@@ -116,7 +117,7 @@ def run_case(case, rank, world, bufs, shapes, device, max_tokens) -> str:
         return f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def _run(case, rank, world, bufs, shapes, device, max_tokens):
+def run(case, rank, world, bufs, shapes, device, max_tokens):
     H, E = shapes[case["buf"]]
     buf = bufs[case["buf"]]
     caps = buf.capabilities
@@ -125,7 +126,7 @@ def _run(case, rank, world, bufs, shapes, device, max_tokens):
         dtype = "bfloat16"
     if dtype != "fp8" and getattr(torch, dtype) not in caps.row_dtypes:
         dtype = "bfloat16"
-    xs, idxs, ws = _inputs(case, rank, world, H, E, device, max_tokens)
+    xs, idxs, ws = inputs(case, world, H, E, max_tokens)
     if caps.max_topk is not None and idxs[0].shape[1] > caps.max_topk:
         return
     x, rows = _rows(xs[rank], dtype, H)
@@ -255,14 +256,10 @@ def _run(case, rank, world, bufs, shapes, device, max_tokens):
         raise Bad("; ".join(problems))
 
 
-def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, comm=None):
-    """Rank 0 draws `examples` cases (hypothesis) and leads; the others follow. Writes the case count and
-    the time to out (a path) on rank 0."""
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    else:  # ranks share the cores: intra-op threads of two processes spinning on 2 cores cost ~100x
-        torch.set_num_threads(1)
-    bufs = build_buffers(backend, shapes, max_tokens, comm)
+def lead_or_follow(rank, world, strategy, run, examples, out):
+    """The fuzz protocol: rank 0 draws `examples` cases from `strategy` (hypothesis, derandomized) and
+    broadcasts each; every rank calls run(case) -> '' or what went wrong; rank 0 asserts on all ranks'
+    answers, then writes "<cases> <seconds>" to `out`. The other ranks follow until rank 0 sends None."""
     group = dist.group.WORLD
     count, failed = [0], []
 
@@ -272,9 +269,8 @@ def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, c
         case = box[0]
         if case is None:
             return None
-        msg = run_case(case, rank, world, bufs, shapes, device, max_tokens)
         msgs = [None] * world
-        dist.all_gather_object(msgs, msg, group=group)
+        dist.all_gather_object(msgs, run(case), group=group)
         errors = [m for m in msgs if m]
         if errors and rank == 0 and not failed:
             failed.append(case)  # the first failure as found, before hypothesis shrinks it
@@ -282,16 +278,14 @@ def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, c
         return errors
 
     if rank != 0:
-        while both(None) is not None:  # follow until rank 0 sends None
+        while both(None) is not None:
             pass
-        for b in bufs:
-            b.close()
         return
     from hypothesis import HealthCheck, given, settings
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(case_strategy(len(shapes), max_tokens))
+    @given(strategy)
     def fuzz(case):
         count[0] += 1
         errors = both(case)
@@ -304,5 +298,24 @@ def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, c
         dist.broadcast_object_list([None], src=0, group=group)
     with open(out, "w") as f:
         f.write(f"{count[0]} {time.perf_counter() - start:.1f}\n")
+
+
+def set_device(rank, device) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # ranks share the cores: intra-op threads of two processes spinning on 2 cores cost ~100x
+        torch.set_num_threads(1)
+
+
+def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, comm=None, low_latency=False):
+    """One fuzz run on `backend`: one EPBuffer per (hidden, experts) of `shapes` (extra `comm` keys),
+    `max_tokens` per rank (comm.low_latency.max_tokens_per_rank with low_latency: fuzz_ll_cases.py)."""
+    import tests.fuzz_ll_cases as ll
+
+    cases = ll if low_latency else sys.modules[__name__]
+    set_device(rank, device)
+    bufs = cases.build_buffers(backend, shapes, max_tokens, comm)
+    lead_or_follow(rank, world, cases.case_strategy(len(shapes), max_tokens),
+                   lambda case: run_case(cases.run, case, rank, world, bufs, shapes, device, max_tokens), examples, out)
     for b in bufs:
         b.close()

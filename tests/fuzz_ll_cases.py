@@ -1,18 +1,15 @@
 """The low-latency calls' fuzzer (issue 31): random T (0 included, up to M), K (0 and past 32 as faults),
 repeated experts, FP8 or BF16, round_scale, hooks, async, handles of other buffers; valid and invalid.
-Same protocol as fuzz_cases.py: rank 0 draws each case and broadcasts it, every rank runs it, rank 0
-asserts. The experts are the identity, so the reference is local: y[t] = sum over k ascending of
+Run by fuzz_cases.fuzz_body(..., low_latency=True), same protocol: rank 0 draws each case and
+broadcasts it, every rank runs it, rank 0 asserts. The experts are the identity, so the reference is local: y[t] = sum over k ascending of
 w[t, k] * row(t, k) in float32 (one row per (token, expert): a repeated expert weighs twice)."""
 from __future__ import annotations
 
-import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 import ep_plugin
-from tests.fuzz_cases import Bad, _expect
+from tests.fuzz_cases import Bad, _expect, inputs
 
 FAULTS = ("x_dtype", "x_hidden", "x_tokens", "x_noncontig", "idx_dtype", "idx_k0", "idx_k33", "idx_rows",
           "idx_noncontig", "idx_range", "fp8_flag", "round_scale", "c_other", "c_weights", "c_rows", "c_out",
@@ -41,41 +38,15 @@ def build_buffers(backend: str, shapes, M: int, comm=None):
     return bufs
 
 
-def _inputs(case, world, H, E, M):
-    xs, idxs, ws = [], [], []
-    for r in range(world):
-        g = torch.Generator().manual_seed(case["seed"] + 104729 * r)
-        T = (case["T"] + 5 * r) % (M + 1)
-        K = min(case["K"], E)  # the engines are sized for moe.topk <= E
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        if case["repeats"]:
-            idx = torch.randint(-1, E, (T, K), generator=g)
-        else:
-            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
-                torch.empty(0, K, dtype=torch.int64)
-            idx[torch.rand(T, K, generator=g) < 0.2] = -1
-        xs.append(x), idxs.append(idx), ws.append(torch.rand(T, K, generator=g))
-    return xs, idxs, ws
-
-
-def run_case(case, rank, world, bufs, shapes, device, M) -> str:
-    try:
-        _run(case, rank, world, bufs, shapes, device, M)
-        return ""
-    except Bad as e:
-        return f"rank {rank}: {e}"
-    except Exception as e:  # noqa: BLE001
-        return f"rank {rank}: {type(e).__name__}: {e}"
-
-
-def _run(case, rank, world, bufs, shapes, device, M):
+def run(case, rank, world, bufs, shapes, device, M):
     H, E = shapes[case["buf"]]
     buf = bufs[case["buf"]]
     E_l = E // world
     fault = case["fault"]
     fp8 = case["fp8"] and H % 128 == 0
     rs = case["round_scale"] and fp8
-    xs, idxs, ws = _inputs(case, world, H, E, M)
+    xs, idxs, ws = inputs(case, world, H, E, M, cap_k=True)  # the engines are sized for moe.topk <= E
+    xs = [x.to(torch.bfloat16) for x in xs]
     x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
     T, K = idx.shape
     few = min(t.shape[0] for t in xs)
@@ -169,55 +140,7 @@ def _run(case, rank, world, bufs, shapes, device, M):
     got = y.float().cpu()
     tol = 0.15 if fp8 else 2e-2
     if got.shape != want.shape or not torch.allclose(got, want.to(torch.bfloat16).float(), rtol=tol, atol=tol):
-        problems.append(f"combine differs: max error {(got - want).abs().max() if got.shape == want.shape else got.shape}")
+        err = (got - want).abs().max() if got.shape == want.shape else f"shape {tuple(got.shape)}"
+        problems.append(f"combine differs: max error {err}")
     if problems:
         raise Bad("; ".join(problems))
-
-
-def fuzz_body(rank, world, backend, shapes, device, M, examples, out, comm=None):
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    bufs = build_buffers(backend, shapes, M, comm)
-    group = dist.group.WORLD
-    count, failed = [0], []
-
-    def both(case):
-        box = [case]
-        dist.broadcast_object_list(box, src=0, group=group)
-        case = box[0]
-        if case is None:
-            return None
-        msg = run_case(case, rank, world, bufs, shapes, device, M)
-        msgs = [None] * world
-        dist.all_gather_object(msgs, msg, group=group)
-        errors = [m for m in msgs if m]
-        if errors and rank == 0 and not failed:
-            failed.append(case)
-            print(f"fuzz: first failing case {case}: {'; '.join(errors)}", file=sys.stderr, flush=True)
-        return errors
-
-    if rank != 0:
-        while both(None) is not None:
-            pass
-    else:
-        from hypothesis import HealthCheck, given, settings
-
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck), print_blob=True)
-        @given(case_strategy(len(shapes), M))
-        def fuzz(case):
-            count[0] += 1
-            errors = both(case)
-            assert not errors, f"case {case}: " + "; ".join(errors)
-
-        start = time.perf_counter()
-        try:
-            fuzz()
-        finally:
-            dist.broadcast_object_list([None], src=0, group=group)
-        with open(out, "w") as f:
-            f.write(f"{count[0]} {time.perf_counter() - start:.1f}\n")
-    for b in bufs:
-        b.close()

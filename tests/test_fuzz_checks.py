@@ -26,11 +26,11 @@ def test_fuzz_torch_backend(tmp_path):
 
 def test_fuzz_low_latency_torch_engine(tmp_path):
     """The low-latency calls' fuzzer on the torch engine (gloo): the same protocol, fewer cases (CI time)."""
-    from tests.fuzz_ll_cases import fuzz_body
+    from tests.fuzz_cases import fuzz_body
 
     out = tmp_path / "count"
     n = int(os.environ.get("EP_FUZZ_LL_EXAMPLES", 300))
-    spawn(fuzz_body, 2, "torch", [(128, 4), (64, 4)], "cpu", 8, n, str(out))
+    spawn(fuzz_body, 2, "torch", [(128, 4), (64, 4)], "cpu", 8, n, str(out), None, True)
     count, seconds = out.read_text().split()
     print(f"low-latency torch engine fuzz: {count} cases in {seconds} s")
     assert int(count) >= n

@@ -52,10 +52,10 @@ def test_fuzz_nvlink(world, tmp_path):
 @pytest.mark.parametrize("world", WORLDS)
 def test_fuzz_low_latency(world, tmp_path):
     _need(world, nvshmem=True)
-    from tests.fuzz_ll_cases import fuzz_body
+    from tests.fuzz_cases import fuzz_body
 
     out = tmp_path / "count"
-    spawn(fuzz_body, world, "auto", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out), backend="nccl",
+    spawn(fuzz_body, world, "auto", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out), None, True, backend="nccl",
           timeout=1200)
     _count(out, f"low-latency fuzz, {world} GPUs")
 
