@@ -140,6 +140,7 @@ def deep_ep_body(rank, world):
                                   per_expert.float()],
         "num_tokens_per_rank": [per_rank + 1, per_rank[:1]],
         "is_token_in_rank": [~in_rank, in_rank[:-1]],
+        "topk_idx": [idx.int(), idx[:-1]],
     }
     for name, values in wrong.items():
         for v in values:

@@ -33,6 +33,12 @@ def dispatch_args(forms, data, topk_idx, num_tokens_per_rank, is_token_in_rank, 
     if key in forms:
         return
     T = data.shape[0]
+    if topk_idx is not None:  # its layout is recomputed below, before EPBuffer's own checks
+        need(isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64, TypeError,
+             f"topk_idx must be an int64 tensor, got {getattr(topk_idx, 'dtype', type(topk_idx).__name__)}")
+        need(topk_idx.dim() == 2 and topk_idx.shape[0] == T, ValueError,
+             f"topk_idx must have shape [{T}, num_topk], got {tuple(topk_idx.shape)}")
+        need(topk_idx.device == data.device, ValueError, f"topk_idx is on {topk_idx.device}, x on {data.device}")
     for name, t in zip(LAYOUT_NAMES, (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)):
         need(t is not None, ValueError, f"dispatch without a handle needs {name} (from get_dispatch_layout)")
         need(isinstance(t, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
