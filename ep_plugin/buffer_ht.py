@@ -45,7 +45,7 @@ class HighThroughputCalls:
         given = None
         if not cached:
             checks.routing(data, topk_idx, topk_weights)
-            if alignment is not None:  # one expert-major row per (token, expert), however often it is named
+            if alignment is not None and not checks.caps.merges_repeats:  # one row per (token, expert)
                 given = topk_idx
                 topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
         async_op = self._async(async_op)

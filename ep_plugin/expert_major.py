@@ -34,8 +34,9 @@ _EARLIER: dict = {}  # (K, device) -> [K, K] bool, True where slot j comes befor
 
 def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     """A token naming one expert in several slots keeps the first slot, with the weights of all of them
-    summed into it; the later slots become -1 (weight 0). Device ops only; differentiable in the
-    weights. Inputs without repeats come back equal (the weights exactly)."""
+    summed into it; the later slots become -1 (their weights no longer count: -1 routes nowhere).
+    Device ops only (five or six small kernels); differentiable in the weights. Inputs without
+    repeats come back with equal ids and exactly equal weights of the valid slots."""
     T, K = topk_idx.shape
     if K < 2 or T == 0:
         return topk_idx, topk_weights
@@ -43,15 +44,11 @@ def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     earlier = _EARLIER.get(key)
     if earlier is None:
         earlier = _EARLIER[key] = torch.ones(K, K, dtype=torch.bool, device=topk_idx.device).tril(-1)
-    valid = topk_idx >= 0
-    same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & valid.unsqueeze(2)  # [T, K, K]
-    repeat = (same & earlier).any(2)
-    idx = topk_idx.masked_fill(repeat, -1)
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K]: slots k and j name one expert
+    idx = topk_idx.masked_fill(torch.any(same & earlier, 2), -1)
     if topk_weights is None:
         return idx, None
-    summed = (same.to(topk_weights.dtype) * topk_weights.unsqueeze(1)).sum(2)
-    weights = torch.where(repeat, torch.zeros_like(topk_weights), torch.where(valid, summed, topk_weights))
-    return idx, weights
+    return idx, (same * topk_weights.unsqueeze(1)).sum(2)
 
 
 def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:

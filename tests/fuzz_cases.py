@@ -149,7 +149,7 @@ def run(case, rank, world, bufs, shapes, device, max_tokens):
         wide = torch.zeros(T, 2 * H, dtype=rowdt, device=device)[:, ::2]
         return _expect(lambda: buf.dispatch(wide, idx, w, **kw), V, "x must be contiguous")
     if fault == "x_device":
-        meta = data.to("meta")
+        meta = torch.zeros(T, H, dtype=rowdt, device="meta")
         return _expect(lambda: buf.dispatch(meta, idx.to("meta"), None if w is None else w.to("meta"), **kw), V, "x")
     if fault == "x_tokens":
         big = torch.zeros(max_tokens + 1, H, dtype=rowdt, device=device)

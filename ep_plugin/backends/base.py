@@ -34,6 +34,9 @@ class Capabilities:
     hidden_rule: Optional[str] = None                 # for error messages; check_group enforces it
     checks_expert_ids: bool = False                   # finds ids outside [-1, E) itself and raises them
                                                       # from check(); else EPBuffer checks on the device
+    merges_repeats: bool = False                      # its expert-major receive gives a token naming one
+                                                      # expert twice one row (weights summed); else EPBuffer
+                                                      # merges the picks first (expert_major.merge_repeats)
 
 
 def group_device_problem(group, device: torch.device) -> Optional[str]:
