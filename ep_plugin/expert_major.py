@@ -7,8 +7,8 @@ positions are computed on the device with no host sync: route (i, k) of local ex
 received order. Backends without a native expert-major receive (torch) use these functions; the
 nvlink kernels write the same layout directly (csrc/nvlink/expert.cu) and are tested against it.
 
-A token's top-k experts must be distinct (every router's are): a duplicated local expert would get
-one row per slot here.
+A token naming one expert in several slots gets one row for it, as in the low-latency calls: EPBuffer
+merges the repeats first (merge_repeats), so the functions below see distinct experts per token.
 """
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from .types import ExpertLayout
-
-
-def padded(counts: List[int], alignment: int) -> List[int]:
-    return [(n + alignment - 1) // alignment * alignment for n in counts]
+from .types import ExpertLayout, padded
 
 
 def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
@@ -31,6 +27,28 @@ def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
         return sum(padded(tokens_per_expert, alignment))
     pad = num_local_experts * (alignment - 1)
     return num_recv * min(top_k, num_local_experts) + pad
+
+
+_EARLIER: dict = {}  # (K, device) -> [K, K] bool, True where slot j comes before slot k
+
+
+def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
+    """A token naming one expert in several slots keeps the first slot, with the weights of all of them
+    summed into it; the later slots become -1 (their weights no longer count: -1 routes nowhere).
+    Device ops only (five or six small kernels); differentiable in the weights. Inputs without
+    repeats come back with equal ids and exactly equal weights of the valid slots."""
+    T, K = topk_idx.shape
+    if K < 2 or T == 0:
+        return topk_idx, topk_weights
+    key = (K, topk_idx.device)
+    earlier = _EARLIER.get(key)
+    if earlier is None:
+        earlier = _EARLIER[key] = torch.ones(K, K, dtype=torch.bool, device=topk_idx.device).tril(-1)
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K]: slots k and j name one expert
+    idx = topk_idx.masked_fill(torch.any(same & earlier, 2), -1)
+    if topk_weights is None:
+        return idx, None
+    return idx, (same * topk_weights.unsqueeze(1)).sum(2)
 
 
 def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:
@@ -96,4 +114,4 @@ def collapse_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return wp[_targets(layout, weights.numel())]
 
 
-__all__ = ["capacity", "plan", "expand", "expand_weights", "collapse", "collapse_weights", "padded"]
+__all__ = ["capacity", "merge_repeats", "plan", "expand", "expand_weights", "collapse", "collapse_weights", "padded"]

@@ -22,6 +22,11 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") i
 XInput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
+def padded(counts: List[int], alignment: int) -> List[int]:
+    """Each count rounded up to a multiple of `alignment` (the expert-major segment sizes)."""
+    return [(n + alignment - 1) // alignment * alignment for n in counts]
+
+
 class EPEvent:
     """Completion of an asynchronous dispatch/combine.
 
@@ -177,6 +182,11 @@ class Handle:
     state: BackendState = field(default_factory=BackendState, repr=False)
     exact: bool = True              # num_recv is the exact row count (the dispatch synced the host)
     expert: Optional[ExpertLayout] = None  # set by an expert-major dispatch (layout="expert")
+    # Set by EPBuffer after the dispatch: combine and a cached dispatch refuse a handle of another buffer.
+    buffer_id: Optional[int] = field(default=None, repr=False)
+    # The caller's topk_idx when EPBuffer dispatched another tensor (repeated experts merged): a cached
+    # dispatch accepts either.
+    given_topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def send_counts(self) -> List[int]:
@@ -257,8 +267,6 @@ class ExpertDispatchResult:
     @property
     def padded_tokens_per_expert(self) -> List[int]:
         """Rows per local expert after padding to the alignment (host values, what m_splits want)."""
-        from .expert_major import padded  # expert_major builds on these types
-
         return padded(self.handle.tokens_per_expert, self.handle.expert.alignment)
 
 

@@ -91,7 +91,7 @@ def ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def check_fresh_tensors(res, stream_ptr, log, rows, x, w):
+def check_fresh_tensors(res, stream_ptr, log, rows, x, w, w_ptr=None):
     """notify/stage pointers and the handle's tensors of a fresh dispatch of (x, idx, w) (launches in `log`)."""
     h, st = res.handle, res.handle.state
     notify = dict(log)["notify"]
@@ -107,7 +107,7 @@ def check_fresh_tensors(res, stream_ptr, log, rows, x, w):
     assert h.num_recv_device.shape == () and h.num_recv_device.data_ptr() == st.recv_off.data_ptr() + 4 * W
     data, scales = x if isinstance(x, tuple) else (x, None)
     assert launches(log)["stage"] == (data.data_ptr(), T, H * data.element_size(), ptr(scales),
-                                  0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w), K, SMS,
+                                  0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w) if w_ptr is None else w_ptr, K, SMS,
                                   stream_ptr)
 
 
@@ -241,7 +241,9 @@ def test_expert_major(gpu, host_sync):
     rows = h.num_recv
     n = expert_major.capacity(rows, K, E_L, a, None if not host_sync else h.tokens_per_expert)
     assert names(log) == ["notify", "stage", "expert_pull"]
-    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w)
+    merged = launches(log)["stage"][6]  # weights merged over repeated picks (expert_major.merge_repeats)
+    assert merged not in (0, w.data_ptr())
+    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w, w_ptr=merged)
     lay, st = h.expert, h.state
     assert res.x.shape == (n, H) and res.topk_weights.shape == (n,) and lay.num_rows == n and lay.alignment == a
     assert lay.positions.shape == (rows, K) and lay.positions.dtype == torch.int32

@@ -34,6 +34,25 @@ class Capabilities:
     hidden_rule: Optional[str] = None                 # for error messages; check_group enforces it
     checks_expert_ids: bool = False                   # finds ids outside [-1, E) itself and raises them
                                                       # from check(); else EPBuffer checks on the device
+    merges_repeats: bool = False                      # its expert-major receive gives a token naming one
+                                                      # expert twice one row (weights summed); else EPBuffer
+                                                      # merges the picks first (expert_major.merge_repeats)
+
+
+def group_device_problem(group, device: torch.device) -> Optional[str]:
+    """None when torch.distributed on `group` moves tensors on `device`: CUDA tensors of the current
+    device with NCCL, CPU tensors with the others (gloo); else why not."""
+    pg = dist.get_backend(group)
+    if device.type == "cuda":
+        if "nccl" not in pg:
+            return f"is on {device}, but the group's backend {pg!r} moves CPU tensors"
+        if device.index != torch.cuda.current_device():
+            return f"is on {device}, but the current CUDA device is cuda:{torch.cuda.current_device()}"
+        return None
+    if device.type == "cpu" and pg != "nccl":
+        return None
+    return (f"is on {device}, but the group's backend {pg!r} moves "
+            f"{'CUDA tensors of the current device' if 'nccl' in pg else 'CPU tensors'}")
 
 
 class Backend(abc.ABC):
@@ -137,6 +156,12 @@ class Backend(abc.ABC):
         ev = torch.cuda.Event()
         ev.record(stream)
         return EPEvent(cuda_event=ev, check=self.check)
+
+    def device_problem(self, device: torch.device) -> Optional[str]:
+        """Why this backend cannot move tensors on `device`, or None when it can (asked once per call
+        form). The default goes by the group's process-group backend (group_device_problem); a backend
+        bound to one GPU answers for that GPU."""
+        return group_device_problem(self.group, device)
 
     def check(self) -> None:
         """Raise what finished work reported (EPTimeoutError; ValueError for expert ids out of range

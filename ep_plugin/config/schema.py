@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from ..backends.registry import BACKEND_NAMES
+from .ep_size import check_ep_size
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCH_DTYPES = ("bf16", "fp8")
@@ -142,8 +143,6 @@ class EPConfig:
 
     def check_ep_size(self, ep_size: int) -> None:
         """Raise ConfigError unless the experts split evenly and contiguously over ``ep_size`` ranks."""
-        from .validate import check_ep_size  # validate builds these classes: import it late
-
         check_ep_size(self, ep_size)
 
     def num_local_experts(self, ep_size: int) -> int:

@@ -10,9 +10,10 @@ import copy
 import dataclasses
 import difflib
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
+from .ep_size import check_ep_size, divisors  # noqa: F401 (check_ep_size re-exported)
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     SECTIONS, VALIDATE_MODES, EPConfig, RdmaConfig,
@@ -109,10 +110,6 @@ for _sec, _cls in SECTIONS.items():
 
 # Selection on score + bias needs scores that are not renormalised over the selection.
 _BIAS_SCORE_FUNCTIONS = tuple(f for f in SCORE_FUNCTIONS if f != "softmax")
-
-
-def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def suggest(key: str, allowed: Iterable[str]) -> str:
@@ -386,16 +383,3 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
             check_rdma(ctx, values["rdma"])
         built[sec] = cls(**values)
     return EPConfig(source=ctx.source, **built)
-
-
-def check_ep_size(cfg: EPConfig, ep_size: int) -> None:
-    """Raise ConfigError unless ``cfg``'s experts split evenly over ``ep_size`` ranks."""
-    where = cfg.source or "<EPConfig>"
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ConfigError(f"{where}: expert-parallel size must be a positive int, got {ep_size!r}")
-    e = cfg.moe.num_experts
-    if e % ep_size != 0:
-        raise ConfigError(
-            f"{where}: moe.num_experts = {e} is not divisible by the expert-parallel size "
-            f"{ep_size}; allowed EP sizes for {e} experts: {divisors(e)}"
-        )

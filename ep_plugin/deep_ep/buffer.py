@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..buffer import EPBuffer
+from ..checks import ExpertIdCheck, Forms
+from ..checks import deep_ep as checks
 from ..config import EPConfig, load_config
 from ..expert_major import padded
 from .events import Config, EventOverlap, capture
@@ -81,6 +83,9 @@ class Buffer(LowLatencyMixin):
         self.explicitly_destroy = explicitly_destroy
         self._cfg: EPConfig = load_config(ep_config)
         self._buffers: Dict[Tuple[int, int], EPBuffer] = {}
+        self._forms = Forms()                              # call forms of the dispatches that passed the checks
+        self._layout_ids: Dict[int, ExpertIdCheck] = {}    # get_dispatch_layout's expert ids, per expert count
+        self._layout_check = checks.LayoutCheck()          # layout tensors of the dispatches without a host wait
         self._ll_init()
         self._destroyed = False
 
@@ -124,6 +129,9 @@ class Buffer(LowLatencyMixin):
     def _live(self) -> None:
         if self._destroyed:
             raise RuntimeError("ep_plugin.deep_ep.Buffer: this buffer was destroyed")
+        for ids in self._layout_ids.values():  # what earlier calls found on the device (no waiting)
+            ids.raise_if_seen()
+        self._layout_check.raise_if_seen()
 
     def _raw_config(self, num_experts: int) -> dict:
         """The config (a dict) of an EPBuffer for num_experts experts: ep_config, with Buffer.num_sms."""
@@ -162,6 +170,12 @@ class Buffer(LowLatencyMixin):
         from ..layout import dispatch_layout, dispatch_layout_cuda
         from .._ext import has_c
 
+        self._live()
+        checks.layout_args(topk_idx, num_experts, self.group_size)
+        ids = self._layout_ids.get(num_experts)
+        if ids is None:
+            ids = self._layout_ids[num_experts] = ExpertIdCheck(num_experts)
+        ids.record(topk_idx)  # on CPU: raised now; on a GPU: by this Buffer's next call
         if previous_event is not None:
             previous_event.current_stream_wait()
         fn = dispatch_layout_cuda if topk_idx.is_cuda and has_c() else dispatch_layout
@@ -194,12 +208,18 @@ class Buffer(LowLatencyMixin):
             self._apply(handle.buffer, config)
             res = handle.buffer.dispatch(rows, handle=handle.inner, async_op=async_finish)
             return self._rows(res, handle.num_rows), None, None, None, None, EventOverlap(res.event)
-        for name, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                        ("num_tokens_per_expert", num_tokens_per_expert)):
-            if v is None:
-                raise ValueError(f"dispatch without a handle needs {name} (from get_dispatch_layout)")
         W = self.group_size
+        checks.dispatch_args(self._forms, data, topk_idx, num_tokens_per_rank, is_token_in_rank,
+                             num_tokens_per_expert, W)
         E = num_tokens_per_expert.numel()
+        # the layout tensors' values against topk_idx's layout, found on the device: raised now on CPU or
+        # before a new EPBuffer is built (a sync, once per shape), else once the host waits for the counts,
+        # or (num_worst_tokens: no host wait) by the next call
+        bad = checks.layout_mismatch(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, W)
+        if not bad.is_cuda or (data.shape[1], E) not in self._buffers:
+            checks.raise_mismatch(bad.tolist())
+        elif num_worst_tokens > 0:
+            self._layout_check.record(bad)
         buf = self._buffer(data.shape[1], E)
         self._apply(buf, config)
         idx = topk_idx
@@ -212,6 +232,8 @@ class Buffer(LowLatencyMixin):
             n, counts = num_worst_tokens, []
         else:
             n = sum(res.handle.recv_counts)  # the host waits for the counts, as DeepEP's dispatch does
+            if bad.is_cuda:
+                checks.raise_mismatch(bad.tolist())  # computed before the dispatch: no further wait
             if topk_idx is not None:
                 per_expert = list(res.tokens_per_expert)
             else:  # routed by rank only: this rank's experts' counts from every rank's layout

@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..buffer import EPBuffer, call_form, need
+from ..buffer import EPBuffer
+from ..checks import call_form, need
 from ..config import load_config
 from .events import EventOverlap
 from .handle import DeepEPLowLatencyHandle
@@ -133,7 +134,7 @@ class LowLatencyMixin:
         self._ll_masked: Set[int] = set()
         self._ll_staging: Dict[Tuple[int, int, int], List[Optional[torch.Tensor]]] = {}
         self._ll_next: Dict[Tuple[int, int, int], int] = {}
-        # the form of the last calls that passed every check (see ep_plugin.buffer.call_form), with the
+        # the form of the last calls that passed every check (see ep_plugin.checks.call_form), with the
         # dispatch's (buffer, M, E) and the combine's buffer
         self._ll_dispatch_last: Tuple = (None, None)
         self._ll_combine_last: Tuple = (None, None)

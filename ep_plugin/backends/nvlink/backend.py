@@ -47,7 +47,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -56,11 +55,11 @@ import torch.distributed as dist
 from ..._ext import get_c
 from ...errors import BackendUnavailableError, EPTimeoutError
 from ... import expert_major
-from ...types import (FP8_DTYPES, BackendState, DispatchOutput, ExpertLayout, Handle, HostCounts,
-                      PinnedRing, counts_from_lists)
+from ...types import FP8_DTYPES, DispatchOutput, ExpertLayout, Handle, PinnedRing, counts_from_lists
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
 from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms
+from .state import NvlinkState, _DispatchCounts
 
 _live = weakref.WeakSet()
 
@@ -83,55 +82,6 @@ def _close_all():  # release IPC mappings and buffers at interpreter exit
             b.close(barrier=False)
         except Exception:
             pass
-
-
-@dataclass
-class NvlinkState(BackendState):
-    send_pos: torch.Tensor   # [T, W] int32: slot of each token in each destination's receive order
-    recv_off: torch.Tensor   # [W + 1] int32: receive offsets per source (recv_off[W] = rows received)
-    recv_src: torch.Tensor   # [R] int32: source token of each received row
-    worst_case: bool         # outputs sized for the worst case (no host sync)
-
-
-def _diff(offsets):
-    return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-def _send_counts(c: "_DispatchCounts"):  # read only by the generic weight reduction: a sync, if asked
-    return c._is_in.sum(0).tolist()
-
-
-def _recv_counts(c: "_DispatchCounts"):
-    return _diff(c.get("recv_off"))
-
-
-class _DispatchCounts(HostCounts):
-    """The host counts of a dispatch that did not wait on the host: tokens_per_expert and recv_off in
-    a pinned ring slot, written there by the notify kernel itself (no copy after it), with an event
-    recorded right behind notify (`written`); send_counts and recv_counts derived on first read. What
-    HostCounts(device=...) gives, without its stream lookup and two copies (several us between notify
-    and the next kernel at 128 tokens)."""
-
-    def __init__(self, is_in: torch.Tensor, capturing: bool, ring: PinnedRing):
-        # the state HostCounts.get/materialize read, as HostCounts.__init__ leaves it
-        self._lists = {}
-        self._derived = {"send_counts": _send_counts, "recv_counts": _recv_counts}
-        self._is_in = is_in
-        self._capturing = capturing
-        self._pinned, self._event = {}, None
-        if not capturing:  # captured: the device tensors are the only form; reading a host list raises
-            self._pinned, self._event = ring.take(self)
-
-    def host_ptrs(self):
-        """(tokens_per_expert, recv_off) pinned buffers for notify to write, or (0, 0) under capture."""
-        if not self._pinned:
-            return 0, 0
-        return self._pinned["tokens_per_expert"].data_ptr(), self._pinned["recv_off"].data_ptr()
-
-    def written(self, stream) -> None:
-        """notify, which writes the pinned buffers, has been queued on `stream`."""
-        if self._event is not None:
-            self._event.record(stream)
 
 
 class NvlinkBackend(Backend):
@@ -197,6 +147,11 @@ class NvlinkBackend(Backend):
     @property
     def buffer_bytes(self) -> int:
         return self._rt.buffer_bytes
+
+    def device_problem(self, device: torch.device):
+        if device.type == "cuda" and device.index != self.device:
+            return f"is on {device}, but this nvlink buffer lives on cuda:{self.device}"
+        return super().device_problem(device)  # the group's rule: an NCCL group refuses the CPU
 
     def check(self) -> None:
         """Raise EPTimeoutError if a kernel of this buffer timed out, ValueError if a notify saw an expert

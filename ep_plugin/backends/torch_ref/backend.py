@@ -27,6 +27,8 @@ class TorchState(BackendState):
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] -> [N, bytes per row] uint8 view (t must be contiguous)."""
+    if t.numel() == 0:  # no rows (or none wide): an empty tensor's strides may not allow the view
+        return torch.empty((t.shape[0], math.prod(t.shape[1:]) * t.element_size()), dtype=torch.uint8, device=t.device)
     return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 

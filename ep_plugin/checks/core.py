@@ -1,0 +1,98 @@
+"""What every check of a call uses: `need`, the call form a check's verdict depends on, the per-buffer
+cache of forms that passed, and the sticky device flag for expert ids out of range."""
+from __future__ import annotations
+
+import torch
+
+
+def need(cond: bool, exc, msg: str):
+    """Raise exc(msg) unless cond (the argument checks of EPBuffer and ep_plugin.deep_ep)."""
+    if not cond:
+        raise exc(msg)
+
+
+# torch.cuda.current_device() minus its lazy-init check: a CUDA tensor in hand means CUDA is initialised
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
+
+def call_form(*args):
+    """What the checks depend on, for tensors (dtype, shape, device, contiguity) and plain values (ints,
+    bools, None; typed, so True and 1 differ); None when an argument is of another kind (then the full
+    checks run and raise). The current CUDA device counts too, for a CUDA first argument."""
+    out = []
+    append = out.append
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            append((a.dtype, a.shape, a.device, a.is_contiguous()))
+        elif a is None or isinstance(a, int):
+            append((type(a), a))
+        else:
+            return None
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        append(_cuda_device())
+    return tuple(out)
+
+
+class Forms:
+    """The forms (kind of call, call_form(...)) whose argument checks passed, for one buffer: the checks
+    depend on the form only, so a repeated form skips them (host time before the first kernel)."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._seen: set = set()
+
+    def __contains__(self, key) -> bool:
+        return key in self._seen
+
+    def add(self, key) -> None:
+        """key: (kind of call, call_form(...)); a form call_form could not describe is not kept."""
+        if key[1] is not None and len(self._seen) < self.LIMIT:
+            self._seen.add(key)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+class ExpertIdCheck:
+    """Sticky per-buffer flag: did a call get an expert id outside [-1, E)? Kept on the device and copied
+    to pinned memory without blocking, so later calls read it for free. The layout code of the backends
+    skips such ids (as routed nowhere), so nothing is written out of bounds meanwhile. On CPU the ids
+    are checked at once (nothing to wait for)."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self._flag = None   # device bool, sticky until reported
+        self._host = None   # its pinned copy
+
+    def record(self, topk_idx: torch.Tensor) -> None:
+        bad = torch.ne(topk_idx.clamp(-1, self.num_experts - 1), topk_idx).any()
+        if not topk_idx.is_cuda:  # nothing to wait for: report now
+            if bool(bad):
+                self._raise(topk_idx)
+            return
+        if self._flag is None or self._flag.device != topk_idx.device:
+            self._flag = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True, device="cpu")
+        self._flag.logical_or_(bad)
+        if not torch.cuda.is_current_stream_capturing():
+            self._host.copy_(self._flag, non_blocking=True)
+
+    def raise_if_seen(self) -> None:
+        """Raise if a copy that has landed shows a bad id (no waiting)."""
+        if self._host is not None and bool(self._host):
+            self._raise(None)
+
+    def _raise(self, topk_idx):
+        rng = ""
+        if topk_idx is not None:
+            rng = f", got min {int(topk_idx.min())}, max {int(topk_idx.max())}"
+        if self._flag is not None:  # reported once; the buffer stays usable
+            self._flag.zero_()
+            self._host.zero_()
+        raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts}){rng}; ids outside were "
+                         "treated as routed nowhere")
+
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
