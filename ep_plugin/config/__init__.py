@@ -19,7 +19,7 @@ values.
 """
 
 from ..errors import ConfigError
-from .io import list_presets, load_config, preset_path
+from .io import list_presets, load_config, preset_path, read_yaml
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     VALIDATE_MODES, CommConfig, EPConfig, MoEConfig, OverlapConfig,
@@ -34,6 +34,7 @@ __all__ = [
     "load_config",
     "list_presets",
     "preset_path",
+    "read_yaml",
     "AUTO",
     "SCORE_FUNCTIONS",
     "BACKEND_NAMES",

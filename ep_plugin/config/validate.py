@@ -136,11 +136,13 @@ def _looks_numeric(text: str) -> bool:
 
 
 class Context:
-    """Where the values come from, so that a message names the file or marks an override."""
+    """Where the values come from, so that a message names the file or marks an override; and the
+    problems found so far, so that one ConfigError reports every problem of a source at once."""
 
     def __init__(self, source: str, override_keys: Iterable[str] = ()):
         self.source = source
         self.override_keys = set(override_keys)
+        self.problems: List[Problem] = []
 
     def where(self, dotted: str) -> str:
         parts = dotted.split(".")
@@ -150,7 +152,49 @@ class Context:
         return self.source
 
     def fail(self, dotted: str, msg: str) -> ConfigError:
-        return ConfigError(f"{self.where(dotted)}: {dotted}: {msg}")
+        err = ConfigError(f"{self.where(dotted)}: {dotted}: {msg}")
+        err.problems = [Problem(self.where(dotted), dotted, msg)]
+        return err
+
+    def note(self, exc: ConfigError) -> None:
+        """Keep the problems of ``exc`` (raised by fail() or a check) and go on checking."""
+        self.problems += getattr(exc, "problems", None) or [Problem(self.source, "", str(exc))]
+
+    def check(self) -> None:
+        """Raise one ConfigError holding every problem noted, if any."""
+        if self.problems:
+            raise config_error(self.source, self.problems)
+
+
+class Problem(tuple):
+    """One problem of a config: (where: the source, with " (overrides)" for an override; the dotted
+    key, "" for the whole source; what is wrong and what is allowed)."""
+
+    def __new__(cls, where: str, key: str, msg: str):
+        return super().__new__(cls, (where, key, msg))
+
+    where = property(lambda self: self[0])
+    key = property(lambda self: self[1])
+    msg = property(lambda self: self[2])
+
+    def line(self) -> str:
+        return f"{self.where}: {self.key + ': ' if self.key else ''}{self.msg}"
+
+
+def config_error(source: str, problems: List[Problem]) -> ConfigError:
+    """One ConfigError for ``problems``: the one problem's line, or a first line counting them and one
+    indented line each (the source repeated only where it differs, e.g. an override). ``.problems``
+    keeps them, so that a caller can merge the problems of several checks of one file."""
+    if len(problems) == 1:
+        err = ConfigError(problems[0].line())
+    else:
+        lines = [f"{source}: {len(problems)} problems:"]
+        for p in problems:
+            where = "" if p.where == source else f"{p.where}: "
+            lines.append(f"  {where}{p.key + ': ' if p.key else ''}{p.msg}")
+        err = ConfigError("\n".join(lines))
+    err.problems = list(problems)
+    return err
 
 
 def _hca_list(text: str) -> Optional[str]:
@@ -334,35 +378,40 @@ def check_rdma(ctx: Context, r: RdmaConfig) -> None:
 
 def _section_values(ctx: Context, sec: str, cls: type, body: Any,
                     rules: Dict[str, Any] = None) -> Dict[str, Any]:
-    """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in."""
+    """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in;
+    a key that fails its check keeps its default and the problem is noted in ``ctx``."""
     if body is None:
         body = {}
     rules = RULES[sec] if rules is None else rules
     if not isinstance(body, Mapping):
-        raise ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
-                            f"{', '.join(rules)}")
+        ctx.note(ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
+                               f"{', '.join(rules)}"))
+        body = {}
     for key in body:
         if key not in rules:
-            raise ctx.fail(
+            ctx.note(ctx.fail(
                 f"{sec}.{key}",
                 f"unknown key{suggest(str(key), rules)}; allowed keys in '{sec}': {', '.join(rules)}",
-            )
+            ))
     values = {}
     for f in dataclasses.fields(cls):
-        if isinstance(rules[f.name], dict):
-            sub = _nested_class(cls, f.name)
-            values[f.name] = sub(**_section_values(ctx, f"{sec}.{f.name}", sub, body.get(f.name),
-                                                   rules[f.name]))
-        elif f.name in body:
-            kind, allowed = rules[f.name]
-            values[f.name] = check_value(ctx, f"{sec}.{f.name}", kind, allowed, body[f.name])
-        else:
-            values[f.name] = copy.deepcopy(f.default)
+        values[f.name] = copy.deepcopy(f.default) if f.default is not dataclasses.MISSING else None
+        try:
+            if isinstance(rules[f.name], dict):
+                sub = _nested_class(cls, f.name)
+                values[f.name] = sub(**_section_values(ctx, f"{sec}.{f.name}", sub, body.get(f.name),
+                                                       rules[f.name]))
+            elif f.name in body:
+                kind, allowed = rules[f.name]
+                values[f.name] = check_value(ctx, f"{sec}.{f.name}", kind, allowed, body[f.name])
+        except ConfigError as exc:
+            ctx.note(exc)
     return values
 
 
 def validate(raw: Any, ctx: Context) -> EPConfig:
-    """Build an :class:`EPConfig` from a nested dict (``None`` = all defaults), or raise."""
+    """Build an :class:`EPConfig` from a nested dict (``None`` = all defaults), or raise one
+    ConfigError naming every problem found (``.problems`` lists them)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -372,19 +421,25 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
         )
     for key in raw:
         if key not in SECTIONS:
-            raise ctx.fail(
+            ctx.note(ctx.fail(
                 str(key),
                 f"unknown key{suggest(str(key), SECTIONS)}; allowed top-level keys: "
                 f"{', '.join(SECTIONS)}",
-            )
+            ))
     built = {}
     for sec, cls in SECTIONS.items():
+        before = len(ctx.problems)
         values = _section_values(ctx, sec, cls, raw.get(sec))
-        if sec == "moe":
-            check_moe(ctx, values)
-        if sec == "comm":
-            check_rdma(ctx, values["rdma"])
+        if len(ctx.problems) == before:  # the rules between keys only hold meaning for valid keys
+            try:
+                if sec == "moe":
+                    check_moe(ctx, values)
+                if sec == "comm":
+                    check_rdma(ctx, values["rdma"])
+            except ConfigError as exc:
+                ctx.note(exc)
         built[sec] = cls(**values)
+    ctx.check()
     return EPConfig(source=ctx.source, **built)
 
 
