@@ -96,8 +96,9 @@ def _duplicate_keys(node: Any, path: str = "") -> List[Problem]:
     return found
 
 
-def _read(path: Union[str, os.PathLike]) -> Tuple[Any, List[Problem]]:
-    """(the data, a Problem for each key written twice) of the YAML file at ``path``."""
+def read_with_problems(path: Union[str, os.PathLike]) -> Tuple[Any, List[Problem]]:
+    """(the data, a Problem for each key written twice) of the YAML file at ``path``; ConfigError if it
+    cannot be read or is not YAML. For callers that report these with the file's other problems."""
     try:
         with open(path, "r", encoding="utf-8") as f:
             text = f.read()
@@ -115,7 +116,7 @@ def read_yaml(path: Union[str, os.PathLike]) -> Any:
     """The YAML file at ``path`` as Python data (yaml.safe_load), or ConfigError naming the file: not
     readable, not valid YAML, or a key written twice in one mapping (every such key, with both lines;
     PyYAML alone keeps the last one silently)."""
-    data, dups = _read(path)
+    data, dups = read_with_problems(path)
     if dups:
         raise config_error(str(path), dups)
     return data
@@ -194,7 +195,7 @@ def load_config(
     elif isinstance(src, (str, os.PathLike)):
         path = _resolve_path(src)
         source = str(path)
-        raw, dups = _read(path)  # keys written twice: reported with the file's other problems
+        raw, dups = read_with_problems(path)  # keys written twice: reported with the file's other problems
     else:
         raise ConfigError(
             f"<{type(src).__name__}>: cannot load a config from {type(src).__name__}; allowed: "

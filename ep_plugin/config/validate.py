@@ -285,14 +285,15 @@ def check_value(ctx: Context, dotted: str, kind: str, allowed, value):
         if value < 1:
             raise bad("out of range")
         return value
-    if kind in ("float", "opt_float"):
+    if kind in ("float", "opt_float", "float0"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = ""
             if isinstance(value, str) and _looks_numeric(value):
                 hint = " (YAML reads '1e3' and quoted numbers as strings; write '1.0e3')"
             raise bad("wrong type" + hint)
         value = float(value)
-        if not value > 0 or value != value or value == float("inf"):
+        low_ok = value >= 0 if kind == "float0" else value > 0
+        if not low_ok or value != value or value == float("inf"):
             raise bad("out of range")
         return value
     if kind == "bool":
@@ -441,6 +442,40 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
         built[sec] = cls(**values)
     ctx.check()
     return EPConfig(source=ctx.source, **built)
+
+
+def check_section(ctx: Context, sec: str, body: Any, rules: Mapping[str, Tuple[str, Any]],
+                  other_keys: Iterable[str] = (), other_keys_are: str = "") -> Dict[str, Any]:
+    """Check a section that is not ep_plugin's own (an example's ``model`` or ``train``) with the
+    same rules and messages: ``rules`` maps key -> (kind, allowed) as in RULES; keys in
+    ``other_keys`` (or in what it returns, a callable called only when a key is not in ``rules``)
+    pass unchecked (``other_keys_are`` says what they are, for the message). Returns
+    the checked values of the keys given; every problem is noted in ``ctx``."""
+    if body is None:
+        return {}
+    if not isinstance(body, Mapping):
+        ctx.note(ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
+                               f"{', '.join(rules)}"))
+        return {}
+    if callable(other_keys):
+        other_keys = other_keys() if set(body) - set(rules) else ()
+    other = set(other_keys)
+    out = {}
+    for key, value in body.items():
+        dotted = f"{sec}.{key}"
+        if key in rules:
+            kind, allowed = rules[key]
+            try:
+                out[key] = check_value(ctx, dotted, kind, allowed, value)
+            except ConfigError as exc:
+                ctx.note(exc)
+        elif key in other:
+            out[key] = value
+        else:
+            also = f" and {other_keys_are}" if other_keys_are else ""
+            ctx.note(ctx.fail(dotted, f"unknown key{suggest(str(key), list(rules) + sorted(other))}; "
+                                      f"allowed keys in '{sec}': {', '.join(rules)}{also}"))
+    return out
 
 
 def check_ep_size(cfg: EPConfig, ep_size: int) -> None:
