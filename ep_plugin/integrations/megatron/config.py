@@ -34,10 +34,14 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
     section: comm={"backend": "torch"}) are applied to the YAML before validation; any other key is
     a TransformerConfig field and is put into (or replaces an entry of) the returned dict.
 
-    The routing section becomes moe_router_* fields (experts, top-k, groups, score function,
-    scaling, expert bias, pre-softmax), the overlap section becomes moe_shared_expert_overlap, and
-    moe_token_dispatcher_type is "ep_plugin". The comm section is for the dispatchers: pass the same
-    file to attach_config. Nothing else is changed (no module state).
+    The fields: num_moe_experts, moe_router_topk, moe_router_num_groups, moe_router_group_topk,
+    moe_router_score_function, moe_router_topk_scaling_factor, moe_router_enable_expert_bias,
+    moe_router_pre_softmax (the moe section); moe_router_dtype "fp32" when moe.expert_bias is on;
+    moe_shared_expert_overlap (overlap.shared_expert_overlap); moe_token_dispatcher_type "ep_plugin"
+    (and moe_flex_dispatcher_backend "ep_plugin" when "flex" is passed). To set one of them yourself,
+    pass it here as a keyword: beside ``**fields`` in TransformerConfig(...) it would be given twice.
+    The comm section is for the dispatchers: pass the same file to attach_config. Nothing else is
+    changed (no module state).
     """
     ep_over, tc_over = {}, {}
     for k, v in overrides.items():
