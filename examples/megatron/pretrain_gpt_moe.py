@@ -283,6 +283,9 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if rank == 0:  # the imports and the model take ~10 s on 2 CPU cores: say so before they start
+        print(f"pretrain_gpt_moe: {world} processes ({'NCCL' if use_cuda else 'gloo'}), config {path}; "
+              f"loading megatron-core and building the model ...", flush=True)
 
     import ep_plugin.megatron as epm  # installs the dispatcher hooks
     if not use_cuda:
