@@ -479,3 +479,18 @@ def test_a_dict_names_the_file_it_came_from():
     with pytest.raises(ConfigError, match=r"^<dict>: comm.backend"):
         load_config({"comm": {"backend": "nvlnk"}})
     assert load_config({}, source="a.yaml").source == "a.yaml"
+
+
+def test_megatron_dispatcher_config_names_the_attached_file(tmp_path):
+    from types import SimpleNamespace
+
+    from ep_plugin.integrations.megatron.config import attach_config, resolve_config
+
+    p = tmp_path / "attached.yaml"
+    p.write_text("comm:\n  backend: torch\n  max_tokens_per_rank: 64\n")
+    tc = SimpleNamespace()
+    attach_config(tc, str(p))
+    cfg = resolve_config(tc, num_experts=4, topk=2)
+    assert cfg.source == str(p) and cfg.comm.max_tokens_per_rank == 64 and cfg.moe.num_experts == 4
+    with pytest.raises(ConfigError, match=rf"^{p}: moe.topk"):
+        resolve_config(tc, num_experts=4, topk=5)

@@ -81,14 +81,15 @@ def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bo
     makes the dispatch wait on the host for exact sizes (and, compiled, the dispatcher calls EPBuffer
     eagerly, with a graph break around each call: dispatcher.py). Other eager forwards feed megatron's
     experts, which need host counts anyway, and always get comm.host_sync on (see below)."""
-    raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
+    attached = load_config(getattr(transformer_config, "ep_plugin_config", None))
+    raw = attached.to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
     if not (compiled or device_counts):
         # megatron's experts split their input by host counts, so the host waits for them anyway: an
         # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
         raw["comm"]["host_sync"] = True
-    return load_config(raw)
+    return load_config(raw, source=attached.source)  # messages name the attached file, not "<dict>"
 
 
 def uses_ep_plugin(transformer_config) -> Optional[str]:
