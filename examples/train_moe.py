@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ep_plugin
-from ep_plugin.doctor import refuse
 from ep_plugin.routing import route
 from ep_plugin.telemetry import collect
 from ep_plugin.testing.launch import check_world_size, config_path, require_torchrun, stop
@@ -154,7 +153,7 @@ def main():
         cfg.comm.max_tokens_per_rank = max(cfg.comm.max_tokens_per_rank, tokens_per_rank)
         buf = ep_plugin.EPBuffer(dist.group.WORLD, cfg, hidden=args.hidden)
     except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-        refuse(exc, rank)
+        stop(exc, rank)
     row_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
     model = MoELM(buf, args.layers, args.hidden, args.heads, args.ffn, args.seq, row_dtype).to(device)
     with torch.no_grad():

@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping, NoReturn, Optional, Sequence, Tuple
 from ..config import EPConfig, load_config, preset_path
 from ..config.io import read_with_problems
 from ..config.validate import Context, check_section, config_error, divisors
-from ..errors import ConfigError
+from ..errors import BackendUnavailableError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: examples/ beside ep_plugin/
 
@@ -42,12 +42,15 @@ def _rank() -> int:
 
 
 def stop(message: Any, rank: Optional[int] = None) -> NoReturn:
-    """End the job: ``message`` (a string or an exception: its text) on stderr from rank 0, prefixed
-    with the script's name; exit status 2. The other ranks exit after a second (the launcher stops
+    """End the job: ``message`` (a string or an exception: its whole text, every problem of a config
+    file; for a backend that cannot run here, a pointer to the doctor) on stderr from rank 0,
+    prefixed with the script's name; exit status 2. The other ranks exit after a second (the launcher stops
     every rank when the first one exits: rank 0 says why first)."""
     rank = _rank() if rank is None else rank
     if rank == 0:
         text = str(message).strip() or type(message).__name__
+        if isinstance(message, BackendUnavailableError):
+            text += " (`python -m ep_plugin doctor` says what this machine can run)"
         print(f"{_script()}: {text}", file=sys.stderr, flush=True)
     else:
         time.sleep(1.0)

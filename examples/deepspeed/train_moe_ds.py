@@ -69,7 +69,6 @@ from deepspeed.moe.layer import MoE  # noqa: E402
 
 import ep_plugin  # noqa: E402
 import ep_plugin.deepspeed as epds  # noqa: E402
-from ep_plugin.doctor import refuse  # noqa: E402
 from ep_plugin.integrations.buffer_cache import cached_buffers  # noqa: E402
 from ep_plugin.telemetry import collect  # noqa: E402
 from ep_plugin.testing.launch import config_path, require_torchrun, stop  # noqa: E402
@@ -198,7 +197,7 @@ def main():
         with contextlib.redirect_stdout(_DropKnownPrints(sys.stdout)):
             engine, _, _, _ = epds.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except ep_plugin.ConfigError as exc:
-        refuse(exc, rank)
+        stop(exc, rank)
     ep_on = any(isinstance(m, epds.EPPluginMOELayer) for m in model.modules())
 
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
@@ -224,7 +223,7 @@ def main():
             try:
                 loss, lm = engine(ids, labels)
             except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-                refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
+                stop(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
             engine.backward(loss)
             engine.step()
         lm = lm.detach().clone()

@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 import ep_plugin
 from ep_plugin.config.validate import IntRange
-from ep_plugin.doctor import refuse
 from ep_plugin.telemetry import collect
 from ep_plugin.testing.launch import (check_world_size, config_path, load_example_config, require_torchrun,
                                       stop)
@@ -353,7 +352,7 @@ def main(argv=None) -> dict:
         try:
             loss = model(x, pos, mask, labels=y).float().mean()
         except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-            refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
+            stop(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
         opt.zero_grad(set_to_none=True)
         loss.backward()
         sync_grads(model, world)
