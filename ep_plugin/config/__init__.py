@@ -15,6 +15,7 @@ names the source (file path, ``<dict>`` or environment variable), the dotted key
 values.
 
 ``schema.py`` the dataclasses and every list of choices; ``validate.py`` the rules and messages;
+``problems.py`` how problems are collected, every one of a source reported in one ConfigError;
 ``io.py`` sources, overrides and presets; ``env.py`` the documented environment overrides.
 """
 

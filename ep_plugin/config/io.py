@@ -16,7 +16,8 @@ import yaml
 from ..errors import ConfigError
 from . import env
 from .schema import SECTIONS, EPConfig
-from .validate import Context, Problem, config_error, validate
+from .problems import Context, Problem, config_error
+from .validate import validate
 
 # Shipped inside the package (setup.py package_data) so a wheel has them; configs/ in the
 # repository holds links to these files.

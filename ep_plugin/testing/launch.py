@@ -20,7 +20,8 @@ from typing import Any, Dict, Mapping, NoReturn, Optional, Sequence, Tuple
 
 from ..config import EPConfig, load_config, preset_path
 from ..config.io import read_with_problems
-from ..config.validate import Context, check_section, config_error, divisors
+from ..config.problems import Context, config_error
+from ..config.validate import check_section, divisors
 from ..errors import BackendUnavailableError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: examples/ beside ep_plugin/
