@@ -42,7 +42,8 @@ step_done() { echo "setup: [$N/$NSTEPS] done in $(seconds_since "$STEP_AT")${1:+
 with_heartbeat() {
   local t0 hb rc=0
   t0=$(date +%s)
-  ( while sleep 15; do echo "setup:       ... still at it ($(( $(date +%s) - t0 )) s)"; done ) &
+  # on stderr: a caller may capture stdout (VAR=$(with_heartbeat ...))
+  ( while sleep 15; do echo "setup:       ... still at it ($(( $(date +%s) - t0 )) s)" >&2; done ) &
   hb=$!
   "$@" || rc=$?
   kill "$hb" 2>/dev/null || true
@@ -107,7 +108,7 @@ if [ $LIGHT = 0 ]; then
   # nvidia-nvshmem-cu<major>, major = torch's CUDA major, nvcc's for a CPU torch. Never when torch itself
   # depends on an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel
   # (both write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
-  NVSHMEM_WANT=$("$PY" - <<'PYEOF'
+  NVSHMEM_WANT=$(with_heartbeat "$PY" - <<'PYEOF'
 import importlib.metadata as md, re, shutil, subprocess
 import torch
 deps = [r for r in (md.requires("torch") or []) if r.lower().startswith("nvidia-nvshmem") and "extra ==" not in r]
@@ -173,7 +174,7 @@ EP_PLUGIN_BUILD_C=0 pip_install --no-build-isolation -e .
 step_done
 
 step "ep_plugin doctor: what this machine can run" "5 s"
-"$PY" -m ep_plugin doctor --no-ipc || true  # it explains errors; the set-up itself is done
+with_heartbeat "$PY" -m ep_plugin doctor --no-ipc || true  # it explains errors; the set-up itself is done
 step_done
 
 SIZE=$("$PY" -c "import sys; print(sys.prefix)" | xargs du -sh 2>/dev/null | cut -f1 || echo "?")
