@@ -136,11 +136,18 @@ class Progress:
             done = self.done
         self.say(f"[{done:2d}/{self.total}] {name} ({t:.0f} s)")
 
-    def run(self, name, fn, *args):
+    def run(self, name, fn, *args, **kwargs):
         self.start(name)
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self.finish(name)
         return out
+
+    def skip(self, name):
+        """A step whose output is current (an object file rebuilt from unchanged inputs)."""
+        with self.lock:
+            self.done += 1
+            done = self.done
+        self.say(f"[{done:2d}/{self.total}] {name} (unchanged: kept)")
 
     def _watch(self):
         while not self.stop.wait(1.0):
@@ -159,6 +166,28 @@ class Progress:
         self.thread.join()
         if exc[0] is None:
             self.say(f"built in {time.monotonic() - self.t0:.0f} s")
+
+
+def _newest_input(src):
+    """The newest mtime of a source and every header under csrc/ (any of them may be included)."""
+    headers = [p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".hpp")]
+    return max([Path(src).stat().st_mtime] + [h.stat().st_mtime for h in headers])
+
+
+def compile_cuda(progress, name, cmd):
+    """nvcc ``cmd`` for csrc/``name``, unless its object was built by the same command from inputs no
+    newer than it (a rebuild after a failed link, or after a change to other files, recompiles only
+    what changed). The command is kept beside the object (.o.cmd)."""
+    obj = Path(cmd[cmd.index("-o") + 1])
+    stamp = obj.with_suffix(".o.cmd")
+    line = "\n".join(cmd)
+    if (obj.exists() and stamp.exists() and stamp.read_text() == line
+            and obj.stat().st_mtime > _newest_input(CSRC / name)):
+        progress.skip(name)
+        return
+    stamp.unlink(missing_ok=True)
+    progress.run(name, subprocess.check_call, cmd)
+    stamp.write_text(line)
 
 
 def _rel(path):
@@ -208,7 +237,7 @@ class NvccBuildExt(build_ext):
         self._progress, self._workers = progress, workers
         with progress, ThreadPoolExecutor(workers) as pool:
             # one kernel file per process, side by side; only the NVSHMEM objects are device-linked, after
-            list(pool.map(lambda nc: progress.run(nc[0], subprocess.check_call, nc[1]), commands))
+            list(pool.map(lambda nc: compile_cuda(progress, *nc), commands))
             link_args = []
             if nvshmem is not None:
                 inc, lib = nvshmem

@@ -85,3 +85,36 @@ def test_compile_progress_lines(capsys):
     out = capsys.readouterr().out
     assert "ep_plugin: _C [ 1/2] nvlink/a.cu" in out and "ep_plugin: _C [ 2/2] nvshmem/b.cu" in out
     assert "ep_plugin: _C still compiling nvshmem/b.cu" in out and "ep_plugin: _C built in" in out
+
+
+def test_compile_link_step_passes_keywords(capsys):
+    """build_ext calls link_shared_object with keywords: the progress wrapper passes them on."""
+    ns = _setup_namespace()
+    p = ns["Progress"](1)
+    assert p.run("link", lambda *a, **k: (a, k), 1, libraries=["x"]) == ((1,), {"libraries": ["x"]})
+
+
+def test_unchanged_cuda_objects_are_kept(tmp_path, capsys):
+    ns = _setup_namespace()
+    src = next(ns["CSRC"].rglob("*.cu"))
+    obj = tmp_path / "a.o"
+    cmd = ["true", "-c", str(src), "-o", str(obj)]
+    calls = []
+    ns["subprocess"].check_call, real = (lambda c: calls.append(c) or obj.write_text("o")), ns["subprocess"].check_call
+    try:
+        p = ns["Progress"](3)
+        name = str(src.relative_to(ns["CSRC"]))
+        ns["compile_cuda"](p, name, cmd)          # built
+        ns["compile_cuda"](p, name, cmd)          # same command, inputs older: kept
+        ns["compile_cuda"](p, name, cmd + ["-O0"])  # another command: built again
+    finally:
+        ns["subprocess"].check_call = real
+    assert len(calls) == 2
+    assert "(unchanged: kept)" in capsys.readouterr().out
+
+
+def _setup_namespace():
+    src = (ROOT / "setup.py").read_text().split("\ncuda_home = want_c_build()")[0]  # the definitions only
+    ns = {"__name__": "_ep_setup", "__file__": str(ROOT / "setup.py")}
+    exec(compile(src, str(ROOT / "setup.py"), "exec"), ns)
+    return ns
