@@ -75,7 +75,7 @@ pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYA
 step_done
 
 # ------------------------------------------------------------------------------ 2: the frameworks
-step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "30 s"
+step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "40 s"
 # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
 pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
