@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+# CPU seconds of a full _C build (NVSHMEM part included), measured on this project's 2-core CI box;
+# the build's first line divides it by the cores to say about how long it takes.
+COMPILE_CPU_S = 160
 CSRC = ROOT / "csrc"
 
 
@@ -102,12 +107,105 @@ def nvshmem_setting(cuda):
     return found
 
 
+class Progress:
+    """One line per finished step of the _C build ("files done of total"), and a line naming what is
+    still compiling whenever nothing was printed for 15 s: the build never goes quiet for long."""
+
+    QUIET_S = 15.0
+
+    def __init__(self, total):
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self.running, self.last = {}, self.t0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def say(self, text):
+        with self.lock:
+            print(f"ep_plugin: _C {text}", flush=True)
+            self.last = time.monotonic()
+
+    def start(self, name):
+        with self.lock:
+            self.running[name] = time.monotonic()
+
+    def finish(self, name):
+        with self.lock:
+            t = time.monotonic() - self.running.pop(name, time.monotonic())
+            self.done += 1
+            done = self.done
+        self.say(f"[{done:2d}/{self.total}] {name} ({t:.0f} s)")
+
+    def run(self, name, fn, *args, **kwargs):
+        self.start(name)
+        out = fn(*args, **kwargs)
+        self.finish(name)
+        return out
+
+    def skip(self, name):
+        """A step whose output is current (an object file rebuilt from unchanged inputs)."""
+        with self.lock:
+            self.done += 1
+            done = self.done
+        self.say(f"[{done:2d}/{self.total}] {name} (unchanged: kept)")
+
+    def _watch(self):
+        while not self.stop.wait(1.0):
+            with self.lock:
+                quiet = time.monotonic() - self.last >= self.QUIET_S
+                names = ", ".join(self.running)
+            if quiet:
+                self.say(f"still compiling {names or '...'} ({time.monotonic() - self.t0:.0f} s in)")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        if exc[0] is None:
+            self.say(f"built in {time.monotonic() - self.t0:.0f} s")
+
+
+def _newest_input(src):
+    """The newest mtime of a source and every header under csrc/ (any of them may be included)."""
+    headers = [p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".hpp")]
+    return max([Path(src).stat().st_mtime] + [h.stat().st_mtime for h in headers])
+
+
+def compile_cuda(progress, name, cmd):
+    """nvcc ``cmd`` for csrc/``name``, unless its object was built by the same command from inputs no
+    newer than it (a rebuild after a failed link, or after a change to other files, recompiles only
+    what changed). The command is kept beside the object (.o.cmd)."""
+    obj = Path(cmd[cmd.index("-o") + 1])
+    stamp = obj.with_suffix(".o.cmd")
+    line = "\n".join(cmd)
+    if (obj.exists() and stamp.exists() and stamp.read_text() == line
+            and obj.stat().st_mtime > _newest_input(CSRC / name)):
+        progress.skip(name)
+        return
+    stamp.unlink(missing_ok=True)
+    progress.run(name, subprocess.check_call, cmd)
+    stamp.write_text(line)
+
+
+def _rel(path):
+    try:
+        return str(Path(path).resolve().relative_to(CSRC))
+    except ValueError:
+        return str(path)
+
+
 class NvccBuildExt(build_ext):
-    """Compiles csrc/**/*.cu with nvcc into objects that the pybind11 extension links."""
+    """Compiles csrc/**/*.cu with nvcc into objects that the pybind11 extension links; the CUDA files,
+    then the C++ files, each set side by side on every core, with a progress line per file.
+    EP_PLUGIN_BUILD_VERBOSE=1 also prints every command."""
 
     def build_extension(self, ext):
         cuda = find_cuda_home()
         arch = os.environ.get("EP_PLUGIN_CUDA_ARCH", "90")
+        verbose = os.environ.get("EP_PLUGIN_BUILD_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on")
         objdir = Path(self.build_temp) / "cu"
         objdir.mkdir(parents=True, exist_ok=True)
         import pybind11
@@ -123,34 +221,73 @@ class NvccBuildExt(build_ext):
             if is_nvshmem_source(cu):  # relocatable device code: NVSHMEM's device API is in a static library
                 cmd += ["-rdc=true", f"-I{nvshmem[0]}"]
                 rdc_objects.append(str(obj))
-            print(" ".join(cmd), flush=True)
-            commands.append(cmd)
+            if verbose:
+                print(" ".join(cmd), flush=True)
+            commands.append((_rel(cu), cmd))
             objects.append(str(obj))
-        # One kernel file per process, so the files compile side by side; only the NVSHMEM objects
-        # are device-linked, after them.
-        with ThreadPoolExecutor(max(1, min(len(commands), os.cpu_count() or 1))) as pool:
-            list(pool.map(subprocess.check_call, commands))
-        link_args = []
-        if nvshmem is not None:
-            inc, lib = nvshmem
-            # One device-link unit holding every -rdc object and libnvshmem_device, so that NVSHMEM's
-            # __device__ state exists once in _C (a second unit would hold a copy nobody initializes).
-            dlink = objdir / "nvshmem_dlink.o"
-            cmd = [str(cuda / "bin" / "nvcc"), "-dlink", *rdc_objects, "-o", str(dlink), gencode,
-                   "-Xcompiler", "-fPIC", f"-L{lib}", "-lnvshmem_device"]
-            print(" ".join(cmd), flush=True)
-            subprocess.check_call(cmd)
-            # the host half of libnvshmem_device.a (nvshmemi_init_thread) and the host library, by
-            # path: the wheel ships libnvshmem_host.so.3 only, no libnvshmem_host.so for -l to find.
-            objects += [str(dlink), str(lib / "libnvshmem_device.a"), str(lib / "libnvshmem_host.so.3")]
-            # $ORIGIN/..: site-packages/ep_plugin/_C.so -> site-packages/nvidia/nvshmem/lib (a wheel
-            # install); the absolute dir serves an editable install, whose _C.so sits in the repo.
-            link_args += ["-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib", f"-Wl,-rpath,{lib}"]
-        ext.extra_objects = objects
-        ext.extra_link_args = (ext.extra_link_args or []) + link_args
-        ext.include_dirs += [pybind11.get_include(), str(cuda / "include"), str(CSRC)]
-        ext.library_dirs += [str(cuda / "lib64"), str(cuda / "lib64" / "stubs")]
-        super().build_extension(ext)
+        # the slowest first (the NVSHMEM files, -rdc: 2-3x the others), so that no long file starts last
+        commands.sort(key=lambda nc: (not is_nvshmem_source(CSRC / nc[0]), -(CSRC / nc[0]).stat().st_size))
+        workers = max(1, os.cpu_count() or 1)
+        n_host = len(ext.sources)
+        total = len(commands) + n_host + (1 if nvshmem is not None else 0) + 1  # + device link, + link
+        print(f"ep_plugin: compiling _C for sm_{arch}: {len(commands)} CUDA files, {n_host} C++ files"
+              f"{', NVSHMEM part included' if nvshmem is not None else ''}, {workers} at a time "
+              f"(about {COMPILE_CPU_S // workers} s on {workers} cores: {COMPILE_CPU_S} s of CPU time)", flush=True)
+        progress = Progress(total)
+        self._progress, self._workers = progress, workers
+        with progress, ThreadPoolExecutor(workers) as pool:
+            # one kernel file per process, side by side; only the NVSHMEM objects are device-linked, after
+            list(pool.map(lambda nc: compile_cuda(progress, *nc), commands))
+            link_args = []
+            if nvshmem is not None:
+                inc, lib = nvshmem
+                # One device-link unit holding every -rdc object and libnvshmem_device, so that NVSHMEM's
+                # __device__ state exists once in _C (a second unit would hold a copy nobody initializes).
+                dlink = objdir / "nvshmem_dlink.o"
+                cmd = [str(cuda / "bin" / "nvcc"), "-dlink", *rdc_objects, "-o", str(dlink), gencode,
+                       "-Xcompiler", "-fPIC", f"-L{lib}", "-lnvshmem_device"]
+                if verbose:
+                    print(" ".join(cmd), flush=True)
+                progress.run("device link of the NVSHMEM objects", subprocess.check_call, cmd)
+                # the host half of libnvshmem_device.a (nvshmemi_init_thread) and the host library, by
+                # path: the wheel ships libnvshmem_host.so.3 only, no libnvshmem_host.so for -l to find.
+                objects += [str(dlink), str(lib / "libnvshmem_device.a"), str(lib / "libnvshmem_host.so.3")]
+                # $ORIGIN/..: site-packages/ep_plugin/_C.so -> site-packages/nvidia/nvshmem/lib (a wheel
+                # install); the absolute dir serves an editable install, whose _C.so sits in the repo.
+                link_args += ["-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib", f"-Wl,-rpath,{lib}"]
+            ext.extra_objects = objects
+            ext.extra_link_args = (ext.extra_link_args or []) + link_args
+            ext.include_dirs += [pybind11.get_include(), str(cuda / "include"), str(CSRC)]
+            ext.library_dirs += [str(cuda / "lib64"), str(cuda / "lib64" / "stubs")]
+            self._pool = pool
+            self._parallel_host_compile()
+            link = self.compiler.link_shared_object
+            self.compiler.link_shared_object = lambda *a, **k: progress.run("link", link, *a, **k)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.compiler.link_shared_object = link
+
+    def _parallel_host_compile(self):
+        """The C++ sources (pybind11 bindings: ~10-20 s each) side by side, a progress line each."""
+        compiler, progress, pool = self.compiler, self._progress, self._pool
+        if not all(hasattr(compiler, n) for n in ("_setup_compile", "_get_cc_args", "_compile")):
+            return  # another distutils: its own serial compile (the watcher still reports what runs)
+
+        def compile_all(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                        extra_preargs=None, extra_postargs=None, depends=None):
+            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+            def one(obj):
+                src, ext = build[obj]
+                progress.run(_rel(src), compiler._compile, obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+            list(pool.map(one, objects))
+            return objects
+
+        compiler.compile = compile_all
 
 
 def is_nvshmem_source(path):

@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ep_plugin
-from ep_plugin.doctor import refuse
 from ep_plugin.routing import route
 from ep_plugin.telemetry import collect
+from ep_plugin.testing.launch import check_world_size, config_path, require_torchrun, stop
 
 
 def local_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
@@ -129,6 +129,18 @@ def main():
     ap.add_argument("--log-every", type=int, default=50, help="steps between summary lines")
     args = ap.parse_args()
 
+    # launch mistakes end here with one line each, before torch gets to raise
+    tokens_per_rank = args.batch * args.seq
+    overrides = {"comm.stats": True}
+    if args.backend:
+        overrides["comm.backend"] = args.backend
+    try:
+        cfg = ep_plugin.load_config(config_path(args.config, script=__file__), overrides)
+    except ep_plugin.ConfigError as exc:
+        stop(exc)
+    require_torchrun(cfg)
+    check_world_size(cfg)  # each rank holds num_experts / world experts
+
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -137,16 +149,11 @@ def main():
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)  # same replicated weights everywhere; experts differ per rank below
 
-    tokens_per_rank = args.batch * args.seq
-    overrides = {"comm.stats": True}
-    if args.backend:
-        overrides["comm.backend"] = args.backend
     try:
-        cfg = ep_plugin.load_config(args.config, overrides)
         cfg.comm.max_tokens_per_rank = max(cfg.comm.max_tokens_per_rank, tokens_per_rank)
         buf = ep_plugin.EPBuffer(dist.group.WORLD, cfg, hidden=args.hidden)
     except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-        refuse(exc, rank)
+        stop(exc, rank)
     row_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
     model = MoELM(buf, args.layers, args.hidden, args.heads, args.ffn, args.seq, row_dtype).to(device)
     with torch.no_grad():

@@ -1,43 +1,114 @@
 #!/usr/bin/env bash
-# Set up a CPU machine for ep_plugin's examples and tests: CPU torch, the real frameworks
-# (megatron-core 0.19.2, deepspeed 0.19.8), the NVSHMEM wheel matching the CUDA major, and
-# ep_plugin itself, with ep_plugin._C compiled when nvcc is found. Safe to run again: pip skips what
-# is already installed, and _C is rebuilt only when csrc/, setup.py or the NVSHMEM wheel changed
-# (their hash is kept in build/ep_plugin_C.sha256). One line per step, with its time;
-# `ep_plugin doctor` ends it: what this machine can run.
+# Set up a CPU machine for ep_plugin, into the python3 that comes first on PATH (a venv, preferably:
+# `python3 -m venv .venv && . .venv/bin/activate` first). Two modes:
+#
+#   bash scripts/setup.sh --light   what the examples run with on a CPU box: CPU torch, megatron-core
+#                                   0.19.2, deepspeed 0.19.8, transformers, ep_plugin (pure Python, torch
+#                                   backend). No NVSHMEM wheel, no _C compile, no triton, no pytest:
+#                                   nothing that a machine without a GPU could use.
+#   bash scripts/setup.sh           all of that, plus what the tests (and CI) check: pytest, the
+#                                   nvidia-nvshmem-cu<major> wheel and ep_plugin._C compiled with nvcc,
+#                                   NVSHMEM part included, when nvcc is found.
+#
+# triton: megatron-core imports it on its way to GPTModel for one GPU-only feature (the paged
+# activation stash). Where triton is not installed, a stand-in for that one module is put into
+# site-packages (ep_plugin/testing/megatron_without_triton.py): triton itself is ~1 GB and runs on no CPU.
+#
+# Safe to run again: pip skips what is installed, and _C is rebuilt only when csrc/, setup.py or the
+# NVSHMEM wheel changed (their hash is kept in build/ep_plugin_C.sha256). A line before each step says
+# what it does and about how long it takes (measured on a 2-core box with a fresh venv), a line every
+# 15 s while it runs, and the compile prints each file it finishes. `ep_plugin doctor` ends it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+LIGHT=0
+for arg in "$@"; do
+  case $arg in
+    --light) LIGHT=1 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown argument '$arg'; usage: bash scripts/setup.sh [--light]" >&2; exit 2 ;;
+  esac
+done
 export PIP_ROOT_USER_ACTION=ignore  # pip's warning about root, once per call, in containers
-STARTED=$(date +%s.%N) STEP="" STEP_AT="" PINNED=""
-pip_install() {
-  for arg in "$@"; do case $arg in *==*) PINNED="$PINNED ${arg}" ;; esac; done
-  "$PY" -m pip install -q --disable-pip-version-check "$@"
-}
-seconds_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%6.1f s", b - a }'; }
-# step NAME: print the step that ends (name, the pinned packages it installed, its time), start NAME.
-step() {
-  [ -n "$STEP" ] && printf 'setup: %-76s %s\n' "$STEP${PINNED:+ (${PINNED# })}" "$(seconds_since "$STEP_AT")"
-  STEP=$1 STEP_AT=$(date +%s.%N) PINNED=""
-}
+STARTED=$(date +%s.%N)
+NSTEPS=$([ $LIGHT = 1 ] && echo 4 || echo 6) N=0 STEP_AT=""
 
-step "torch (CPU) and build tools"
+seconds_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", b - a }'; }
+# step WHAT ABOUT: the line before a step (what it does, about how long).
+step() { N=$((N + 1)); STEP_AT=$(date +%s.%N); echo "setup: [$N/$NSTEPS] $1 (about $2)"; }
+# step_done [NOTE]: the line after it, with its time.
+step_done() { echo "setup: [$N/$NSTEPS] done in $(seconds_since "$STEP_AT")${1:+: $1}"; }
+# with_heartbeat CMD...: run CMD, printing a line every 15 s while it runs (pip -q is silent meanwhile).
+with_heartbeat() {
+  local t0 hb rc=0
+  t0=$(date +%s)
+  # on stderr: a caller may capture stdout (VAR=$(with_heartbeat ...))
+  ( while sleep 15; do echo "setup:       ... still at it ($(( $(date +%s) - t0 )) s)" >&2; done ) &
+  hb=$!
+  "$@" || rc=$?
+  kill "$hb" 2>/dev/null || true
+  wait "$hb" 2>/dev/null || true
+  return "$rc"
+}
+pip_install() { with_heartbeat "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+"$PY" - "$LIGHT" <<'PYEOF'
+import sys
+light = sys.argv[1] == "1"
+venv = sys.prefix != sys.base_prefix
+print(f"setup: {'--light: the examples on a CPU box' if light else 'the examples, the tests and the compiled kernels'}, "
+      f"into {sys.prefix} (Python {sys.version.split()[0]}{', a venv' if venv else ''})")
+if not venv:
+    print("setup: (not a venv: to keep it apart, `python3 -m venv .venv && . .venv/bin/activate` and run this again)")
+PYEOF
+
+# ------------------------------------------------------------------------------ 1: torch and tools
+if [ $LIGHT = 1 ]; then
+  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools" "35 s"
+  EXTRA=()
+else
+  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest" "35 s"
+  EXTRA=("pybind11>=2.12" pytest)
+fi
 # torch first and pinned: an unpinned torch would pull the CUDA build and GBs of CUDA packages.
-pip_install "torch==2.13.0" "numpy" "packaging>=24.2" "setuptools>=64" wheel "pybind11>=2.12" \
-            "PyYAML>=6" tqdm pytest einops triton
-step "frameworks"
+pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"
+step_done
+
+# ------------------------------------------------------------------------------ 2: the frameworks
+step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "40 s"
 # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
 pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
 DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
 # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
 pip_install "transformers==5.17.0"
-step "NVSHMEM wheel"
-# The nvidia-nvshmem-cu<major> wheel that _C's NVSHMEM part compiles against (so CI compiles it on
-# every run): major is torch's CUDA major, nvcc's for a CPU torch. Never when torch itself depends on
-# an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel (both
-# write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
-NVSHMEM_WANT=$("$PY" - <<'PYEOF'
+# megatron-core without triton: the stand-in for its one module that imports triton (see the top).
+TRITON_NOTE=$("$PY" - <<'PYEOF'
+import importlib.util, shutil, sysconfig
+from pathlib import Path
+site = Path(sysconfig.get_paths()["purelib"])
+if importlib.util.find_spec("triton") is not None:
+    print("triton is installed: megatron-core uses it")
+else:
+    shutil.copyfile("ep_plugin/testing/megatron_without_triton.py", site / "_ep_plugin_megatron_without_triton.py")
+    (site / "ep_plugin_megatron_without_triton.pth").write_text("import _ep_plugin_megatron_without_triton\n")
+    print("no triton: megatron-core's paged-stash kernels stand in (GPU only)")
+PYEOF
+)
+step_done "$TRITON_NOTE"
+
+# ------------------------------------------------------------------------------ 3-4: NVSHMEM and _C
+c_sources_hash() {  # what _C is built from, the NVSHMEM wheel's version included
+  { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
+    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"
+    "$PY" -m pip list --disable-pip-version-check 2>/dev/null | grep -i '^nvidia-nvshmem' || true; } | sha256sum | cut -d' ' -f1
+}
+if [ $LIGHT = 0 ]; then
+  step "the NVSHMEM wheel that _C's NVSHMEM part compiles against" "10 s"
+  # nvidia-nvshmem-cu<major>, major = torch's CUDA major, nvcc's for a CPU torch. Never when torch itself
+  # depends on an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel
+  # (both write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
+  NVSHMEM_WANT=$(with_heartbeat "$PY" - <<'PYEOF'
 import importlib.metadata as md, re, shutil, subprocess
 import torch
 deps = [r for r in (md.requires("torch") or []) if r.lower().startswith("nvidia-nvshmem") and "extra ==" not in r]
@@ -63,35 +134,52 @@ else:
     print(want)
 PYEOF
 )
-case $NVSHMEM_WANT in
-  skip:*) STEP="NVSHMEM wheel (not installed: ${NVSHMEM_WANT#skip: })" ;;
-  *) pip_install "$NVSHMEM_WANT"; STEP="NVSHMEM wheel ($NVSHMEM_WANT)" ;;
-esac
-step "ep_plugin"
-# What _C is built from; the same hash as at its last build means the .so beside the sources is current.
-# The NVSHMEM wheel's version counts too: installing or changing it changes what setup.py builds.
-c_sources_hash() {
-  { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
-    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"
-    "$PY" -m pip list --disable-pip-version-check 2>/dev/null | grep -i '^nvidia-nvshmem' || true; } | sha256sum | cut -d' ' -f1
-}
-C_HASH_FILE=build/ep_plugin_C.sha256
-C_HASH=$(c_sources_hash)
-if [ -z "${EP_PLUGIN_BUILD_C:-}" ] && ls ep_plugin/_C*.so >/dev/null 2>&1 \
-   && [ "$(cat "$C_HASH_FILE" 2>/dev/null)" = "$C_HASH" ]; then
-  EP_PLUGIN_BUILD_C=0 pip_install --no-build-isolation -e .
-  STEP="ep_plugin (_C unchanged since its build: not rebuilt)"
-else
-  mkdir -p build && touch build/.ep_plugin_install_started
-  pip_install --no-build-isolation -e .
-  if [ -n "$(find ep_plugin -maxdepth 1 -name '_C*.so' -newer build/.ep_plugin_install_started)" ]; then
-    echo "$C_HASH" > "$C_HASH_FILE"
-    STEP="ep_plugin (_C compiled)"
+  case $NVSHMEM_WANT in
+    skip:*) step_done "not installed: ${NVSHMEM_WANT#skip: }" ;;
+    *) pip_install "$NVSHMEM_WANT"; step_done "$NVSHMEM_WANT" ;;
+  esac
+
+  C_HASH_FILE=build/ep_plugin_C.sha256
+  C_HASH=$(c_sources_hash)
+  if [ "${EP_PLUGIN_BUILD_C:-}" = 0 ]; then
+    step "ep_plugin._C: not compiled (EP_PLUGIN_BUILD_C=0)" "0 s"; step_done
+  elif [ -z "${EP_PLUGIN_BUILD_C:-}" ] && ls ep_plugin/_C*.so >/dev/null 2>&1 \
+       && [ "$(cat "$C_HASH_FILE" 2>/dev/null)" = "$C_HASH" ]; then
+    step "ep_plugin._C: unchanged since its last build, not recompiled" "0 s"; step_done
+  elif ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    step "ep_plugin._C: not compiled (no nvcc: the torch backend only)" "0 s"; step_done
   else
-    STEP="ep_plugin (_C not compiled: no nvcc, or EP_PLUGIN_BUILD_C=0)"
+    step "compiling ep_plugin._C with nvcc, a line per file (full log: build/ep_plugin_C.log)" "80 s on 2 cores"
+    mkdir -p build
+    rm -f build/ep_plugin_C.sha256
+    # setup.py's own lines (ep_plugin: ...) are shown; the compilers' output goes to the log.
+    if "$PY" setup.py build_ext --inplace > >(tee build/ep_plugin_C.log | grep --line-buffered '^ep_plugin:' \
+         | sed -u 's/^ep_plugin: /setup:       /') 2>&1; then
+      sleep 0.2  # let the last progress line through the pipe
+      echo "$C_HASH" > "$C_HASH_FILE"
+      step_done "$(ls ep_plugin/_C*.so)"
+    else
+      sleep 0.2
+      echo "setup: compiling _C failed; the end of build/ep_plugin_C.log:" >&2
+      tail -n 30 build/ep_plugin_C.log >&2
+      exit 1
+    fi
   fi
 fi
-step "ep_plugin doctor"
-"$PY" -m ep_plugin doctor --no-ipc || true  # it explains errors; the set-up itself is done
-step ""
-printf 'setup: %-76s %s\n' "done" "$(seconds_since "$STARTED")"
+
+# ------------------------------------------------------------------------------ ep_plugin itself
+step "ep_plugin itself (pip install -e ., pure Python; an existing _C stays in place)" "5 s"
+# _C, when wanted, was compiled above: the editable install itself compiles nothing.
+EP_PLUGIN_BUILD_C=0 pip_install --no-build-isolation -e .
+step_done
+
+step "ep_plugin doctor: what this machine can run" "5 s"
+with_heartbeat "$PY" -m ep_plugin doctor --no-ipc || true  # it explains errors; the set-up itself is done
+step_done
+
+SIZE=$("$PY" -c "import sys; print(sys.prefix)" | xargs du -sh 2>/dev/null | cut -f1 || echo "?")
+echo "setup: done in $(seconds_since "$STARTED"); $("$PY" -c "import sys; print(sys.prefix)") holds $SIZE"
+if [ $LIGHT = 1 ]; then
+  echo "setup: next: torchrun --nproc-per-node 2 examples/megatron/pretrain_gpt_moe.py   (the tests and the"
+  echo "setup:       compiled kernels: bash scripts/setup.sh, without --light)"
+fi

@@ -411,3 +411,86 @@ def test_config_dir_env_is_searched_first(clean_env, tmp_path):
     clean_env.setenv("EP_PLUGIN_CONFIG_DIR", str(tmp_path / "absent"))
     with pytest.raises(ConfigError, match=r"EP_PLUGIN_CONFIG_DIR=.*absent \(not a directory\)"):
         load_config("mine")
+
+
+# ------------------------------------------------------- every problem at once, keys written twice
+
+
+def test_every_problem_of_a_file_at_once(tmp_path):
+    p = tmp_path / "many.yaml"
+    p.write_text("moe:\n  topk: two\n  score_function: sigmod\ncomm:\n  backend: nvlnk\noverlap:\n  recvhook: true\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.splitlines()[0] == f"{p}: 4 problems:"
+    for part in ("moe.topk: wrong type", "did you mean 'sigmoid'", "comm.backend: not an allowed value",
+                 "did you mean 'nvlink'", "overlap.recvhook: unknown key (did you mean 'recv_hook'?)"):
+        assert part in msg
+    assert [q.key for q in ei.value.problems] == ["moe.topk", "moe.score_function", "comm.backend",
+                                                  "overlap.recvhook"]
+
+
+def test_one_problem_keeps_its_one_line(tmp_path):
+    p = tmp_path / "one.yaml"
+    p.write_text("comm:\n  backend: nvlnk\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert str(ei.value).startswith(f"{p}: comm.backend: not an allowed value (did you mean 'nvlink'?)")
+    assert "\n" not in str(ei.value)
+
+
+def test_cross_key_rules_skip_a_section_with_bad_keys(tmp_path):
+    # num_groups is wrong: the group rules would only repeat it; the comm problem is still reported
+    with pytest.raises(ConfigError) as ei:
+        load_config({"moe": {"num_experts": 8, "num_groups": "x", "group_topk": 9}, "comm": {"stats": 1}})
+    assert [q.key for q in ei.value.problems] == ["moe.num_groups", "comm.stats"]
+
+
+def test_a_key_written_twice_names_file_key_and_both_lines(tmp_path):
+    p = tmp_path / "twice.yaml"
+    p.write_text("moe:\n  topk: 2\ncomm:\n  backend: torch\n  num_sms: 8\n  backend: nvlink\n")
+    with pytest.raises(ConfigError, match=rf"{p}: comm.backend: written twice \(lines 4 and 6\)"):
+        load_config(p)
+    p.write_text("moe:\n  topk: 2\nmoe:\n  topk: 3\n  topk: 4\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert [q.key for q in ei.value.problems] == ["moe", "moe.topk"]
+    assert "lines 1 and 3" in str(ei.value) and "lines 4 and 5" in str(ei.value)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("base: &b\n  topk: 2\nmoe:\n  <<: *b\n  num_experts: 8\n")
+    from ep_plugin.config import read_yaml
+
+    assert read_yaml(p)["moe"] == {"topk": 2, "num_experts": 8}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_shipped_presets_write_each_key_once(name):
+    from ep_plugin.config import read_yaml
+
+    read_yaml(preset_path(name))  # raises on a key written twice
+
+
+def test_a_dict_names_the_file_it_came_from():
+    with pytest.raises(ConfigError, match=r"^examples/x.yaml: comm.backend"):
+        load_config({"comm": {"backend": "nvlnk"}}, source="examples/x.yaml")
+    with pytest.raises(ConfigError, match=r"^<dict>: comm.backend"):
+        load_config({"comm": {"backend": "nvlnk"}})
+    assert load_config({}, source="a.yaml").source == "a.yaml"
+
+
+def test_megatron_dispatcher_config_names_the_attached_file(tmp_path):
+    from types import SimpleNamespace
+
+    from ep_plugin.integrations.megatron.config import attach_config, resolve_config
+
+    p = tmp_path / "attached.yaml"
+    p.write_text("comm:\n  backend: torch\n  max_tokens_per_rank: 64\n")
+    tc = SimpleNamespace()
+    attach_config(tc, str(p))
+    cfg = resolve_config(tc, num_experts=4, topk=2)
+    assert cfg.source == str(p) and cfg.comm.max_tokens_per_rank == 64 and cfg.moe.num_experts == 4
+    with pytest.raises(ConfigError, match=rf"^{p}: moe.topk"):
+        resolve_config(tc, num_experts=4, topk=5)

@@ -15,11 +15,12 @@ names the source (file path, ``<dict>`` or environment variable), the dotted key
 values.
 
 ``schema.py`` the dataclasses and every list of choices; ``validate.py`` the rules and messages;
+``problems.py`` how problems are collected, every one of a source reported in one ConfigError;
 ``io.py`` sources, overrides and presets; ``env.py`` the documented environment overrides.
 """
 
 from ..errors import ConfigError
-from .io import list_presets, load_config, preset_path
+from .io import list_presets, load_config, preset_path, read_yaml
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     VALIDATE_MODES, CommConfig, EPConfig, MoEConfig, OverlapConfig,
@@ -34,6 +35,7 @@ __all__ = [
     "load_config",
     "list_presets",
     "preset_path",
+    "read_yaml",
     "AUTO",
     "SCORE_FUNCTIONS",
     "BACKEND_NAMES",

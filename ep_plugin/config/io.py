@@ -9,14 +9,15 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
 from ..errors import ConfigError
 from . import env
 from .schema import SECTIONS, EPConfig
-from .validate import Context, validate
+from .problems import Context, Problem, config_error
+from .validate import validate
 
 # Shipped inside the package (setup.py package_data) so a wheel has them; configs/ in the
 # repository holds links to these files.
@@ -73,14 +74,53 @@ def _resolve_path(src: Union[str, os.PathLike]) -> Path:
     )
 
 
-def _read_yaml(path: Path) -> Any:
+def _duplicate_keys(node: Any, path: str = "") -> List[Problem]:
+    """Every key written twice in one mapping of a composed YAML tree: (dotted key, both lines)."""
+    found: List[Problem] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: Dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges, it is not a key
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+            dotted = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                found.append(Problem("", dotted, f"written twice (lines {seen[key]} and {line}); YAML would "
+                                                 f"keep the second silently: keep one"))
+            else:
+                seen[key] = line
+            found += _duplicate_keys(value_node, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{path}[{i}]")
+    return found
+
+
+def read_with_problems(path: Union[str, os.PathLike]) -> Tuple[Any, List[Problem]]:
+    """(the data, a Problem for each key written twice) of the YAML file at ``path``; ConfigError if it
+    cannot be read or is not YAML. For callers that report these with the file's other problems."""
     try:
         with open(path, "r", encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+            text = f.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    try:
+        dups = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return data, [Problem(str(path), p.key, p.msg) for p in dups]
+
+
+def read_yaml(path: Union[str, os.PathLike]) -> Any:
+    """The YAML file at ``path`` as Python data (yaml.safe_load), or ConfigError naming the file: not
+    readable, not valid YAML, or a key written twice in one mapping (every such key, with both lines;
+    PyYAML alone keeps the last one silently)."""
+    data, dups = read_with_problems(path)
+    if dups:
+        raise config_error(str(path), dups)
+    return data
 
 
 def _apply_overrides(raw: Dict[str, Any], overrides: Mapping, source: str) -> List[str]:
@@ -132,6 +172,8 @@ def _apply_env(raw: Any, found: Mapping[str, Any]) -> Any:
 def load_config(
     src: Union[str, os.PathLike, Mapping, EPConfig, None] = None,
     overrides: Optional[Mapping] = None,
+    *,
+    source: Optional[str] = None,
 ) -> EPConfig:
     """Load and validate a configuration.
 
@@ -139,18 +181,22 @@ def load_config(
     with the schema's sections, an :class:`EPConfig` (re-validated), or ``None`` for defaults.
     ``overrides``: nested (``{"comm": {"backend": "torch"}}``) or dotted (``{"comm.backend":
     "torch"}``) keys applied on top. The environment variables of ``ep_plugin.config.env`` are
-    applied last and win. Raises :class:`ConfigError` on any problem.
+    applied last and win. ``source``: what the messages name as the origin of a dict (e.g. the file
+    it was read from; ``<dict>`` when not given). Raises one :class:`ConfigError` naming every problem
+    of the source (its ``.problems`` lists them).
     """
+    dups: List[Problem] = []
     if isinstance(src, EPConfig):
-        source = src.source or "<EPConfig>"
+        source = source or src.source or "<EPConfig>"
         raw: Any = src.to_dict()
     elif src is None:
-        source, raw = "<defaults>", {}
+        source, raw = source or "<defaults>", {}
     elif isinstance(src, Mapping):
-        source, raw = "<dict>", copy.deepcopy(dict(src))
+        source, raw = source or "<dict>", copy.deepcopy(dict(src))
     elif isinstance(src, (str, os.PathLike)):
         path = _resolve_path(src)
-        source, raw = str(path), _read_yaml(path)
+        source = str(path)
+        raw, dups = read_with_problems(path)  # keys written twice: reported with the file's other problems
     else:
         raise ConfigError(
             f"<{type(src).__name__}>: cannot load a config from {type(src).__name__}; allowed: "
@@ -165,4 +211,6 @@ def load_config(
         raw = dict(raw)
         touched = _apply_overrides(raw, overrides, source)
     raw = _apply_env(raw, env.key_overrides())
-    return validate(raw, Context(source, touched))
+    ctx = Context(source, touched)
+    ctx.problems += dups
+    return validate(raw, ctx)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import re
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
 from .ep_size import check_ep_size, divisors  # noqa: F401 (check_ep_size re-exported)
+from .problems import Context, Problem, config_error, suggest  # noqa: F401 (re-exported: the rules' messages)
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
     SECTIONS, VALIDATE_MODES, EPConfig, RdmaConfig,
@@ -112,10 +112,6 @@ for _sec, _cls in SECTIONS.items():
 _BIAS_SCORE_FUNCTIONS = tuple(f for f in SCORE_FUNCTIONS if f != "softmax")
 
 
-def suggest(key: str, allowed: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``allowed``, or ``""``."""
-    close = difflib.get_close_matches(key, list(allowed), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def fmt_allowed(allowed) -> str:
@@ -130,24 +126,6 @@ def _looks_numeric(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-class Context:
-    """Where the values come from, so that a message names the file or marks an override."""
-
-    def __init__(self, source: str, override_keys: Iterable[str] = ()):
-        self.source = source
-        self.override_keys = set(override_keys)
-
-    def where(self, dotted: str) -> str:
-        parts = dotted.split(".")
-        # an override of a section (or nested section) covers every key inside it
-        if any(".".join(parts[:n]) in self.override_keys for n in range(1, len(parts) + 1)):
-            return f"{self.source} (overrides)"
-        return self.source
-
-    def fail(self, dotted: str, msg: str) -> ConfigError:
-        return ConfigError(f"{self.where(dotted)}: {dotted}: {msg}")
 
 
 def _hca_list(text: str) -> Optional[str]:
@@ -238,14 +216,15 @@ def check_value(ctx: Context, dotted: str, kind: str, allowed, value):
         if value < 1:
             raise bad("out of range")
         return value
-    if kind in ("float", "opt_float"):
+    if kind in ("float", "opt_float", "float0"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = ""
             if isinstance(value, str) and _looks_numeric(value):
                 hint = " (YAML reads '1e3' and quoted numbers as strings; write '1.0e3')"
             raise bad("wrong type" + hint)
         value = float(value)
-        if not value > 0 or value != value or value == float("inf"):
+        low_ok = value >= 0 if kind == "float0" else value > 0
+        if not low_ok or value != value or value == float("inf"):
             raise bad("out of range")
         return value
     if kind == "bool":
@@ -331,35 +310,40 @@ def check_rdma(ctx: Context, r: RdmaConfig) -> None:
 
 def _section_values(ctx: Context, sec: str, cls: type, body: Any,
                     rules: Dict[str, Any] = None) -> Dict[str, Any]:
-    """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in."""
+    """The checked values of section ``sec`` (a dotted path for a nested one), defaults filled in;
+    a key that fails its check keeps its default and the problem is noted in ``ctx``."""
     if body is None:
         body = {}
     rules = RULES[sec] if rules is None else rules
     if not isinstance(body, Mapping):
-        raise ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
-                            f"{', '.join(rules)}")
+        ctx.note(ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
+                               f"{', '.join(rules)}"))
+        body = {}
     for key in body:
         if key not in rules:
-            raise ctx.fail(
+            ctx.note(ctx.fail(
                 f"{sec}.{key}",
                 f"unknown key{suggest(str(key), rules)}; allowed keys in '{sec}': {', '.join(rules)}",
-            )
+            ))
     values = {}
     for f in dataclasses.fields(cls):
-        if isinstance(rules[f.name], dict):
-            sub = _nested_class(cls, f.name)
-            values[f.name] = sub(**_section_values(ctx, f"{sec}.{f.name}", sub, body.get(f.name),
-                                                   rules[f.name]))
-        elif f.name in body:
-            kind, allowed = rules[f.name]
-            values[f.name] = check_value(ctx, f"{sec}.{f.name}", kind, allowed, body[f.name])
-        else:
-            values[f.name] = copy.deepcopy(f.default)
+        values[f.name] = copy.deepcopy(f.default) if f.default is not dataclasses.MISSING else None
+        try:
+            if isinstance(rules[f.name], dict):
+                sub = _nested_class(cls, f.name)
+                values[f.name] = sub(**_section_values(ctx, f"{sec}.{f.name}", sub, body.get(f.name),
+                                                       rules[f.name]))
+            elif f.name in body:
+                kind, allowed = rules[f.name]
+                values[f.name] = check_value(ctx, f"{sec}.{f.name}", kind, allowed, body[f.name])
+        except ConfigError as exc:
+            ctx.note(exc)
     return values
 
 
 def validate(raw: Any, ctx: Context) -> EPConfig:
-    """Build an :class:`EPConfig` from a nested dict (``None`` = all defaults), or raise."""
+    """Build an :class:`EPConfig` from a nested dict (``None`` = all defaults), or raise one
+    ConfigError naming every problem found (``.problems`` lists them)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -369,17 +353,58 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
         )
     for key in raw:
         if key not in SECTIONS:
-            raise ctx.fail(
+            ctx.note(ctx.fail(
                 str(key),
                 f"unknown key{suggest(str(key), SECTIONS)}; allowed top-level keys: "
                 f"{', '.join(SECTIONS)}",
-            )
+            ))
     built = {}
     for sec, cls in SECTIONS.items():
+        before = len(ctx.problems)
         values = _section_values(ctx, sec, cls, raw.get(sec))
-        if sec == "moe":
-            check_moe(ctx, values)
-        if sec == "comm":
-            check_rdma(ctx, values["rdma"])
+        if len(ctx.problems) == before:  # the rules between keys only hold meaning for valid keys
+            try:
+                if sec == "moe":
+                    check_moe(ctx, values)
+                if sec == "comm":
+                    check_rdma(ctx, values["rdma"])
+            except ConfigError as exc:
+                ctx.note(exc)
         built[sec] = cls(**values)
+    ctx.check()
     return EPConfig(source=ctx.source, **built)
+
+
+def check_section(ctx: Context, sec: str, body: Any, rules: Mapping[str, Tuple[str, Any]],
+                  other_keys: Iterable[str] = (), other_keys_are: str = "") -> Dict[str, Any]:
+    """Check a section that is not ep_plugin's own (an example's ``model`` or ``train``) with the
+    same rules and messages: ``rules`` maps key -> (kind, allowed) as in RULES; keys in
+    ``other_keys`` (or in what it returns, a callable called only when a key is not in ``rules``)
+    pass unchecked (``other_keys_are`` says what they are, for the message). Returns
+    the checked values of the keys given; every problem is noted in ``ctx``."""
+    if body is None:
+        return {}
+    if not isinstance(body, Mapping):
+        ctx.note(ctx.fail(sec, f"must be a mapping of keys, got {type(body).__name__}; allowed keys: "
+                               f"{', '.join(rules)}"))
+        return {}
+    if callable(other_keys):
+        other_keys = other_keys() if set(body) - set(rules) else ()
+    other = set(other_keys)
+    out = {}
+    for key, value in body.items():
+        dotted = f"{sec}.{key}"
+        if key in rules:
+            kind, allowed = rules[key]
+            try:
+                out[key] = check_value(ctx, dotted, kind, allowed, value)
+            except ConfigError as exc:
+                ctx.note(exc)
+        elif key in other:
+            out[key] = value
+        else:
+            also = f" and {other_keys_are}" if other_keys_are else ""
+            ctx.note(ctx.fail(dotted, f"unknown key{suggest(str(key), list(rules) + sorted(other))}; "
+                                      f"allowed keys in '{sec}': {', '.join(rules)}{also}"))
+    return out
+

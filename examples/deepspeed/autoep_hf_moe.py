@@ -48,6 +48,7 @@ import deepspeed
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
 import ep_plugin.deepspeed as epds
+from ep_plugin.testing.launch import config_path, require_torchrun, stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -184,6 +185,16 @@ def parse_args():
 
 def main():
     a = parse_args()
+    # launch mistakes end here with one line each, before DeepSpeed or torch gets to raise
+    a.ep_config = config_path(a.ep_config, script=__file__)
+    require_torchrun()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = a.ep_size or world
+    if world % ep or a.experts % ep:
+        ok = [n for n in range(1, a.experts + 1) if a.experts % n == 0]
+        stop(f"--experts {a.experts} over an AutoEP size of {ep} on {world} processes: the experts must split "
+             f"evenly over the AutoEP size, which must divide the processes; start it with torchrun "
+             f"--nproc-per-node N for N in {ok} (or pass --ep-size)")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(a.local_rank)

@@ -69,9 +69,9 @@ from deepspeed.moe.layer import MoE  # noqa: E402
 
 import ep_plugin  # noqa: E402
 import ep_plugin.deepspeed as epds  # noqa: E402
-from ep_plugin.doctor import refuse  # noqa: E402
 from ep_plugin.integrations.buffer_cache import cached_buffers  # noqa: E402
 from ep_plugin.telemetry import collect  # noqa: E402
+from ep_plugin.testing.launch import config_path, require_torchrun, stop  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,6 +160,13 @@ def main():
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (the summary lines stay)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     a = p.parse_args()
+    # launch mistakes end here with one line each, before DeepSpeed or torch gets to raise
+    a.deepspeed_config = config_path(a.deepspeed_config, script=__file__, presets=False)
+    require_torchrun()
+    if a.ep_size and int(os.environ.get("WORLD_SIZE", a.ep_size)) % a.ep_size:
+        stop(f"--ep-size {a.ep_size} does not divide the {os.environ['WORLD_SIZE']} processes (DeepSpeed "
+             f"replicates each expert-parallel group): pick an --ep-size that divides them, or start it with "
+             f"torchrun --nproc-per-node {a.ep_size}")
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -190,7 +197,7 @@ def main():
         with contextlib.redirect_stdout(_DropKnownPrints(sys.stdout)):
             engine, _, _, _ = epds.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     except ep_plugin.ConfigError as exc:
-        refuse(exc, rank)
+        stop(exc, rank)
     ep_on = any(isinstance(m, epds.EPPluginMOELayer) for m in model.modules())
 
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
@@ -216,7 +223,7 @@ def main():
             try:
                 loss, lm = engine(ids, labels)
             except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-                refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
+                stop(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
             engine.backward(loss)
             engine.step()
         lm = lm.detach().clone()

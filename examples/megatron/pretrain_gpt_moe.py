@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
-from ep_plugin.doctor import refuse
+from ep_plugin.config.validate import IntRange
 from ep_plugin.telemetry import collect
+from ep_plugin.testing.launch import (check_world_size, config_path, load_example_config, require_torchrun,
+                                      stop)
 
 # Known, harmless notices of megatron-core on a machine without TransformerEngine/Apex (it falls
 # back to torch), printed once per rank: hidden so that the example's own lines stay readable.
@@ -62,6 +64,36 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropKnownNoti
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_YAML = os.path.join(HERE, "gpt_moe_tiny.yaml")
+
+# The YAML's own sections, checked with ep_plugin's rules and messages (did-you-mean, allowed values).
+_INT = ("int", "a positive int (>= 1)")
+MODEL_RULES = {
+    "num_layers": _INT, "hidden_size": _INT, "num_attention_heads": _INT, "ffn_hidden_size": _INT,
+    "moe_ffn_hidden_size": _INT, "moe_shared_expert_intermediate_size": ("opt_int", "null or a positive int (>= 1)"),
+    "moe_aux_loss_coeff": ("float0", "a float >= 0"), "seq_length": _INT, "vocab_size": _INT,
+}
+TRAIN_RULES = {
+    "steps": _INT, "micro_batch_size": _INT, "lr": ("float", "a float > 0"),
+    "weight_decay": ("float0", "a float >= 0"), "warmup_steps": ("int_range", IntRange(0)),
+}
+
+
+def transformer_config_fields() -> list:
+    """The other keys `model` may hold: megatron's TransformerConfig fields (imported only when used)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return [f.name for f in dataclasses.fields(TransformerConfig)]
+
+
+def load_yaml(path, overrides):
+    """(EPConfig, model section, train section) of the example's YAML: one ConfigError for every
+    problem of the file, ep_plugin's sections and the example's alike."""
+    sections = {"model": (MODEL_RULES, transformer_config_fields, "megatron TransformerConfig fields"),
+                "train": (TRAIN_RULES, (), "")}
+    cfg, own = load_example_config(path, sections, overrides)
+    return cfg, own["model"], own["train"]
 
 
 def parse_args(argv=None):
@@ -228,10 +260,21 @@ def sync_grads(model, world):
 # ------------------------------------------------------------------------------------------ main
 
 def main(argv=None) -> dict:
-    import yaml
-
     args = parse_args(argv)
     own_pg = not dist.is_initialized()
+    # launch mistakes end here with one line each, before torch or megatron gets to raise
+    path = config_path(args.config, script=__file__)
+    # stats on, reported by this script (not by the integration's own log lines: interval null)
+    overrides = {"comm.stats": True, "comm.stats_interval": None}
+    if args.backend:
+        overrides["comm.backend"] = args.backend
+    try:
+        ep_cfg, model_cfg, train_cfg = load_yaml(path, overrides)
+    except ep_plugin.ConfigError as exc:
+        stop(exc)
+    require_torchrun(ep_cfg)
+    check_world_size(ep_cfg)  # EP = world size: the experts must split evenly over the ranks
+
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if own_pg:
         if use_cuda:
@@ -239,6 +282,9 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if rank == 0:  # the imports and the model take ~10 s on 2 CPU cores: say so before they start
+        print(f"pretrain_gpt_moe: {world} processes ({'NCCL' if use_cuda else 'gloo'}), config {path}; "
+              f"loading megatron-core and building the model ...", flush=True)
 
     import ep_plugin.megatron as epm  # installs the dispatcher hooks
     if not use_cuda:
@@ -249,22 +295,10 @@ def main(argv=None) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
-    with open(args.config) as f:
-        raw = yaml.safe_load(f)
-    model_cfg = raw.pop("model", {})
-    train_cfg = raw.pop("train", {})
     args.steps = args.steps if args.steps is not None else int(train_cfg.get("steps", 50))
     args.micro_batch_size = args.micro_batch_size or int(train_cfg.get("micro_batch_size", 4))
     args.seq_length = args.seq_length or int(model_cfg.get("seq_length", 64))
     args.lr = args.lr or float(train_cfg.get("lr", 3e-3))
-    # stats on, reported by this script (not by the integration's own log lines: interval null)
-    overrides = {"comm.stats": True, "comm.stats_interval": None}
-    if args.backend:
-        overrides["comm.backend"] = args.backend
-    try:
-        ep_cfg = ep_plugin.load_config(raw, overrides)
-    except ep_plugin.ConfigError as exc:
-        refuse(exc, rank)
     # the EPBuffer is sized once, by comm.max_tokens_per_rank: make room for one micro-batch
     tokens_per_rank = args.micro_batch_size * args.seq_length  # [S, B, H] per MoE layer (TP = 1)
     if ep_cfg.comm.max_tokens_per_rank < tokens_per_rank:
@@ -318,7 +352,7 @@ def main(argv=None) -> dict:
         try:
             loss = model(x, pos, mask, labels=y).float().mean()
         except (ep_plugin.BackendUnavailableError, ep_plugin.ConfigError) as exc:
-            refuse(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
+            stop(exc, rank)  # the first forward builds the EPBuffer: a backend that cannot run stops here
         opt.zero_grad(set_to_none=True)
         loss.backward()
         sync_grads(model, world)

@@ -259,6 +259,10 @@ def main(argv=None) -> int:
     if not dry_run and not torch.cuda.is_available():
         _fail("needs CUDA GPUs: megatron.training's pretrain() requires CUDA (use --dry-run to check the "
               "arguments on CPU, or examples/megatron/pretrain_gpt_moe.py to train on CPU)")
+    if not dry_run:
+        from ep_plugin.testing.launch import require_torchrun
+
+        require_torchrun()  # plain python: one line naming torchrun, not torch's "RANK expected"
 
     import ep_plugin.megatron as epm  # 1. the hooks: megatron.training's parser now takes "ep_plugin"
     from megatron.core.enums import ModelType

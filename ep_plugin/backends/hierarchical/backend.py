@@ -129,8 +129,10 @@ class HierarchicalBackend(Backend):
         if P > 1:
             node_group, _ = node_groups(group, P)
             # the forwarder's slots are the inner backend's tokens: N*M of them, the node's experts
-            inner_cfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, max_tokens_per_rank=N * self.M,
-                                                                          backend=self.inner_backend))
+            # (through validation, as every config: a bad combination is a ConfigError naming the key)
+            from ...config import load_config  # config imports the backend registry: import it late
+
+            inner_cfg = load_config(cfg, {"comm.max_tokens_per_rank": N * self.M, "comm.backend": self.inner_backend})
             self.inner = registry.backend_class(self.inner_backend)(node_group, inner_cfg, hidden, num_experts // N)
         self.worst_case = not cfg.comm.host_sync
         self._ring = None

@@ -34,10 +34,14 @@ def config_from_yaml(path_or_cfg, **overrides) -> Dict[str, Any]:
     section: comm={"backend": "torch"}) are applied to the YAML before validation; any other key is
     a TransformerConfig field and is put into (or replaces an entry of) the returned dict.
 
-    The routing section becomes moe_router_* fields (experts, top-k, groups, score function,
-    scaling, expert bias, pre-softmax), the overlap section becomes moe_shared_expert_overlap, and
-    moe_token_dispatcher_type is "ep_plugin". The comm section is for the dispatchers: pass the same
-    file to attach_config. Nothing else is changed (no module state).
+    The fields: num_moe_experts, moe_router_topk, moe_router_num_groups, moe_router_group_topk,
+    moe_router_score_function, moe_router_topk_scaling_factor, moe_router_enable_expert_bias,
+    moe_router_pre_softmax (the moe section); moe_router_dtype "fp32" when moe.expert_bias is on;
+    moe_shared_expert_overlap (overlap.shared_expert_overlap); moe_token_dispatcher_type "ep_plugin"
+    (and moe_flex_dispatcher_backend "ep_plugin" when "flex" is passed). To set one of them yourself,
+    pass it here as a keyword: beside ``**fields`` in TransformerConfig(...) it would be given twice.
+    The comm section is for the dispatchers: pass the same file to attach_config. Nothing else is
+    changed (no module state).
     """
     ep_over, tc_over = {}, {}
     for k, v in overrides.items():
@@ -78,7 +82,8 @@ def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bo
     makes the dispatch wait on the host for exact sizes (and, compiled, the dispatcher calls EPBuffer
     eagerly, with a graph break around each call: dispatcher.py). Other eager forwards feed megatron's
     experts, which need host counts anyway, and always get comm.host_sync on (see below)."""
-    raw = load_config(getattr(transformer_config, "ep_plugin_config", None)).to_dict()
+    attached = load_config(getattr(transformer_config, "ep_plugin_config", None))
+    raw = attached.to_dict()
     # routing is megatron's (its router ran already); the buffer needs the expert count and top-k only
     raw["moe"] = {"num_experts": int(num_experts), "topk": int(topk)}
     sms = getattr(transformer_config, "moe_flex_dispatcher_num_sms", None)
@@ -88,7 +93,7 @@ def resolve_config(transformer_config, num_experts: int, topk: int, compiled: bo
         # megatron's experts split their input by host counts, so the host waits for them anyway: an
         # exact-size dispatch then costs no extra sync and saves the worst-case rows (and their grads)
         raw["comm"]["host_sync"] = True
-    return load_config(raw)
+    return load_config(raw, source=attached.source)  # messages name the attached file, not "<dict>"
 
 
 def uses_ep_plugin(transformer_config) -> Optional[str]:
