@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import socket
 import sys
@@ -50,6 +51,10 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
             os._exit(0 if ok else 1)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A process group held by a reference cycle outlives destroy_process_group; left to the cyclic GC
+        # of interpreter exit, its gloo threads can abort the process ("terminate called without an
+        # active exception"). Collect now, while the interpreter is whole.
+        gc.collect()
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, abandon: bool = False,

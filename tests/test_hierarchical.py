@@ -6,6 +6,8 @@ the routing, slot, order and count logic that the NVSHMEM backend shares. The sa
 2 GPUs with comm.backend: nvshmem as 2 virtual nodes (tests/test_rail_gpu.py has the kernels'
 own comparison with TorchRail).
 """
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from ep_plugin.backends.hierarchical import HierarchicalBackend
 from ep_plugin.backends.hierarchical.backend import contract_positions
 from ep_plugin.backends.hierarchical.nodes import ranks_per_node_of
 from tests._dist import spawn
+from tests._need import need_nvshmem
 from tests.reference import make_inputs, reference_combine, reference_dispatch
 
 E, K = 24, 4
@@ -105,7 +108,27 @@ def check_node_limited(buf, rank, world, P, device):
     torch.testing.assert_close(y.float().cpu(), reference_combine(everyone, idxs, rank, E), atol=3e-2, rtol=1e-2)
 
 
+def check_no_cycle(P):
+    """A closed buffer's backend goes when its last reference does (no reference cycle): a cycle kept its
+    process groups, and gloo's threads, alive until the cyclic GC ran during interpreter exit, where
+    they aborted the process now and then ("terminate called without an active exception")."""
+    import weakref
+
+    buf = hierarchical_buffer(256, P, max_tokens=8)
+    backend = weakref.ref(buf._backend)
+    buf.close()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        del buf
+        assert backend() is None, "the hierarchical backend is held by a reference cycle"
+    finally:
+        if gc_was:
+            gc.enable()
+
+
 def body_torch_parts(rank, world, P):
+    check_no_cycle(P)
     torch.manual_seed(0)
     seed = 10
     for host_sync in (False, True):
@@ -242,11 +265,7 @@ def check_graph(buf, rank, world):
 
 @pytest.mark.gpu
 def test_nvshmem_two_virtual_nodes():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(2)
     spawn(body_nvshmem, 2, backend="nccl", timeout=400)
 
 
@@ -295,9 +314,5 @@ def body_nvshmem_timeout(rank, world):
 
 @pytest.mark.gpu
 def test_nvshmem_timeout_names_the_missing_rank():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(2)
     spawn(body_nvshmem_timeout, 2, backend="nccl", abandon=True, timeout=120)
