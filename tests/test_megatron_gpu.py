@@ -21,7 +21,7 @@ from tests.megatron_cases import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLDS = [w for w in (2, 4) if w <= NGPU]
+WORLDS = [w for w in (2, 4, 8) if w <= NGPU]
 
 
 def is_sync_warning(message: str) -> bool:
