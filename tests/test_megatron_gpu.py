@@ -137,7 +137,8 @@ def test_layer_matches_alltoall_gpu(gpu_results, case, backend):
 
             if has_c() and backend == "auto":
                 assert r["comm_backend"] == "nvlink", r["comm_backend"]
-            assert max(r["rel_out"], r["rel_grad_x"], r["rel_grad_params"]) <= 5e-2, (rank, r)
+            # per element (megatron_cases.elem_excess), not 5% of the tensor's largest value
+            assert max(r["elem_out"], r["elem_grad_x"], r["elem_grad_params"]) <= 1.0, (rank, r)
 
 
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
