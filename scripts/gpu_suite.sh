@@ -2,10 +2,12 @@
 # GPU suite in as few device calls as possible: build, GPU tests, Megatron layer, dispatch benchmark,
 # low-latency receive-hook overlap.
 #
+#   bash scripts/gpu_suite.sh test                 # the GPU test suite alone: builds _C if absent (device_build.sh),
+#                                                   # runs -m gpu, prints passed/failed/skipped and seconds per file
 #   bash scripts/gpu_suite.sh build test layer     # first call
 #   bash scripts/gpu_suite.sh build bench          # second call (build is skipped when already done)
 #   bash scripts/gpu_suite.sh build ll             # receive hooks vs a GEMM (benchmarks/bench_ll_overlap.py)
-#   PYTEST_K=expert: only the GPU tests matching it; LAYER_BASELINE=0: the layer on this tree only
+#   PYTEST_K=expert: only the GPU tests matching it; TEST_TIMEOUT (570 s): the suite's limit; LAYER_BASELINE=0: the layer on this tree only
 #   BENCH_ARGS / LL_ARGS: extra arguments of bench_dispatch.py / bench_ll_overlap.py
 #
 # Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh), optionally DeepEP
@@ -38,12 +40,54 @@ stage_build() {
   echo "build: $(( $(date +%s) - t0 )) s"
 }
 
-stage_test() {
+stage_test() {  # the whole GPU suite (-m gpu) in one call: junit + log in $OUT, a one-screen summary
+  if ! ls ep_plugin/_C*.so >/dev/null 2>&1 && ! python3 -c "import ep_plugin._C" 2>/dev/null; then
+    local tb=$(date +%s)  # the fast in-place build (all files in parallel, ~20 s)
+    bash benchmarks/device_build.sh > "$OUT/build.log" 2>&1 || { echo "device_build.sh failed:"; tail -15 "$OUT/build.log"; }
+    echo "build: $(( $(date +%s) - tb )) s; $(grep -i nvshmem "$OUT/build.log" | tail -1)"
+  fi
+  echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)"
   local t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rA -p no:cacheprovider -m gpu tests -k "${PYTEST_K:-}" \
-    > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"
-  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|layout kernel" "$OUT/gpu_tests.log" | head -60
+  # SIGINT first: pytest stops, reports what ran and writes the junit file; KILL 30 s later if it hangs.
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu tests -p no:cacheprovider -rA --durations=30 \
+    --junitxml="$OUT/gpu_junit.xml" -k "${PYTEST_K:-}" > "$OUT/gpu_tests.log" 2>&1
+  local rc=$?
+  echo "gpu tests rc=$rc in $(( $(date +%s) - t0 )) s  (log $OUT/gpu_tests.log, junit $OUT/gpu_junit.xml)"
+  JUNIT="$OUT/gpu_junit.xml" LOG="$OUT/gpu_tests.log" python3 - <<'PYEOF'
+import collections, os, re, xml.etree.ElementTree as ET
+log = open(os.environ["LOG"], errors="replace").read()
+m = re.search(r"collected (\d+) items(?: / (\d+) deselected)?", log)
+if m:
+    print(f"collected {m.group(1)}, deselected {m.group(2) or 0}")
+if not os.path.exists(os.environ["JUNIT"]):
+    print("no junit file (pytest killed?); the log's tail:")
+    print("\n".join(log.splitlines()[-25:]))
+    raise SystemExit
+cases = list(ET.parse(os.environ["JUNIT"]).getroot().iter("testcase"))
+per_file, outcome, skipped, failed = collections.Counter(), collections.Counter(), collections.Counter(), []
+for c in cases:
+    f = c.get("classname", "").replace(".", "/") + ".py"
+    per_file[f] += float(c.get("time", 0))
+    kids = {k.tag: k for k in c}
+    name = f"{f}::{c.get('name')}"
+    if "failure" in kids or "error" in kids:
+        k = kids.get("failure", kids.get("error"))
+        msg = (k.get("message") or k.text or "").strip().splitlines()
+        failed.append(f"{name}: {msg[0][:150] if msg else ''}")
+        outcome["failed" if "failure" in kids else "error"] += 1
+    elif "skipped" in kids:
+        outcome["skipped"] += 1
+        skipped[(kids["skipped"].get("message") or "").replace("Skipped: ", "")[:110]] += 1
+    else:
+        outcome["passed"] += 1
+print("  ".join(f"{k} {v}" for k, v in sorted(outcome.items())), f"(of {len(cases)} run)")
+for line in failed:
+    print("  FAILED", line)
+for reason, n in skipped.most_common(12):
+    print(f"  skipped {n:3d}: {reason}")
+print("seconds per file:", ", ".join(f"{f.split('/')[-1][5:-3]} {t:.0f}" for f, t in per_file.most_common()))
+print(f"sum {sum(per_file.values()):.0f} s")
+PYEOF
 }
 
 stage_layer() {  # the Megatron layer at EP2: this tree and the baseline (peak memory before/after)

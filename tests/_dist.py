@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import socket
 import sys
@@ -50,6 +51,10 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
             os._exit(0 if ok else 1)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A process group held by a reference cycle outlives destroy_process_group; left to the cyclic GC
+        # of interpreter exit, its gloo threads can abort the process ("terminate called without an
+        # active exception"). Collect now, while the interpreter is whole.
+        gc.collect()
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, abandon: bool = False,
@@ -106,3 +111,71 @@ def read_rank_results(out_dir, world_size: int) -> list:
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             out.append(json.load(f))
     return out
+
+
+PART_AGREE_S = 60.0  # how long ranks wait for each other between two parts of spawn_parts
+
+
+def _parts_body(rank, world, out_dir, parts):
+    import json
+    import time
+    from datetime import timedelta
+
+    store = dist.distributed_c10d._get_default_store()
+    for name, fn, args in parts:
+        t0 = time.monotonic()
+        try:
+            fn(rank, world, *args)
+            error = None
+        except BaseException:  # noqa: BLE001  (recorded for this part's test; the others go on if all agree)
+            error = traceback.format_exc()
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "seconds": time.monotonic() - t0}, f)
+        # Every rank's outcome before the next part: a rank that failed may have left a collective half done,
+        # so after a failure nobody goes on (the parts not run fail with that reason).
+        store.set(f"ep_parts/{name}/{rank}", "ok" if error is None else "failed")
+        keys = [f"ep_parts/{name}/{r}" for r in range(world)]
+        try:
+            store.wait(keys, timedelta(seconds=PART_AGREE_S))
+        except Exception:  # noqa: BLE001  (a rank stuck in the part: spawn's timeout ends it)
+            os._exit(3)
+        if any(store.get(k) != b"ok" for k in keys):
+            os._exit(3)  # skip the closing barrier: a peer may be stuck in a broken collective
+
+
+def spawn_parts(parts, world_size: int, out_dir, **kw) -> dict:
+    """Run several test bodies in ONE set of world_size processes (one process start, one NCCL/gloo init,
+    one framework import for all of them), in order. parts: [(name, fn, args)], fn(rank, world, *args)
+    module-level. Returns {name: PartResult}; each test asserts its own part with PartResult.check(), so a
+    failure is reported by the test it belongs to and the parts after it say they did not run.
+    Only for parts that leave the group usable; fault tests (a rank killed or abandoned) keep spawn()."""
+    os.makedirs(out_dir, exist_ok=True)
+    failure = None
+    try:
+        spawn(_parts_body, world_size, str(out_dir), list(parts), **kw)
+    except AssertionError as exc:
+        failure = str(exc)
+    return {name: PartResult(name, out_dir, world_size, failure) for name, _, _ in parts}
+
+
+class PartResult:
+    def __init__(self, name, out_dir, world, spawn_failure):
+        import json
+
+        self.name, self.spawn_failure = name, spawn_failure
+        self.ranks = {}
+        for r in range(world):
+            path = os.path.join(out_dir, f"{name}.rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.ranks[r] = json.load(f)
+        self.world = world
+
+    def check(self) -> None:
+        errors = [f"rank {r} failed:\n{v['error']}" for r, v in sorted(self.ranks.items()) if v["error"]]
+        if errors:
+            raise AssertionError(f"part {self.name}:\n" + "\n".join(errors))
+        missing = [r for r in range(self.world) if r not in self.ranks]
+        if missing:
+            raise AssertionError(f"part {self.name} did not finish on ranks {missing} (an earlier part failed, or "
+                                 f"this one hung): {self.spawn_failure or 'no error reported'}")

@@ -87,3 +87,28 @@ def reference_expert_dispatch(xs, idxs, ws, rank, num_experts, alignment=1):
     H = rx.shape[1]
     x = torch.stack(rows) if rows else torch.zeros(0, H, dtype=rx.dtype)
     return x, torch.tensor(wts, dtype=torch.float32), offsets, tpe
+
+
+def reference_cast_fp8(rows, round_scale=False):
+    """The low-latency FP8 cast of DESIGN.md / docs/LOW_LATENCY.md, written here in plain torch (not taken
+    from ep_plugin): per token and per block of 128 channels, in float32, amax = max(max|x|, 1e-4);
+    scale = amax * float32(1/448) and data = x * (float32(1/amax) * 448); with round_scale the scale is
+    the power of two at or above amax / 448 (from frexp, not log2) and data = x / scale (exact)."""
+    device, rows = rows.device, rows.cpu()
+    n, h = rows.shape
+    out = torch.empty(n, h, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(n, h // 128, dtype=torch.float32)
+    inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    for b in range(h // 128):
+        blk = rows[:, b * 128:(b + 1) * 128].to(torch.float32)
+        amax = torch.maximum(blk.abs().max(dim=1).values, torch.tensor(1e-4, dtype=torch.float32))
+        if round_scale:
+            mant, exp = torch.frexp(amax * inv448)  # v = mant * 2^exp, mant in [0.5, 1)
+            scale = torch.ldexp(torch.ones_like(mant), torch.where(mant == 0.5, exp - 1, exp))
+            out[:, b * 128:(b + 1) * 128] = (blk * (1.0 / scale).unsqueeze(1)).to(torch.float8_e4m3fn)
+        else:
+            scale = amax * inv448
+            factor = (torch.ones_like(amax) / amax) * torch.tensor(448.0, dtype=torch.float32)
+            out[:, b * 128:(b + 1) * 128] = (blk * factor.unsqueeze(1)).to(torch.float8_e4m3fn)
+        scales[:, b] = scale
+    return out.to(device), scales.to(device)

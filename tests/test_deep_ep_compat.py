@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import ep_plugin.deep_ep as deep_ep
 from tests._dist import spawn
+from tests.reference import reference_dispatch
 
 
 def _fp8(x):
@@ -54,6 +55,25 @@ def body(rank, world):
     assert torch.equal(ref_rank, num_tokens_per_rank) and torch.equal(ref_expert, num_tokens_per_expert)
     assert torch.equal(ref_in, is_token_in_rank)
 
+    # every rank's inputs, for the reference: where each received row came from AND what it holds
+    def gather(t):
+        out = [None] * world
+        dist.all_gather_object(out, t)
+        return out
+
+    idx_all, wr_all, w_all, xr_all = gather(topk_idx), gather(topk_weights_rand), gather(topk_weights), gather(x_rand)
+    x_all = [torch.ones((T, H), dtype=torch.bfloat16) * r for r in range(world)]
+
+    def check_reference(current, with_topk, recv_x, recv_idx, recv_w, ctx):
+        """The received rows, local expert indices and weights equal reference_dispatch's, row for row."""
+        rows = xr_all if current is x_rand else x_all
+        if isinstance(current, tuple):
+            rows = [_fp8_back(*_fp8(t)).to(torch.bfloat16) for t in rows]
+        rx, ridx, rw, _ = reference_dispatch(rows, idx_all, wr_all if current is x_rand else w_all, rank, E)
+        assert torch.equal(recv_x, rx), ctx
+        if with_topk:
+            assert torch.equal(recv_idx, ridx) and torch.equal(recv_w, rw), ctx
+
     def check_data(check_x, prefix):
         assert torch.equal(check_x.amin(1), check_x.amax(1))
         start = 0
@@ -77,6 +97,7 @@ def body(rank, world):
                 prefix = handle[0]
                 assert int(gbl_per_rank[rank]) == recv_x.shape[0], ctx
                 assert gbl_per_expert.view(world, -1)[rank].tolist() == counts, ctx
+                check_reference(current, with_topk, recv_x, recv_idx, recv_w, ctx)
                 if current is not x_rand:
                     check_data(recv_x, prefix)
                 w_clone = None
@@ -98,6 +119,7 @@ def body(rank, world):
                 else:  # cached dispatch
                     cx, *_ = buf.dispatch(x=current, handle=handle, config=deep_ep.Config(20, 8, 256))
                     cx = _fp8_back(*cx).to(torch.bfloat16) if isinstance(cx, tuple) else cx
+                    check_reference(current, False, cx, None, None, ctx + " cached")
                     if current is not x_rand:
                         check_data(cx, prefix)
                 cargs = dict(x=recv_x, handle=handle)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin.deep_ep as deep_ep
-from ep_plugin.backends.torch_ref.low_latency import cast_fp8  # the contract's cast (tested in test_low_latency)
 from ep_plugin.deep_ep.low_latency import _pack_ue8m0, _ue8m0_target, low_latency_size_hint
 from tests._dist import spawn
+from tests.reference import reference_cast_fp8
 
 RANK_OFFSET = 128
 
@@ -50,6 +50,9 @@ def body(rank, world):
     T = M - 3 * rank  # ranks dispatch different numbers of tokens, up to M
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, world, E)
     assert hint == low_latency_size_hint(M, H, world, E) and hint > 2 * E * M * H * 2 and hint % 16 == 0
+    # the documented layout, computed here: two halves of signal words, counts, dispatch slots, combine rows
+    a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    assert hint == 2 * (3 * a16(8 * world) + a16(4 * E) + a16(E * M * a16(16 + 2 * H)) + a16(2 * H * M * 16)), hint
     buf = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=E_l,
                          allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True,
                          ep_config={"comm": {"backend": "torch"}})
@@ -125,7 +128,7 @@ def body(rank, world):
                     if not use_fp8:
                         assert torch.equal(recv_x[e, :n], sent), ctx
                     else:
-                        ref_data, ref_scales = cast_fp8(sent, round_scale)
+                        ref_data, ref_scales = reference_cast_fp8(sent, round_scale)
                         assert torch.equal(data[e, :n].view(torch.uint8), ref_data.view(torch.uint8)), ctx
                         if ue8m0:
                             exps = (ref_scales.view(torch.int32) >> 23) & 0xFF
@@ -142,7 +145,7 @@ def body(rank, world):
                             assert bool(((blk - (s - RANK_OFFSET)).abs() <= (1.0 if round_scale else 0)).all()), ctx
 
                 # combine: y = x * sum of the valid weights, as DeepEP's test checks it
-                ref = x if not use_fp8 else cast_back(*cast_fp8(x, round_scale))
+                ref = x if not use_fp8 else cast_back(*reference_cast_fp8(x, round_scale))
                 for zero_copy in (False, True):
                     for with_out in (False, True):
                         if zero_copy:

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from tests._dist import spawn  # noqa: E402
+from tests._dist import spawn, spawn_parts  # noqa: E402
 
 EP_ON = {"enabled": True, "config": "tiny", "overrides": {"comm.backend": "torch"}}
 H = 16
@@ -175,11 +175,22 @@ def test_layer_matches_deepspeed(align):
     spawn(_layer_cases, 2, "cpu", "torch", align, timeout=240)
 
 
+@pytest.fixture(scope="module")
+def gpu_parts(tmp_path_factory):
+    """The GPU cases in one spawn (DeepSpeed's import and NCCL's start-up once, not three times)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    from ep_plugin._ext import has_c
+    parts = [("layer_torch", _layer_cases, ("cuda", "torch")), ("layer_auto", _layer_cases, ("cuda", "auto"))]
+    if has_c():
+        parts.append(("nvlink_float32", _nvlink_float32_cases, ()))
+    return spawn_parts(parts, 2, str(tmp_path_factory.mktemp("deepspeed_gpu")), backend="nccl", timeout=600)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_layer_matches_deepspeed_gpu(backend):
-    spawn(_layer_cases, 2, "cuda", backend, backend="nccl", timeout=300)
+def test_layer_matches_deepspeed_gpu(gpu_parts, backend):
+    gpu_parts[f"layer_{backend}"].check()
 
 
 def _nvlink_float32_cases(rank, world):
@@ -199,12 +210,10 @@ def _nvlink_float32_cases(rank, world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_float32_layer_on_nvlink_gpu():
-    from ep_plugin._ext import has_c
-    if not has_c():
+def test_float32_layer_on_nvlink_gpu(gpu_parts):
+    if "nvlink_float32" not in gpu_parts:
         pytest.skip("ep_plugin._C is not built")
-    spawn(_nvlink_float32_cases, 2, backend="nccl", timeout=300)
+    gpu_parts["nvlink_float32"].check()
 
 
 class TinyMoELM(torch.nn.Module):

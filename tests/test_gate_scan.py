@@ -21,8 +21,13 @@ def test_transposed_scan_equals_cumsum(rows, cols, dtype):
     one_hot = F.one_hot(torch.randint(0, cols, (rows,), generator=g), cols).to(dtype)
     ints = torch.randint(-5, 6, (rows, cols), generator=g).to(dtype)
     for x in (one_hot, ints, ints[::2]):
-        got, ref = gate_scan.transposed_scan(x), torch.cumsum(x, dim=0)
-        assert got.dtype == ref.dtype and got.is_contiguous() and torch.equal(got, ref)
+        # an independent running sum (transposed_scan is built on torch.cumsum): row i = sum of rows 0..i,
+        # as a lower-triangular matrix of ones times x, in float64 (exact for these small integers)
+        n = x.shape[0]
+        ref = (torch.tril(torch.ones(n, n, dtype=torch.float64)) @ x.double()).to(torch.int64)
+        got = gate_scan.transposed_scan(x)
+        # integers sum as int64, as torch.cumsum promotes them (what the gate code then sees)
+        assert got.dtype == torch.int64 and got.is_contiguous() and torch.equal(got, ref)
 
 
 def test_scan_rows_leaves_other_scans_to_torch():

@@ -6,6 +6,8 @@ the routing, slot, order and count logic that the NVSHMEM backend shares. The sa
 2 GPUs with comm.backend: nvshmem as 2 virtual nodes (tests/test_rail_gpu.py has the kernels'
 own comparison with TorchRail).
 """
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,8 @@ from ep_plugin.backends.hierarchical import HierarchicalBackend
 from ep_plugin.backends.hierarchical.backend import contract_positions
 from ep_plugin.backends.hierarchical.nodes import ranks_per_node_of
 from tests._dist import spawn
-from tests.reference import make_inputs, reference_combine, reference_dispatch
+from tests._need import need_nvshmem
+from tests.reference import make_inputs, reference_combine, reference_dispatch, reference_expert_dispatch
 
 E, K = 24, 4
 
@@ -38,18 +41,40 @@ def hierarchical_buffer(hidden, P, max_tokens, host_sync=False):
         B.make_backend = orig
 
 
+def assert_sum_close(got, want, magnitude, ctx=""):
+    """got == want, element by element, within 2^-6 of the sum of the magnitudes of want's terms (BF16
+    rounding of the output and of a node's partial sum; cancellation cannot hide a wrong row, which is
+    off by about one term)."""
+    err = (got.float().cpu() - want).abs()
+    bound = 2 ** -6 * magnitude + 1e-6
+    bad = err > bound
+    assert not bool(bad.any()), (f"{ctx}: {int(bad.sum())} of {bad.numel()} elements off, worst "
+                                 f"{float((err - bound).max()):.4g} past the bound")
+
+
 def check_against_reference(buf, rank, world, hidden, tokens, seed, mode, device, fp8=False):
     xs, idxs, ws = make_inputs(world, tokens, hidden, E, K, seed, torch.bfloat16, mode)
     x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
     ctx = f"rank {rank}/{world} hidden {hidden} tokens {tokens} mode {mode} seed {seed} fp8 {fp8}"
     rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
     if fp8:
-        scales = torch.rand(x.shape[0], hidden // 128, device=device) + 0.5
-        res = buf.dispatch((x.to(torch.float8_e4m3fn), scales), idx, w)
+        # every rank's scales, known everywhere (seeded per source rank): the received ones are compared
+        scales_all = [torch.rand(t.shape[0], hidden // 128, generator=torch.Generator().manual_seed(seed * 31 + src))
+                      + 0.5 for src, t in enumerate(xs)]
+        res = buf.dispatch((x.to(torch.float8_e4m3fn), scales_all[rank].to(device)), idx, w)
         data, got_scales = res.x
         n = rx.shape[0]
+        rscales = reference_dispatch(scales_all, idxs, ws, rank, E)[0]
         assert torch.equal(data[:n].float().cpu(), rx.to(torch.float8_e4m3fn).float()), ctx
-        assert got_scales.shape[0] == data.shape[0], ctx
+        assert got_scales.shape[0] == data.shape[0] and torch.equal(got_scales[:n].cpu(), rscales), ctx
+        # the combine after an FP8 dispatch (BF16): the dequantised rows, scaled per rank, summed per token
+        deq = data.float() * got_scales.float().repeat_interleave(128, dim=1)
+        rows = (deq * (rank + 1)).to(torch.bfloat16)
+        y = buf.combine(rows, res.handle)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, rows[:n].cpu())
+        want = reference_combine(everyone, idxs, rank, E)
+        assert_sum_close(y, want, reference_combine([r.abs() for r in everyone], idxs, rank, E), ctx)
         return res
     res = buf.dispatch(x, idx, w)
     n = rx.shape[0]
@@ -105,7 +130,27 @@ def check_node_limited(buf, rank, world, P, device):
     torch.testing.assert_close(y.float().cpu(), reference_combine(everyone, idxs, rank, E), atol=3e-2, rtol=1e-2)
 
 
+def check_no_cycle(P):
+    """A closed buffer's backend goes when its last reference does (no reference cycle): a cycle kept its
+    process groups, and gloo's threads, alive until the cyclic GC ran during interpreter exit, where
+    they aborted the process now and then ("terminate called without an active exception")."""
+    import weakref
+
+    buf = hierarchical_buffer(256, P, max_tokens=8)
+    backend = weakref.ref(buf._backend)
+    buf.close()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        del buf
+        assert backend() is None, "the hierarchical backend is held by a reference cycle"
+    finally:
+        if gc_was:
+            gc.enable()
+
+
 def body_torch_parts(rank, world, P):
+    check_no_cycle(P)
     torch.manual_seed(0)
     seed = 10
     for host_sync in (False, True):
@@ -126,17 +171,60 @@ def body_torch_parts(rank, world, P):
     res.event.current_stream_wait()
     base = buf.dispatch(xs[rank], idxs[rank], ws[rank])
     assert torch.equal(res.x, base.x) and torch.equal(res.topk_idx, base.topk_idx)
-    # expert-major (built from the rank-major rows by the base class) and its combine
-    ex = buf.dispatch(xs[rank], idxs[rank], ws[rank], layout="expert")
-    y = buf.combine(ex.x, ex.handle)
-    assert y.shape == xs[rank].shape
-    # autograd: dispatch's backward is a combine
-    xg = xs[rank].clone().requires_grad_(True)
-    out = buf.dispatch(xg, idxs[rank], ws[rank])
-    out.x.float().sum().backward()
-    reached = out.handle.is_token_in_rank.sum(1).to(torch.bfloat16)
-    torch.testing.assert_close(xg.grad, reached.unsqueeze(1).expand_as(xg).to(xg.grad.dtype))
+    check_expert_major(buf, rank, world, xs, idxs, ws)
+    check_backward(buf, rank, world, xs, idxs, ws)
     buf.close()
+
+
+def check_expert_major(buf, rank, world, xs, idxs, ws):
+    """Expert-major (built from the rank-major rows by the base class) against the reference layout; its
+    combine with expert e's rows scaled by (1 + e's global id): token t gets the sum, over its experts,
+    of its own row so scaled (each term rounded to BF16 as the rows are)."""
+    ex = buf.dispatch(xs[rank], idxs[rank], ws[rank], layout="expert")
+    rx, rw, offsets, tpe = reference_expert_dispatch(xs, idxs, ws, rank, E)
+    n = offsets[-1]
+    assert ex.expert_offsets.tolist() == offsets and ex.tokens_per_expert == tpe
+    assert torch.equal(ex.x[:n], rx) and torch.equal(ex.topk_weights[:n], rw)
+    epr = E // world
+    seg = torch.repeat_interleave(torch.arange(epr), torch.tensor([b - a for a, b in zip(offsets, offsets[1:])]))
+    scale = torch.zeros(ex.x.shape[0])
+    scale[:n] = 1.0 + (rank * epr + seg).float()
+    y = buf.combine((ex.x.float() * scale.unsqueeze(1)).to(torch.bfloat16), ex.handle)
+    idx, x = idxs[rank], xs[rank].float()
+    want, magnitude = torch.zeros_like(x), torch.zeros_like(x)
+    for k in range(idx.shape[1]):
+        term = (x * (1.0 + idx[:, k].clamp(min=0).float()).unsqueeze(1)).to(torch.bfloat16).float()
+        term = torch.where((idx[:, k] >= 0).unsqueeze(1), term, 0.0)
+        want, magnitude = want + term, magnitude + term.abs()
+    assert_sum_close(y, want, magnitude, f"rank {rank}/{world} expert-major combine")
+
+
+def check_backward(buf, rank, world, xs, idxs, ws):
+    """Dispatch's backward with random upstream gradients (padding rows' included, which must not count):
+    x's gradient is the reference combine of everyone's row gradients, and each (token, k) weight gets
+    the gradient of the slot it landed in on the expert's rank."""
+    xg = xs[rank].clone().requires_grad_(True)
+    wg = ws[rank].clone().requires_grad_(True)
+    out = buf.dispatch(xg, idxs[rank], wg)
+    g = torch.Generator().manual_seed(77 + rank)
+    gx = torch.randn(out.x.shape, generator=g)
+    gw = torch.randn(out.topk_weights.shape, generator=g)
+    ((out.x.float() * gx).sum() + (out.topk_weights * gw).sum()).backward()
+    n = int(out.handle.num_recv_device)
+    rows_g, w_g = [None] * world, [None] * world
+    dist.all_gather_object(rows_g, gx[:n].to(torch.bfloat16))
+    dist.all_gather_object(w_g, gw[:n])
+    want_x = reference_combine(rows_g, idxs, rank, E)
+    assert_sum_close(xg.grad, want_x, reference_combine([r.abs() for r in rows_g], idxs, rank, E),
+                     f"rank {rank}/{world} x grad")
+    epr, idx = E // world, idxs[rank]
+    want_w = torch.zeros_like(ws[rank])
+    for r in range(world):
+        before = sum(int(((i >= 0) & (i // epr == r)).any(1).sum()) for i in idxs[:rank])
+        on_r = (idx >= 0) & (idx // epr == r)
+        sel = on_r.any(1).nonzero()[:, 0]
+        want_w[sel] += torch.where(on_r[sel], w_g[r][before:before + len(sel)], 0.0)
+    torch.testing.assert_close(wg.grad, want_w)
 
 
 @pytest.mark.parametrize("world,P", [(2, 1), (4, 2), (4, 1), (6, 3), (6, 2)])
@@ -242,11 +330,7 @@ def check_graph(buf, rank, world):
 
 @pytest.mark.gpu
 def test_nvshmem_two_virtual_nodes():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(2)
     spawn(body_nvshmem, 2, backend="nccl", timeout=400)
 
 
@@ -295,9 +379,5 @@ def body_nvshmem_timeout(rank, world):
 
 @pytest.mark.gpu
 def test_nvshmem_timeout_names_the_missing_rank():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(2)
     spawn(body_nvshmem_timeout, 2, backend="nccl", abandon=True, timeout=120)

@@ -446,3 +446,20 @@ def test_low_latency_config_section():
             assert w in str(info.value), str(info.value)
     with pytest.raises(ConfigError, match=r"tiny.yaml \(overrides\): comm.low_latency.max_tokens_per_rank"):
         load_config("tiny", {"comm.low_latency": {"max_tokens_per_rank": -1}})
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_cast_fp8_is_the_documented_cast(round_scale):
+    """The torch engine's cast, bit for bit, against tests/reference.reference_cast_fp8 (DESIGN.md's
+    formula written independently): zero rows (amax floor), tiny, unit and large magnitudes."""
+    from ep_plugin.backends.torch_ref.low_latency import cast_fp8
+    from tests.reference import reference_cast_fp8
+
+    g = torch.Generator().manual_seed(3)
+    for magnitude in (1e-7, 1e-3, 1.0, 250.0, 3e4):
+        x = (torch.randn(19, 512, generator=g) * magnitude).to(torch.bfloat16)
+        x[2] = 0
+        x[5, :128] = magnitude  # a block of equal values: amax exactly representable
+        a, sa = cast_fp8(x, round_scale)
+        b, sb = reference_cast_fp8(x, round_scale)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(sa, sb), magnitude

@@ -24,6 +24,7 @@ import ep_plugin
 from ep_plugin.backends import registry
 from ep_plugin.errors import EPTimeoutError
 from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._need import need_nvshmem
 from tests.reference import make_inputs
 from tests.test_low_latency import contract_body
 
@@ -41,12 +42,9 @@ def _need_gpus():
 
 
 def _need_nvshmem_engine():
-    _need_gpus()
-    import ep_plugin._ext as ext
-    if not ext.has_c():
-        pytest.skip("ep_plugin._C is not built: the low-latency engine would be the torch reference")
-    if not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM: the low-latency engine would be the torch reference")
+    # without NVSHMEM in _C the low-latency engine would be the torch reference: fails where the
+    # wheel is installed (a broken build), skips where it cannot be
+    need_nvshmem(WORLD)
 
 
 def _spawn_on_gpus(body, tmp_path, *args, **kw):

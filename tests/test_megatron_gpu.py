@@ -21,7 +21,15 @@ from tests.megatron_cases import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLDS = [w for w in (2, 4) if w <= NGPU]
+WORLDS = [w for w in (2, 4, 8) if w <= NGPU]
+
+
+def is_sync_warning(message: str) -> bool:
+    """A warning of CUDA's sync debug mode about a synchronising call ("called a synchronizing CUDA
+    operation"), not torch's notice that the mode itself is a prototype ("Synchronization debug mode
+    is a prototype feature ...", emitted by set_sync_debug_mode since torch 2.11)."""
+    m = message.lower()
+    return "synchroniz" in m and "debug mode is a prototype" not in m
 
 
 def _nosync(rank, world, device):
@@ -60,7 +68,7 @@ def _nosync(rank, world, device):
                 torch.cuda.set_sync_debug_mode(0)
         out["caught"] += caught
         out["layer_warnings"] += [f"{w.filename}:{w.lineno}: {str(w.message)[:200]}" for w in seen
-                                  if "synchroniz" in str(w.message).lower()]
+                                  if is_sync_warning(str(w.message))]
         if y is not None:
             y.float().sum().backward()
             out["finite"] = bool(torch.isfinite(x.grad).all())
@@ -129,7 +137,8 @@ def test_layer_matches_alltoall_gpu(gpu_results, case, backend):
 
             if has_c() and backend == "auto":
                 assert r["comm_backend"] == "nvlink", r["comm_backend"]
-            assert max(r["rel_out"], r["rel_grad_x"], r["rel_grad_params"]) <= 5e-2, (rank, r)
+            # per element (megatron_cases.elem_excess), not 5% of the tensor's largest value
+            assert max(r["elem_out"], r["elem_grad_x"], r["elem_grad_params"]) <= 1.0, (rank, r)
 
 
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))

@@ -1,7 +1,7 @@
 """The nvlink backend against the torch reference backend, on real NCCL groups of 2 and 4 GPUs.
 
-Each test spawns one process per GPU and runs several checks in it (process and NCCL start-up are
-the expensive part on the device machine). Every check compares the nvlink backend with the torch
+One spawn per world size runs every test's body, one after the other, in the same processes and
+NCCL group (process and NCCL start-up are the expensive part on the device machine). Every check compares the nvlink backend with the torch
 backend on the same inputs and group: dispatch outputs bit-exact, combine within BF16 rounding.
 """
 import pytest
@@ -10,10 +10,11 @@ import torch.distributed as dist
 
 import ep_plugin
 from ep_plugin.errors import EPTimeoutError
-from tests._dist import spawn
+from tests._dist import spawn_parts
 from tests.reference import make_inputs, reference_dispatch
 
 pytestmark = pytest.mark.gpu
+WORLDS = (2, 4, 8)  # each where that many GPUs exist
 
 
 def _need(world):
@@ -88,7 +89,7 @@ def body_contract(rank, world):
     torch.cuda.set_device(rank)
     E, K = 8 * world, 4
     seed = 100
-    for hidden in (2048, 4096, 5120, 7168):
+    for hidden in (2048, 5120, 7168):  # 5120: not a power of two; 7168: the model's (4096 added nothing)
         nv, ref = _buf("nvlink", E, K, hidden), _buf("torch", E, K, hidden)
         assert nv.backend_name == "nvlink"
         modes = ("random", "skew", "nowhere", "starve_last") if hidden == 2048 else ("random",)
@@ -104,8 +105,7 @@ def body_contract(rank, world):
             check_stage_pull(rank, world, E, K, hidden)
     # the benchmark's shape: 4096 tokens, hidden 7168, 256 experts, top-8
     nv, ref = _buf("nvlink", 256, 8, 7168, max_tokens=4096), _buf("torch", 256, 8, 7168, max_tokens=4096)
-    for seed in (7, 8):
-        check_vs_torch(nv, ref, rank, world, 256, 8, 7168, 4096, seed, "random")
+    check_vs_torch(nv, ref, rank, world, 256, 8, 7168, 4096, 7, "random")  # one seed: a second added no shape
     check_fp8(nv, ref, rank, world, 256, 8, 7168, 4096)
     nv.close()
     ref.close()
@@ -213,10 +213,8 @@ def check_stage_pull(rank, world, E, K, hidden):
     ref.close()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_nvlink_matches_torch(world):
-    _need(world)
-    spawn(body_contract, world, backend="nccl", timeout=280)
+def test_nvlink_matches_torch(nvlink_parts):
+    nvlink_parts["contract"].check()
 
 
 def _captured(nv, T, H, K, **layout):
@@ -350,10 +348,8 @@ def body_graph_autograd_errors(rank, world):
     dist.barrier()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_nvlink_graph_autograd_errors_timeout(world):
-    _need(world)
-    spawn(body_graph_autograd_errors, world, backend="nccl", timeout=280)
+def test_nvlink_graph_autograd_errors_timeout(nvlink_parts):
+    nvlink_parts["graph_autograd_errors"].check()
 
 
 def _same_expert(a, b, ctx):
@@ -465,7 +461,16 @@ def body_expert(rank, world):
     dist.barrier()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_nvlink_expert_major_matches_torch(world):
+def test_nvlink_expert_major_matches_torch(nvlink_parts):
+    nvlink_parts["expert"].check()
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def nvlink_parts(request, tmp_path_factory):
+    """All three bodies in one spawn per world size (one process start and NCCL init instead of three);
+    the one with a timeout on purpose runs last (its buffer fails, the group stays usable)."""
+    world = request.param
     _need(world)
-    spawn(body_expert, world, backend="nccl", timeout=280)
+    parts = [("contract", body_contract, ()), ("expert", body_expert, ()),
+             ("graph_autograd_errors", body_graph_autograd_errors, ())]
+    return spawn_parts(parts, world, str(tmp_path_factory.mktemp(f"nvlink{world}")), backend="nccl", timeout=600)

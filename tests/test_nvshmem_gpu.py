@@ -10,16 +10,13 @@ import torch.distributed as dist
 
 from ep_plugin.backends.torch_ref.low_latency import cast_fp8  # the contract's cast (tested in test_low_latency)
 from tests._dist import spawn
+from tests._need import need_nvshmem
 
 pytestmark = pytest.mark.gpu
 
 
 def _need_nvshmem(world=2):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not ext.get_c().HAS_NVSHMEM:
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(world)
 
 
 def _cfg(M, K, timeout_s=20.0, output_buffers=0):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ep_plugin.errors import EPTimeoutError
 from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._need import need_nvshmem
 
 pytestmark = pytest.mark.gpu
 
@@ -43,11 +44,7 @@ _gloo = {}
 
 
 def _need_nvshmem(world):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs")
-    import ep_plugin._ext as ext
-    if not ext.has_c() or not getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        pytest.skip("ep_plugin._C is built without NVSHMEM")
+    need_nvshmem(world)
 
 
 def _run(body, tmp_path, timeout, world):

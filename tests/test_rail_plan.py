@@ -7,7 +7,7 @@ import pytest
 from ep_plugin.backends.nvshmem import rdma_env, runtime
 from ep_plugin.backends.nvshmem.rail_plan import AUTO_BLOCKS, NIC_PORTS, plan_rail
 from ep_plugin.config import load_config
-from ep_plugin.plan.cost_model import suggest
+from ep_plugin.plan.cost_model import Hardware, fanout, predict, suggest
 
 H, T, E, K = 7168, 4096, 256, 8
 
@@ -24,6 +24,21 @@ def test_across_hosts_auto_follows_the_cost_model(nodes, groups):
     s = suggest(nodes, 8, T, H, K, E, *(groups or (None, None)), sm_count=132, nic_ports=NIC_PORTS)
     assert plan.num_blocks == s["num_sms"] and plan.auto_qps == s["qps_per_peer"] == max(s["num_sms"], NIC_PORTS)
     assert "rail blocks" in plan.why and "bound" in plan.why
+    # not only "the same as suggest()": the choice has the property suggest() documents, checked with the
+    # model's per-stage times (predict): the fewest even SMs (at least 4, at most a quarter of the GPU)
+    # whose forwarding stage keeps up with the slower of RDMA and NVLink
+    hw = Hardware(nvlink_gbps=478.0, nic_gbps=400.0, nic_efficiency=0.9, latency_us=20.0, sm_gbps=13.0,
+                  sm_count=132)
+    fan = fanout(nodes, 8, K, E, *(groups or (None, None)))
+    n = plan.num_blocks
+    assert n % 2 == 0 and 4 <= n <= 132 // 4, n
+
+    def keeps_up(sms):
+        t = predict(nodes, 8, T, H, fan, hw, "bf16", sms)
+        return t["sms_us"] <= max(t["rdma_us"], t["nvlink_us"]) + 1e-9
+
+    assert keeps_up(n) or n == 32, n  # 32: the cap, even when it cannot keep up
+    assert n == 4 or not keeps_up(n - 2), n
 
 
 def test_fp8_rows_plan_with_fp8_bytes():

@@ -23,7 +23,7 @@ import ep_plugin
 from ep_plugin.errors import EPTimeoutError
 from ep_plugin.telemetry import CommStats, RecordingBackend, Report, collect, imbalance, log_to, training_step
 from ep_plugin.telemetry import recorder as recorder_mod
-from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._dist import read_rank_results, spawn, spawn_parts, write_rank_result
 from tests.fakes import RecordingMonitor
 
 E, H, T, K = 4, 8, 6, 2
@@ -378,15 +378,23 @@ def _nvlink_body(rank, world, worst_case):
     assert sums[0] == sums[1], sums  # the same bytes and loads as the reference backend reports
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("worst_case", [False, True])
-def test_nvlink_stats_match_reference(worst_case):
+@pytest.fixture(scope="module")
+def nvlink_stats_parts(tmp_path_factory):
+    """Both modes in one spawn (one process start and NCCL init)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
     from ep_plugin._ext import has_c
 
     if not has_c():
         pytest.skip("ep_plugin._C is not built")
-    spawn(_nvlink_body, 2, worst_case, backend="nccl")
+    parts = [(f"worst_case={w}", _nvlink_body, (w,)) for w in (False, True)]
+    return spawn_parts(parts, 2, str(tmp_path_factory.mktemp("nvlink_stats")), backend="nccl", timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_nvlink_stats_match_reference(nvlink_stats_parts, worst_case):
+    nvlink_stats_parts[f"worst_case={worst_case}"].check()
 
 
 def _megatron_body(rank, world, out_dir):

@@ -35,6 +35,7 @@ step to other ranks and to itself, summed over the ranks, forward and backward).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -262,7 +263,12 @@ def main():
     engine.destroy()  # releases the AutoEP exchanges (DeepSpeed's destroy_exchanges)
     epds.release_buffers()  # closes the EPBuffers (collective)
     torch.distributed.barrier()
+    # Every process group goes before the interpreter does: gloo's threads, left to interpreter exit,
+    # can abort the process after a good run ("terminate called without an active exception").
+    # DeepSpeed's own destroy also drops the groups its module globals hold (expert/data parallel).
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # groups that reference cycles (DeepSpeed's engine, the model) still hold go now, not at exit

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -256,7 +257,12 @@ def main():
                 json.dump({"ep_plugin": ep_on, "world": world, "losses": losses, "tokens_per_s": tok_s,
                            "args": vars(a)}, f, indent=1)
     torch.distributed.barrier()
+    # Every process group goes before the interpreter does: gloo's threads, left to interpreter exit,
+    # can abort the process after a good run ("terminate called without an active exception").
+    # DeepSpeed's own destroy also drops the groups its module globals hold (expert/data parallel).
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # groups that reference cycles (DeepSpeed's engine, the model) still hold go now, not at exit

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -121,8 +122,11 @@ class HierarchicalBackend(Backend):
         self.fp8 = cfg.comm.dispatch_dtype == "fp8"
         # one rail per row form (its buffers hold BF16 rows or FP8 rows + scales); the form the config
         # names is built now, the other at its first call (collective: every rank makes the same call)
-        self._make_rail = lambda fp8: registry.make_rail(self.rail_engine, group, cfg, hidden, num_experts, P,
-                                                         self.M, fp8)
+        # a partial, not a lambda over self: a backend -> closure -> backend cycle kept its rails' process
+        # groups (and gloo's threads) alive past destroy_process_group, to be torn down by the cyclic GC
+        # during interpreter exit, where gloo's threads can abort the process ("terminate called ...")
+        self._make_rail = functools.partial(registry.make_rail, self.rail_engine, group, cfg, hidden, num_experts,
+                                            P, self.M)
         self._rails = {self.fp8: self._make_rail(self.fp8)}
         self.local = LocalNode(self.experts_per_rank) if P == 1 else None
         self.inner = None
