@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).parent.resolve()
 # CPU seconds of a full _C build (NVSHMEM part included), measured on this project's 2-core CI box;
 # the build's first line divides it by the cores to say about how long it takes.
-COMPILE_CPU_S = 160
+COMPILE_CPU_S = 200
 CSRC = ROOT / "csrc"
 
 

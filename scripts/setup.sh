@@ -17,7 +17,7 @@
 # Safe to run again: pip skips what is installed, and _C is rebuilt only when csrc/, setup.py or the
 # NVSHMEM wheel changed (their hash is kept in build/ep_plugin_C.sha256). A line before each step says
 # what it does and about how long it takes (measured on a 2-core box with a fresh venv), a line every
-# 15 s while it runs, and the compile prints each file it finishes. `ep_plugin doctor` ends it.
+# 10 s while it runs, and the compile prints each file it finishes. `ep_plugin doctor` ends it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,12 +38,12 @@ seconds_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", 
 step() { N=$((N + 1)); STEP_AT=$(date +%s.%N); echo "setup: [$N/$NSTEPS] $1 (about $2)"; }
 # step_done [NOTE]: the line after it, with its time.
 step_done() { echo "setup: [$N/$NSTEPS] done in $(seconds_since "$STEP_AT")${1:+: $1}"; }
-# with_heartbeat CMD...: run CMD, printing a line every 15 s while it runs (pip -q is silent meanwhile).
+# with_heartbeat CMD...: run CMD, printing a line every 10 s while it runs (pip -q is silent meanwhile).
 with_heartbeat() {
   local t0 hb rc=0
   t0=$(date +%s)
   # on stderr: a caller may capture stdout (VAR=$(with_heartbeat ...))
-  ( while sleep 15; do echo "setup:       ... still at it ($(( $(date +%s) - t0 )) s)" >&2; done ) &
+  ( while sleep 10; do echo "setup:       ... still at it ($(( $(date +%s) - t0 )) s)" >&2; done ) &
   hb=$!
   "$@" || rc=$?
   kill "$hb" 2>/dev/null || true
@@ -149,7 +149,7 @@ PYEOF
   elif ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     step "ep_plugin._C: not compiled (no nvcc: the torch backend only)" "0 s"; step_done
   else
-    step "compiling ep_plugin._C with nvcc, a line per file (full log: build/ep_plugin_C.log)" "80 s on 2 cores"
+    step "compiling ep_plugin._C with nvcc, a line per file (full log: build/ep_plugin_C.log)" "100 s on 2 cores"
     mkdir -p build
     rm -f build/ep_plugin_C.sha256
     # setup.py's own lines (ep_plugin: ...) are shown; the compilers' output goes to the log.
