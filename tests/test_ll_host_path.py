@@ -353,7 +353,7 @@ def test_decode_pair_bench_variants_timelines_and_merge():
     assert "vs deepep: graph cold 1.00" in ab and "outputs of the ep_plugin variants: equal" in ab
 
 
-def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True):
+def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True, on_bench=lambda: None):
     """The low-latency calls of DeepEP v1.2.1's tests/test_low_latency.py test_main, in its order and with
     its names bound as it binds them (values unchecked: no kernel runs here). What matters is what the
     test keeps: its check loop's names (recv_x, recv_count, recv_src_info, recv_layout_range: views of
@@ -406,6 +406,7 @@ def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True):
                                                              return_recv_hook=return_recv_hook)
         hook() if return_recv_hook else None
 
+    on_bench()
     for return_recv_hook in (False, False, True):
         for _ in range(20):
             test_func(return_recv_hook)
@@ -416,8 +417,8 @@ def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True):
 def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config, monkeypatch):
     """DeepEP's own test_low_latency (device run 2026-11-26: OutputsStillHeldError at EP2 through
     ep_plugin.deep_ep) keeps a dispatch's views through its bench. With no ep_config the deep_ep layer's
-    sets are torch tensors: a held one is replaced by fresh tensors for that call, nothing raised, and a
-    held view is never written by a later launch. With an ep_config (heap sets) the same calls raise."""
+    sets are torch tensors: a held one gives way to the other set (fresh tensors when both are held),
+    nothing raised, and a held view is never written by a later launch. With an ep_config (heap sets) the same calls raise."""
     from ep_plugin.deep_ep import Buffer
     calls, sets = heap_calls
     H_ = 512  # use_ue8m0 needs H % 512 == 0
@@ -433,15 +434,43 @@ def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_cal
     new = NvshmemLowLatency._new_dispatch_outputs
     monkeypatch.setattr(NvshmemLowLatency, "_new_dispatch_outputs",
                         lambda self, fp8, dev, i=None: (fresh.append(i), new(self, fp8, dev, 0 if i is None else i))[1])
-    kept = _deepep_test_main_calls(dbuf, H_, E_L, use_async=False)
+    at_bench = []
+    kept = _deepep_test_main_calls(dbuf, H_, E_L, use_async=False, on_bench=lambda: at_bench.append(len(fresh)))
     buf = next(iter(dbuf._ll_buffers.values()))
     eng = engine_of(buf)
     assert eng.output_buffers == 2 and eng.output_sets == 0 and eng.fused_launch and set(sets) == {-1}  # torch sets
-    # the views the test still holds are never the target of a later launch's rows: the held set's turns
-    # went to fresh tensors
+    # the views the test still holds are never the target of a later launch's rows
     held = kept[0].data_ptr()
     launches = [c[2][6] for c in calls if c[0] == "dispatch" and c[1] & RECV]
     last = max(i for i, p in enumerate(launches) if p == held)
     assert launches[last + 1:] and held not in launches[last + 1:]
-    assert fresh.count(None) >= 20  # the held set's turns (the bench's 60 dispatches alternate two sets)
+    # the held set's turns go to the other set; fresh tensors only while both were held (the second of two
+    # dispatches in a row, with the check loop's names on the one before): none in the bench
+    built = fresh.count(0) + fresh.count(1)
+    assert fresh[at_bench[0]:] == [] and 0 < len(fresh) - built <= 8
     dbuf.destroy()
+
+
+def test_torch_sets_skip_a_held_set(calls):
+    """Output sets of torch tensors (no heap sets): a held set gives way to the next one nobody holds, the
+    turn going on from there; fresh tensors only when every set is held. Never raised, never overwritten."""
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, _ = inputs()
+    eng = None
+
+    def dispatch():
+        nonlocal eng
+        recv_x = buf.low_latency_dispatch(x, idx, use_fp8=False)[0]
+        eng = engine_of(buf)
+        return recv_x
+
+    kept = dispatch()  # set 0, held from here on
+    assert eng.output_sets == 0
+    ptr = [dispatch().data_ptr() for _ in range(3)]  # set 1 each time: set 0 is held, set 1 is dropped
+    assert len(set(ptr)) == 1 and kept.data_ptr() not in ptr
+    also = dispatch()  # set 1 again, now held too
+    fresh = dispatch()  # both held: fresh tensors
+    assert fresh.data_ptr() not in (kept.data_ptr(), also.data_ptr())
+    del kept
+    assert dispatch().data_ptr() != also.data_ptr()  # set 0 is free again
+    buf.close()

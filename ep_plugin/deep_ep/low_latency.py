@@ -23,7 +23,8 @@ Mapping
   DeepEP's own tests/test_low_latency.py keeps the last checked dispatch's views (its check loop's
   names) through its whole bench. With no ep_config the EPBuffer's comm.low_latency.output_buffers = 2
   sets are torch tensors (never the heap sets): no allocation per call, and a set still held when its
-  turn comes is replaced by fresh tensors for that call -- nothing is overwritten, nothing raised. An
+  turn comes gives way to a set nobody holds, or to fresh tensors for that call when every set is held
+  -- nothing is overwritten, nothing raised. An
   ep_config takes the EPBuffer's defaults: heap sets on one host (no receive copy, faster), where a set
   still held raises OutputsStillHeldError (docs/LOW_LATENCY.md, "Held outputs").
 - `zero_copy`: get_next_low_latency_combine_buffer returns a BF16 `[E_l, W*M, H]` staging tensor
@@ -186,7 +187,7 @@ class LowLatencyMixin:
         if self._cfg.source == _NO_EP_CONFIG and buf._low_latency is None:
             # DeepEP's callers may keep outputs as long as they like (DeepEP V1 allocates them per call;
             # its own test_low_latency keeps one dispatch's views through its whole bench): output sets of
-            # torch tensors, where a set still held falls back to fresh tensors for that call on this rank
+            # torch tensors, where a set still held gives way to a free one (or fresh tensors) on this rank
             # alone. Sets in the heap cannot (every rank must pick the same set) and raise instead.
             buf.cfg.comm.low_latency.heap_outputs = False
         if self._ll_masked:

@@ -33,7 +33,8 @@ Held outputs. Output sets change what a caller may keep: DeepEP V1 returns fresh
 call, so code written for it may hold a call's outputs as long as it likes. The engine keeps, per set,
 the reference counts of what it returned (and the storage use counts, which views raise); when a set's
 turn comes while a caller still holds any of it, a set of torch tensors (a job without P2P everywhere)
-is replaced by fresh tensors for that call (nothing is overwritten), and a set in the heap -- which
+gives way to the next set nobody holds, or to fresh tensors when all are held (nothing is overwritten;
+the choice is this rank's own: senders write the slots, not the sets), and a set in the heap -- which
 every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
 OutputsStillHeldError after its launch, naming the fix. The combine's outputs (torch tensors) are
 never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
@@ -173,7 +174,15 @@ class NvshmemLowLatency(ReportsFaults):
             if (watches[0] is not None and watches[0][i].held()) or (watches[1] is not None and watches[1][i].held()):
                 self._held = i  # used all the same (every rank picks set i): raised after the launch
         elif self._dispatch_watch[kind][i].held():
-            return self._new_dispatch_outputs(use_fp8, dev)  # this rank's own tensors: fresh ones instead
+            # this rank's own tensors (the senders write the slots, the receive copy writes the set): any set
+            # nobody holds will do, and the turn goes on from it; fresh tensors when every set is held
+            watch = self._dispatch_watch[kind]
+            for j in range(1, n):
+                k = i + j if i + j < n else i + j - n
+                if not watch[k].held():
+                    self._dispatch_turn[turn] = k + 1 if k + 1 < n else 0
+                    return sets[k]
+            return self._new_dispatch_outputs(use_fp8, dev)
         return sets[i]
 
     @staticmethod
