@@ -351,3 +351,126 @@ def test_decode_pair_bench_variants_timelines_and_merge():
     assert "85.0" in dp.table(rows)
     ab = dp.ab_lines(rows)
     assert "vs deepep: graph cold 1.00" in ab and "outputs of the ep_plugin variants: equal" in ab
+
+
+def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True, on_bench=lambda: None):
+    """The low-latency calls of DeepEP v1.2.1's tests/test_low_latency.py test_main, in its order and with
+    its names bound as it binds them (values unchecked: no kernel runs here). What matters is what the
+    test keeps: its check loop's names (recv_x, recv_count, recv_src_info, recv_layout_range: views of
+    the last checked dispatch) stay bound through the next dispatches and the whole bench, and every
+    other iteration dispatches twice in a row."""
+    num_tokens, num_topk = 6, K
+    x = torch.ones(num_tokens, H_, dtype=torch.bfloat16)
+    x_list = [x, torch.randn(num_tokens, H_).to(torch.bfloat16)]
+    topk_idx = torch.stack([torch.randperm(num_experts)[:num_topk] for _ in range(num_tokens)])
+    topk_idx[1, 2] = -1
+    topk_weights = torch.rand(num_tokens, num_topk)
+    num_local_experts = num_experts  # one rank
+    num_times = 0
+    for current_x in x_list:
+        for return_recv_hook in (False, True):
+            for dispatch_use_fp8 in (False, True):
+                for round_scale in (False, True) if dispatch_use_fp8 else (False, ):
+                    for use_ue8m0 in (False, True) if round_scale else (False, ):
+                        num_times += 1
+                        for i in range((num_times % 2) + 1):
+                            cumulative_local_expert_recv_stats = torch.zeros(num_local_experts, dtype=torch.int)
+                            packed_recv_x, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
+                                current_x, topk_idx, M, num_experts, use_fp8=dispatch_use_fp8,
+                                round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                                async_finish=use_async and not return_recv_hook, return_recv_hook=return_recv_hook)
+                            hook() if return_recv_hook else None
+                        packed_recv_x = (packed_recv_x[0], packed_recv_x[1].contiguous()) if dispatch_use_fp8 \
+                            else packed_recv_x
+                        simulated_gemm_x = torch.zeros(num_local_experts, M, H_, dtype=torch.bfloat16)  # fresh
+                        for i in range(num_local_experts):
+                            recv_x = packed_recv_x[0][i].float() if dispatch_use_fp8 else packed_recv_x[i]
+                            recv_count, recv_src_info, recv_layout_range = packed_recv_count[i], handle[0][i], handle[1][i]
+                            recv_x, recv_src_info = recv_x[:1], recv_src_info[:1]
+                        for zero_copy in (False, True):
+                            if zero_copy:
+                                buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated_gemm_x
+                            out = torch.empty((num_tokens, H_), dtype=torch.bfloat16)
+                            combined_x, event, hook = buffer.low_latency_combine(
+                                simulated_gemm_x, topk_idx, topk_weights, handle, async_finish=False,
+                                zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
+                            hook() if return_recv_hook else None
+
+    def test_func(return_recv_hook):  # the bench's pair, 20 times per form
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            current_x, topk_idx, M, num_experts, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            use_fp8=True, async_finish=False, return_recv_hook=return_recv_hook)
+        hook() if return_recv_hook else None
+        combined_x, event, hook = buffer.low_latency_combine(simulated_gemm_x, topk_idx, topk_weights, handle,
+                                                             return_recv_hook=return_recv_hook)
+        hook() if return_recv_hook else None
+
+    on_bench()
+    for return_recv_hook in (False, False, True):
+        for _ in range(20):
+            test_func(return_recv_hook)
+    return packed_recv_x  # still bound, as in the test
+
+
+@pytest.mark.parametrize("ep_config", [None, "heap"])
+def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config, monkeypatch):
+    """DeepEP's own test_low_latency (device run 2026-11-26: OutputsStillHeldError at EP2 through
+    ep_plugin.deep_ep) keeps a dispatch's views through its bench. With no ep_config the deep_ep layer's
+    sets are torch tensors: a held one gives way to the other set (fresh tensors when both are held),
+    nothing raised, and a held view is never written by a later launch. With an ep_config (heap sets) the same calls raise."""
+    from ep_plugin.deep_ep import Buffer
+    calls, sets = heap_calls
+    H_ = 512  # use_ue8m0 needs H % 512 == 0
+    dbuf = Buffer(dist.group.WORLD, low_latency_mode=True,
+                  ep_config=None if ep_config is None else cfg(2))
+    if ep_config is not None:
+        with pytest.raises(OutputsStillHeldError):
+            _deepep_test_main_calls(dbuf, H_, E_L, use_async=False)
+        dbuf.destroy()
+        return
+    from ep_plugin.backends.nvshmem.low_latency import NvshmemLowLatency
+    fresh = []
+    new = NvshmemLowLatency._new_dispatch_outputs
+    monkeypatch.setattr(NvshmemLowLatency, "_new_dispatch_outputs",
+                        lambda self, fp8, dev, i=None: (fresh.append(i), new(self, fp8, dev, 0 if i is None else i))[1])
+    at_bench = []
+    kept = _deepep_test_main_calls(dbuf, H_, E_L, use_async=False, on_bench=lambda: at_bench.append(len(fresh)))
+    buf = next(iter(dbuf._ll_buffers.values()))
+    eng = engine_of(buf)
+    assert eng.output_buffers == 2 and eng.output_sets == 0 and eng.fused_launch and set(sets) == {-1}  # torch sets
+    # the views the test still holds are never the target of a later launch's rows
+    held = kept[0].data_ptr()
+    launches = [c[2][6] for c in calls if c[0] == "dispatch" and c[1] & RECV]
+    last = max(i for i, p in enumerate(launches) if p == held)
+    assert launches[last + 1:] and held not in launches[last + 1:]
+    # the held set's turns go to the other set; fresh tensors only while both were held (the second of two
+    # dispatches in a row, with the check loop's names on the one before): none in the bench
+    built = fresh.count(0) + fresh.count(1)
+    assert fresh[at_bench[0]:] == [] and 0 < len(fresh) - built <= 8
+    dbuf.destroy()
+
+
+def test_torch_sets_skip_a_held_set(calls):
+    """Output sets of torch tensors (no heap sets): a held set gives way to the next one nobody holds, the
+    turn going on from there; fresh tensors only when every set is held. Never raised, never overwritten."""
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, _ = inputs()
+    eng = None
+
+    def dispatch():
+        nonlocal eng
+        recv_x = buf.low_latency_dispatch(x, idx, use_fp8=False)[0]
+        eng = engine_of(buf)
+        return recv_x
+
+    kept = dispatch()  # set 0, held from here on
+    assert eng.output_sets == 0
+    ptr = [dispatch().data_ptr() for _ in range(3)]  # set 1 each time: set 0 is held, set 1 is dropped
+    assert len(set(ptr)) == 1 and kept.data_ptr() not in ptr
+    also = dispatch()  # set 1 again, now held too
+    fresh = dispatch()  # both held: fresh tensors
+    assert fresh.data_ptr() not in (kept.data_ptr(), also.data_ptr())
+    del kept
+    assert dispatch().data_ptr() != also.data_ptr()  # set 0 is free again
+    buf.close()

@@ -33,11 +33,16 @@ Held outputs. Output sets change what a caller may keep: DeepEP V1 returns fresh
 call, so code written for it may hold a call's outputs as long as it likes. The engine keeps, per set,
 the reference counts of what it returned (and the storage use counts, which views raise); when a set's
 turn comes while a caller still holds any of it, a set of torch tensors (a job without P2P everywhere)
-is replaced by fresh tensors for that call (nothing is overwritten), and a set in the heap -- which
+gives way to the next set nobody holds, or to fresh tensors when all are held (nothing is overwritten;
+the choice is this rank's own: senders write the slots, not the sets), and a set in the heap -- which
 every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
 OutputsStillHeldError after its launch, naming the fix. The combine's outputs (torch tensors) are
 never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
-step's outputs before the step after next (N = 2) never sees either.
+step's outputs before the step after next (N = 2) never sees either. DeepEP's own
+tests/test_low_latency.py does hold a set for good (its check loop's names keep the last checked
+dispatch's views through the whole bench that follows), so ep_plugin.deep_ep with no ep_config asks
+for torch-tensor sets (`heap_outputs = False` on the config object): a held set there costs a fresh
+allocation for that call, never an error.
 
 Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
 state["self_pos"]); a combine without a hook sends only the other ranks' rows and its receive half
@@ -121,7 +126,11 @@ class NvshmemLowLatency(ReportsFaults):
         # comm.low_latency.output_buffers = N > 0: outputs come from N sets allocated once and used in
         # turn (a call's outputs stay valid for the next N - 1 calls of its kind); 0: fresh tensors.
         self.output_buffers = int(getattr(cfg.comm.low_latency, "output_buffers", 0) or 0)
-        sets = self.output_buffers if self.output_buffers <= MAX_OUTPUT_SETS else 0
+        # heap_outputs (not a schema key: set on the config object by ep_plugin.deep_ep with no ep_config):
+        # False keeps the sets torch tensors even where the heap could hold them, so that a held set falls
+        # back to fresh tensors on this rank alone instead of raising (module docstring, "Held outputs").
+        heap_ok = bool(getattr(cfg.comm.low_latency, "heap_outputs", True))
+        sets = self.output_buffers if heap_ok and self.output_buffers <= MAX_OUTPUT_SETS else 0
         heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden, sets)
         runtime.join(group, heap, cfg.comm.rdma)
         blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -165,7 +174,15 @@ class NvshmemLowLatency(ReportsFaults):
             if (watches[0] is not None and watches[0][i].held()) or (watches[1] is not None and watches[1][i].held()):
                 self._held = i  # used all the same (every rank picks set i): raised after the launch
         elif self._dispatch_watch[kind][i].held():
-            return self._new_dispatch_outputs(use_fp8, dev)  # this rank's own tensors: fresh ones instead
+            # this rank's own tensors (the senders write the slots, the receive copy writes the set): any set
+            # nobody holds will do, and the turn goes on from it; fresh tensors when every set is held
+            watch = self._dispatch_watch[kind]
+            for j in range(1, n):
+                k = i + j if i + j < n else i + j - n
+                if not watch[k].held():
+                    self._dispatch_turn[turn] = k + 1 if k + 1 < n else 0
+                    return sets[k]
+            return self._new_dispatch_outputs(use_fp8, dev)
         return sets[i]
 
     @staticmethod
