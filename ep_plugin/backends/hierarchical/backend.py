@@ -286,16 +286,33 @@ class HierarchicalBackend(Backend):
                               handle=handle)
 
     # ------------------------------------------------------------------ combine
+    @staticmethod
+    def _cut_index(index: torch.Tensor, rows: int, keep_all: bool) -> torch.Tensor:
+        """combine's x may be cut to its valid rows (EPBuffer.combine allows it; DeepEP's combine takes
+        back the exact-size rows of a host-synced dispatch), while the reorder's index was made for all
+        the rows the dispatch returned: it must not reach past x (an index past it was the device-side
+        assert of DeepEP's test_internode.py on 2026-11-26). Valid rows come first in both orders and
+        map among themselves; the rest map to themselves (to_contract: keep the first `rows` entries)
+        or anywhere (slot_row, keep_all: those slots are never sent back). Bounded to x's rows either
+        way, so a handle left by a timed-out exchange cannot index out of x either. Only called for a
+        cut x: a full one takes the index as it is, with no extra launch."""
+        if not keep_all:
+            index = index[:rows]
+        return index.clamp(max=max(rows - 1, 0))
+
     def combine(self, x, handle, async_op=False):
         st = self._state(handle)
         s = self._stream(async_op)
         tl = self.timeline
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             tl.begin("combine")
+            cut = x.shape[0] < handle.num_recv
             if self.P == 1:
-                y_f = LocalNode.to_slots(x, st.slot_row, self.N * self.M)
-            else:
-                rows = x.index_select(0, st.to_contract)  # back to the inner order
+                slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
+                y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
+            else:  # back to the inner order
+                to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
+                rows = x.index_select(0, to_inner)
                 tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
