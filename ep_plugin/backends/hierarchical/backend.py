@@ -81,20 +81,22 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     P, N, M = per_node, nodes, max_tokens
     W = N * P
     dev = recv_src.device
+    # ~17 launches (the host issues them while the GPU forwards; at ~20 us each on the measured host
+    # they were on the critical path at 28): the row's forwarder and source rank, the counts, and one
+    # shift per source rank, delta[g] = contract start - first inner row of (l, s), which telescopes to
+    # cumsum(c)[g] - cumsum over nodes of c[., l] up to s - recv_off[l]
     i = torch.arange(rows, device=dev)
     off = recv_off.long()
-    fwd = torch.searchsorted(off[1:], i, right=True).clamp_(max=P - 1)
-    src = recv_src[:rows].long().div_(M, rounding_mode="floor").clamp_(0, N - 1).mul_(P).add_(fwd)
-    valid = i < off[P]
-    src = torch.where(valid, src, W)
+    fwd = torch.searchsorted(off[1:], i, right=True)  # P for rows past the valid ones
+    valid = fwd < P
+    g = torch.add(fwd, torch.div(recv_src[:rows], M, rounding_mode="floor"), alpha=P)
+    src = torch.where(valid, g, W).clamp_(0, W)  # after an inner timeout recv_src is anything
     counts = torch.zeros(W + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, src, torch.ones_like(src))  # bincount would wait on the host for its size
     c = counts[:W]
-    start = c.cumsum(0) - c  # contract start of each source rank
-    by_node = c.view(N, P)
-    inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
-    g = src.clamp(max=W - 1)
-    pos = torch.where(valid, start[g] + i - inner_start[g], i)
+    delta = (c.cumsum(0).view(N, P) - c.view(N, P).cumsum(0)).sub_(off[:P]).view(-1)
+    delta = torch.nn.functional.pad(delta, (0, 1))  # rows past the valid ones (src W) stay in place
+    pos = delta[src].add_(i)
     # a no-op on a complete exchange (a permutation of [0, rows)); after an inner timeout recv_off and
     # recv_src hold whatever was there, and an index out of range would end the process's CUDA context
     # with a device assert instead of letting check() raise EPTimeoutError
