@@ -146,3 +146,54 @@ def body_sources_path(rank, world, P):
 @pytest.mark.parametrize("world,P", [(4, 2), (6, 3)])
 def test_hierarchical_orders_rows_from_inner_sources(world, P):
     spawn(body_sources_path, world, P, timeout=300)
+
+
+class _PhasedRail:
+    """TorchRail with the NVSHMEM rail's on_phase hook (called between its send and receive halves):
+    the hierarchical backend then launches the routing mask inside that hook."""
+
+    def __init__(self, rail):
+        self.rail, self.on_phase, self.phases = rail, None, 0
+
+    def __getattr__(self, name):
+        return getattr(self.rail, name)
+
+    def _phase(self):
+        if self.on_phase is not None:
+            self.phases += 1
+            self.on_phase("rail_send")
+
+    def dispatch(self, *args):
+        self._phase()
+        return self.rail.dispatch(*args)
+
+    def combine(self, *args):
+        self._phase()
+        return self.rail.combine(*args)
+
+
+def body_phased_rail(rank, world, P):
+    from tests.test_hierarchical import check_against_reference, check_node_limited, hierarchical_buffer
+
+    buf = hierarchical_buffer(128, P, max_tokens=24)
+    be = buf._backend
+    rail = be._rails[be.fp8] = _PhasedRail(be._rails[be.fp8])
+    for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20))):
+        check_against_reference(buf, rank, world, 128, tokens, 60 + seed, mode, "cpu")
+    check_node_limited(buf, rank, world, P, "cpu")
+    assert rail.phases > 0 and rail.on_phase is None  # the hook ran and was put back
+    tl = StageTimeline()
+    be.timeline = tl
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K
+    xs, idxs, ws = make_inputs(world, 9, 128, E, K, 5, torch.bfloat16)
+    a = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    buf.combine(a.x, a.handle)
+    s = tl.summary()
+    assert list(s["dispatch"])[:3] == ["rail_send", "rail_recv", "layout"], list(s["dispatch"])
+    buf.close()
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
+def test_routing_mask_launched_under_the_rail_send(world, P):
+    spawn(body_phased_rail, world, P, timeout=300)

@@ -3,6 +3,8 @@ comm.ranks_per_node, torch backend): the checks of DeepEP v1.2.1's tests/test_in
 (layout with num_tokens_per_rdma_rank, dispatch with and without top-k, FP8, cached, combine of rows
 and weights, the internode handle's recv_gbl_rank_prefix_sum at handle[-4]). On GPUs, DeepEP's own
 file runs through benchmarks/deepep_internode_test.py on the internode (nvshmem) backend."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +24,59 @@ def _unique(x, slots):
     return out
 
 
-def body(rank, world, P):
+class _WorstCaseInner:
+    """The torch backend inside a node, its outputs padded to a worst-case row count (valid rows first,
+    topk_idx -1 after them), as the nvlink backend returns them on GPUs: the hierarchical backend's
+    reorder then covers rows that DeepEP's exact-size outputs (and combine inputs) do not have."""
+
+    def __init__(self, inner, rows):
+        self.inner, self.rows, self._real = inner, rows, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _pad(self, t, fill):
+        if t is None or t.shape[0] >= self.rows:
+            return t
+        return torch.cat([t, t.new_full((self.rows - t.shape[0],) + tuple(t.shape[1:]), fill)])
+
+    def dispatch(self, x, scales, topk_idx, topk_weights, handle=None, async_op=False):
+        real = None if handle is None else dataclasses.replace(self._real[id(handle.state)], topk_idx=topk_idx)
+        res = self.inner.dispatch(x, scales, topk_idx, topk_weights, real, async_op)
+        if res.event is not None:
+            res.event.current_stream_wait()
+        if handle is None:
+            self._real[id(res.handle.state)] = res.handle
+            handle = dataclasses.replace(res.handle, num_recv=self.rows, exact=False,
+                                         recv_topk_idx=self._pad(res.handle.recv_topk_idx, -1))
+        return dataclasses.replace(res, x=self._pad(res.x, 0), scales=self._pad(res.scales, 0),
+                                   topk_idx=self._pad(res.topk_idx, -1),
+                                   topk_weights=self._pad(res.topk_weights, 0), handle=handle, event=None)
+
+    def combine(self, x, handle, async_op=False):
+        real = self._real[id(handle.state)]
+        return self.inner.combine(x[:real.num_recv].contiguous(), real, async_op)
+
+
+def _worst_case_hierarchical(P):
+    """Make every EPBuffer of this process the torch-parts hierarchical backend with P ranks per node,
+    sized for the worst case as on GPUs (LocalNode already is; the torch backend inside nodes is not)."""
+    import ep_plugin.buffer as B
+    from ep_plugin.backends.hierarchical import HierarchicalBackend
+
+    def make(g, c, h, e):
+        b = HierarchicalBackend(g, c, h, e, ranks_per_node=P)
+        if b.inner is not None:
+            b.inner = _WorstCaseInner(b.inner, b.P * b.N * b.M)
+        return b
+
+    B.make_backend = make
+
+
+def body(rank, world, P, hierarchical=False):
     group = dist.group.WORLD
+    if hierarchical:  # DeepEP's inputs through the internode composition (on GPUs: nvshmem rail + nvlink)
+        _worst_case_hierarchical(P)
     N = world // P
     T, H, K, E = 48, 256, 4, 4 * world
     buf = deep_ep.Buffer(group, int(1e8), int(1e8),
@@ -125,6 +178,14 @@ def body_one_node(rank, world):
 @pytest.mark.parametrize("world,P", [(4, 2), (4, 1)])
 def test_deep_ep_internode_like_test_internode(world, P):
     spawn(body, world, P, timeout=300)
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (4, 1), (2, 1)])
+def test_deep_ep_internode_on_the_hierarchical_backend(world, P):
+    """The same checks through the hierarchical composition, sized for the worst case as on GPUs.
+    DeepEP's combine takes the exact received rows back (fewer than the backend's worst case): the
+    2026-11-26 device run's device-side assert (an index past the cut rows in combine's reorder)."""
+    spawn(body, world, P, True, timeout=300)
 
 
 def test_one_node_has_no_rdma_ranks():

@@ -44,6 +44,20 @@ CASES = {False: (("random", 512), ("skew", "zero_first"), ("nowhere", 17), ("sta
          True: (("random", 512), ("skew", "zero_first"))}
 
 
+def check_cut_combine(buf, res):
+    """combine takes x cut to the valid rows of a worst-case-sized dispatch (EPBuffer.combine allows
+    it; DeepEP's combine passes the exact rows back): the same sums as the full x. DeepEP's
+    test_internode.py hit an index past the cut rows here on 2026-11-26 (a device-side assert)."""
+    n = int(res.handle.num_recv_device)
+    rows = (res.x.float() * 0.5 + 1).to(torch.bfloat16)
+    full = buf.combine(rows, res.handle)
+    cut = buf.combine(rows[:n].contiguous(), res.handle)
+    torch.cuda.synchronize()
+    buf.check()
+    torch.testing.assert_close(cut.float(), full.float(), atol=1e-2, rtol=1e-2,
+                               msg=f"rank {dist.get_rank()}: combine of the {n} valid rows differs from the full x")
+
+
 def body_contract(rank, world, P):
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
     seed = 300
@@ -53,7 +67,9 @@ def body_contract(rank, world, P):
         for mode, tokens in CASES[host_sync]:
             seed += 1
             tokens = [0] + [9] * (world - 1) if tokens == "zero_first" else tokens
-            check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+            res = check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+            if not host_sync:
+                check_cut_combine(buf, res)
         check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 6, "random", "cuda", fp8=True)
         check_node_limited(buf, rank, world, P, "cuda")  # num_groups = nodes, group_topk 1
         if not host_sync:

@@ -1,6 +1,7 @@
 """The stage model of our internode calls (ep_plugin/plan/stage_model.py): fitted from a timeline JSON
 in the layout benchmarks/internode_device.sh writes, it gives back the measured stages at the shape it
 was fitted on, predicts the other shapes, and renders its tables."""
+import dataclasses
 import json
 
 import pytest
@@ -79,7 +80,10 @@ def test_timeline_tables(tmp_path, capsys):
     assert "| dispatch | rail_send 440 (5)" in out and "sum 1419" in out and "cold 1400" in out
 
 
-def test_placeholder_is_marked(capsys):
-    assert sm.MEASURED_2X2.placeholder
+def test_placeholder_is_marked(capsys, monkeypatch):
+    assert not sm.MEASURED_2X2.placeholder and "2x2 uniform timeline" in sm.MEASURED_2X2.source
+    sm.main([])
+    assert "PLACEHOLDER" not in capsys.readouterr().out
+    monkeypatch.setattr(sm, "MEASURED_2X2", dataclasses.replace(sm.MEASURED_2X2, placeholder=True))
     sm.main([])
     assert "PLACEHOLDER" in capsys.readouterr().out

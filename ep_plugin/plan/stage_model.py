@@ -27,8 +27,8 @@ bench_internode JSON): the 2x2 row's timeline, slowest rank per stage. `check(do
 
     python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
 
-MEASURED_2X2 below holds the fitted stage costs that the docs quote. Until a device run has filled
-it, it is a PLACEHOLDER (marked so in its `source`, and every table printed from it says so).
+MEASURED_2X2 below holds the fitted stage costs that the docs quote (from the 2026-11-26 device run).
+A StageCosts with placeholder=True (none now) is marked so in every table printed from it.
 """
 from __future__ import annotations
 
@@ -58,17 +58,14 @@ class StageCosts:
     measured: Dict[str, Dict[str, float]] = field(default_factory=dict)  # shape -> {op: cold µs}
 
 
-# PLACEHOLDER: replace with the output of `python -m ep_plugin.plan.stage_model --from <internode.json>
-# --emit` after a device run (issue 30). The values are guesses of the right order (NVLink P2P ~300
-# GB/s for the rail at 24 SMs, HBM gathers ~1.5 TB/s), not measurements; tables printed from them say so.
+# Fitted from the first device run (4x H200, 2026-11-26, benchmarks/results/internode_h200x4_2026-11-26_call2.json,
+# `python -m ep_plugin.plan.stage_model --from <it> --emit`), before this branch's changes. Refit with --emit
+# after the next run.
 MEASURED_2X2 = StageCosts(
-    dispatch={"rail_send": ("rate", 300.0), "rail_recv": ("fixed", 30.0), "layout": ("fixed", 30.0),
-              "forward": ("rate", 300.0), "reorder": ("rate", 1500.0), "counts": ("fixed", 20.0)},
-    dispatch_cached={"rail_send": ("rate", 300.0), "rail_recv": ("fixed", 30.0), "forward": ("rate", 300.0),
-                     "reorder": ("rate", 1500.0)},
-    combine={"reorder": ("rate", 1500.0), "reduce_in_node": ("rate", 300.0), "rail_send": ("rate", 300.0),
-             "rail_recv_sum": ("rate", 1000.0)},
-    source="PLACEHOLDER (no device run fed yet)", placeholder=True)
+    dispatch={'rail_send': ('rate', 514.6), 'rail_recv': ('fixed', 38.5), 'layout': ('fixed', 102.7), 'forward': ('rate', 364.5), 'reorder': ('rate', 1007.9), 'counts': ('fixed', 24.0)},
+    dispatch_cached={'rail_send': ('rate', 467.7), 'rail_recv': ('fixed', 30.9), 'forward': ('rate', 506.8), 'reorder': ('rate', 1361.2)},
+    combine={'reorder': ('rate', 2709.1), 'reduce_in_node': ('rate', 403.3), 'rail_send': ('rate', 459.5), 'rail_recv_sum': ('rate', 879.2)},
+    source='NVIDIA H200, 2026-11-26 05:44 UTC, commit bf92bb2, 2x2 uniform timeline')
 
 
 @dataclass(frozen=True)

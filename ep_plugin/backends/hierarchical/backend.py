@@ -82,20 +82,22 @@ def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, p
     P, N, M = per_node, nodes, max_tokens
     W = N * P
     dev = recv_src.device
+    # ~17 launches (the host issues them while the GPU forwards; at ~20 us each on the measured host
+    # they were on the critical path at 28): the row's forwarder and source rank, the counts, and one
+    # shift per source rank, delta[g] = contract start - first inner row of (l, s), which telescopes to
+    # cumsum(c)[g] - cumsum over nodes of c[., l] up to s - recv_off[l]
     i = torch.arange(rows, device=dev)
     off = recv_off.long()
-    fwd = torch.searchsorted(off[1:], i, right=True).clamp_(max=P - 1)
-    src = recv_src[:rows].long().div_(M, rounding_mode="floor").clamp_(0, N - 1).mul_(P).add_(fwd)
-    valid = i < off[P]
-    src = torch.where(valid, src, W)
+    fwd = torch.searchsorted(off[1:], i, right=True)  # P for rows past the valid ones
+    valid = fwd < P
+    g = torch.add(fwd, torch.div(recv_src[:rows], M, rounding_mode="floor"), alpha=P)
+    src = torch.where(valid, g, W).clamp_(0, W)  # after an inner timeout recv_src is anything
     counts = torch.zeros(W + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, src, torch.ones_like(src))  # bincount would wait on the host for its size
     c = counts[:W]
-    start = c.cumsum(0) - c  # contract start of each source rank
-    by_node = c.view(N, P)
-    inner_start = (by_node.cumsum(0) - by_node + off[:P].view(1, P)).reshape(-1)  # first inner row of (l, s), at g
-    g = src.clamp(max=W - 1)
-    pos = torch.where(valid, start[g] + i - inner_start[g], i)
+    delta = (c.cumsum(0).view(N, P) - c.view(N, P).cumsum(0)).sub_(off[:P]).view(-1)
+    delta = torch.nn.functional.pad(delta, (0, 1))  # rows past the valid ones (src W) stay in place
+    pos = delta[src].add_(i)
     # a no-op on a complete exchange (a permutation of [0, rows)); after an inner timeout recv_off and
     # recv_src hold whatever was there, and an index out of range would end the process's CUDA context
     # with a device assert instead of letting check() raise EPTimeoutError
@@ -217,12 +219,15 @@ class HierarchicalBackend(Backend):
         tl = self.timeline
         tl.begin("dispatch" if handle is None else "dispatch_cached")
         rail = self._rail(scales is not None)
-        xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
-        tl.mark("rail_recv")
         if handle is not None:
+            xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
+            tl.mark("rail_recv")
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
-        slot_valid = (topk_f >= 0).any(1)
-        is_in = _in_rank(topk_idx, self.num_experts, self.world)
+        xf, sf, topk_f, wf, is_in = self._rail_and_routing(rail, x, scales, topk_idx, topk_weights)
+        tl.mark("rail_recv")
+        # the slots' flags need the rail's rows: one-rank nodes pack by them now; with an inner exchange
+        # they are launched after it, while the GPU forwards (only combine reads them)
+        slot_valid = (topk_f >= 0).any(1) if self.P == 1 else None
         tl.mark("layout")
         if self.P == 1:
             recv_counts = self._recv_counts(is_in, slot_valid)
@@ -241,6 +246,7 @@ class HierarchicalBackend(Backend):
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
                 res.event.current_stream_wait()
+            slot_valid = (topk_f >= 0).any(1)
             tl.mark("forward")
             ih = res.handle
             exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
@@ -260,6 +266,32 @@ class HierarchicalBackend(Backend):
                         counts=self._counts(is_in, recv_counts, tpe, exact), state=state, exact=exact)
         tl.end("counts")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle)
+
+    def _rail_and_routing(self, rail, x, scales, topk_idx, topk_weights):
+        """The rail's dispatch and the routing mask is_in [T, W] (the handle's is_token_in_rank). A rail
+        that launches its send and receive halves separately (on_phase: the NVSHMEM rail) gets the mask's
+        launches between them: the host issues them while the GPU runs the send (~230 us at 4096 x 7168)
+        instead of after the receive, when the stream would wait idle for ~10 small launches (the
+        "layout" stage of the 2026-11-26 timeline: 103 us GPU, 238 us host). Same values either way."""
+        is_in = []
+        if hasattr(rail, "on_phase"):
+            marks = rail.on_phase
+
+            def after_send(stage):
+                if marks is not None:
+                    marks(stage)
+                is_in.append(_in_rank(topk_idx, self.num_experts, self.world))
+
+            rail.on_phase = after_send
+            try:
+                xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
+            finally:
+                rail.on_phase = marks
+        else:
+            xf, sf, topk_f, wf = rail.dispatch(x, scales, topk_idx, topk_weights)
+        if not is_in:  # no phases (the torch rail)
+            is_in.append(_in_rank(topk_idx, self.num_experts, self.world))
+        return xf, sf, topk_f, wf, is_in[0]
 
     @staticmethod
     def _to_contract(t, to_contract):
@@ -292,16 +324,33 @@ class HierarchicalBackend(Backend):
                               handle=handle)
 
     # ------------------------------------------------------------------ combine
+    @staticmethod
+    def _cut_index(index: torch.Tensor, rows: int, keep_all: bool) -> torch.Tensor:
+        """combine's x may be cut to its valid rows (EPBuffer.combine allows it; DeepEP's combine takes
+        back the exact-size rows of a host-synced dispatch), while the reorder's index was made for all
+        the rows the dispatch returned: it must not reach past x (an index past it was the device-side
+        assert of DeepEP's test_internode.py on 2026-11-26). Valid rows come first in both orders and
+        map among themselves; the rest map to themselves (to_contract: keep the first `rows` entries)
+        or anywhere (slot_row, keep_all: those slots are never sent back). Bounded to x's rows either
+        way, so a handle left by a timed-out exchange cannot index out of x either. Only called for a
+        cut x: a full one takes the index as it is, with no extra launch."""
+        if not keep_all:
+            index = index[:rows]
+        return index.clamp(max=max(rows - 1, 0))
+
     def combine(self, x, handle, async_op=False):
         st = self._state(handle)
         s = self._stream(async_op)
         tl = self.timeline
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             tl.begin("combine")
+            cut = x.shape[0] < handle.num_recv
             if self.P == 1:
-                y_f = LocalNode.to_slots(x, st.slot_row, self.N * self.M)
-            else:
-                rows = x.index_select(0, st.to_contract)  # back to the inner order
+                slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
+                y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
+            else:  # back to the inner order
+                to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
+                rows = x.index_select(0, to_inner)
                 tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
