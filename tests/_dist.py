@@ -25,6 +25,9 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
     # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits.
     faulthandler.dump_traceback_later(float(os.environ.get("EP_TEST_STACK_DUMP_S", 240)), file=sys.stderr)
     ok = False
+    # Several ranks share the machine's cores: torch's intra-op threads per rank would oversubscribe
+    # them (small ops measured ~100x slower with two ranks on two cores).
+    torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -82,13 +82,7 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
     }
   }
   // Every warp reaches the block barrier of last_block (a failed warp only stops taking work).
-  if (last_block(c.counters + C_FUSED)) {
-    if (!ld_volatile(c.aborted)) {
-      if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, me), ce);
-      if (tid == 0) c.epochs[E_COMBINE] = ce;
-    }
-    if (tid == 0) atomicExch(c.counters + C_QUEUE, 0u);
-  }
+  finish_queued_combine(c, ce);
 }
 
 }  // namespace

@@ -100,5 +100,19 @@ __device__ __forceinline__ bool reduce_chunk(const Ctx& c, const int4* __restric
   return true;
 }
 
+// The end of a combine driven by the work queue (fused, pipelined), called by every thread: the last
+// block releases REDUCE_DONE[me] = ce at every peer and sets epochs[E_COMBINE] = ce unless the call was
+// aborted, and resets the queue for the next combine.
+__device__ inline void finish_queued_combine(const Ctx& c, int ce) {
+  const int tid = threadIdx.x;
+  if (last_block(c.counters + C_FUSED)) {
+    if (!ld_volatile(c.aborted)) {
+      if (tid < c.world && tid != c.rank) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, c.rank), ce);
+      if (tid == 0) c.epochs[E_COMBINE] = ce;
+    }
+    if (tid == 0) atomicExch(c.counters + C_QUEUE, 0u);
+  }
+}
+
 }  // namespace nvl
 }  // namespace ep
