@@ -56,6 +56,8 @@ def gpu(solo):
 
 
 def make_buf(**comm):
+    # the split kernels unless a test names another (auto picks stage_pull at this world size of 2)
+    comm.setdefault("dispatch_kernel", "split")
     return ep_plugin.EPBuffer(None, bench.config(max_tokens=M, num_experts=E, topk=K, **comm), hidden=H)
 
 
