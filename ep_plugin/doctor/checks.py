@@ -67,9 +67,12 @@ def check_gpus(f: Facts) -> Check:
 
 def check_c(f: Facts) -> Check:
     if not f.c_built:
-        how = (f"nvcc is at {f.nvcc}: {BUILD}" if f.nvcc else
+        how = (f"nvcc is at {f.nvcc}: `bash scripts/setup.sh` (without --light) or {BUILD}" if f.nvcc else
                f"install the CUDA toolkit (nvcc 12.x or 13.x), then {BUILD}")
-        extra = f" (import error: {f.c_error})" if f.c_error and "No module named" not in f.c_error else ""
+        # a missing module reads "No module named ..." or, imported from the package, "cannot import name
+        # '_C' from partially initialized module" (not a circular import): say only what is wrong
+        missing = not f.c_error or "No module named" in f.c_error or "cannot import name '_C'" in f.c_error
+        extra = "" if missing else f" (import error: {f.c_error})"
         return Check("_C", WARNING, f"ep_plugin._C is not built{extra}: the kernel backends (nvlink, nvshmem) "
                      "cannot run, the torch backend can", how)
     rt = f"CUDA runtime {f.c_runtime // 1000}.{f.c_runtime % 1000 // 10}" if f.c_runtime else "CUDA runtime ?"
