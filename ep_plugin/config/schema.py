@@ -48,6 +48,10 @@ class LowLatencyConfig:
     # senders write rows in place: no receive copy), overwritten N calls later -- a set still held then
     # raises (docs/LOW_LATENCY.md); 0: fresh output tensors every call, as DeepEP V1 returns them.
     output_buffers: int = 2
+    # true: on one host the sets live in the NVSHMEM heap (rows written in place; a held set raises);
+    # false: torch-tensor sets plus a receive copy, where a held set gives way to a free one or to fresh
+    # tensors on that rank alone (ep_plugin.deep_ep with no ep_config: DeepEP's callers may hold outputs).
+    heap_outputs: bool = True
 
 
 @dataclass

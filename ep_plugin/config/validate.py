@@ -72,6 +72,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "low_latency": {
             "max_tokens_per_rank": _POS_INT,
             "output_buffers": ("int_range", IntRange(0, None)),
+            "heap_outputs": _BOOL,
         },
         "rdma": {
             "qps_per_peer": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),

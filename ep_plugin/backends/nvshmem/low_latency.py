@@ -41,7 +41,7 @@ never overwritten while held: a held one is replaced by a fresh tensor. A decode
 step's outputs before the step after next (N = 2) never sees either. DeepEP's own
 tests/test_low_latency.py does hold a set for good (its check loop's names keep the last checked
 dispatch's views through the whole bench that follows), so ep_plugin.deep_ep with no ep_config asks
-for torch-tensor sets (`heap_outputs = False` on the config object): a held set there costs a fresh
+for torch-tensor sets (`comm.low_latency.heap_outputs: false`): a held set there costs a fresh
 allocation for that call, never an error.
 
 Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
@@ -126,10 +126,9 @@ class NvshmemLowLatency(ReportsFaults):
         # comm.low_latency.output_buffers = N > 0: outputs come from N sets allocated once and used in
         # turn (a call's outputs stay valid for the next N - 1 calls of its kind); 0: fresh tensors.
         self.output_buffers = int(getattr(cfg.comm.low_latency, "output_buffers", 0) or 0)
-        # heap_outputs (not a schema key: set on the config object by ep_plugin.deep_ep with no ep_config):
-        # False keeps the sets torch tensors even where the heap could hold them, so that a held set falls
-        # back to fresh tensors on this rank alone instead of raising (module docstring, "Held outputs").
-        heap_ok = bool(getattr(cfg.comm.low_latency, "heap_outputs", True))
+        # comm.low_latency.heap_outputs false keeps the sets torch tensors even where the heap could hold
+        # them, so that a held set falls back on this rank alone instead of raising ("Held outputs").
+        heap_ok = bool(cfg.comm.low_latency.heap_outputs)
         sets = self.output_buffers if heap_ok and self.output_buffers <= MAX_OUTPUT_SETS else 0
         heap = C.LowLatencyRuntime.heap_bytes(self.world, num_experts, self.max_tokens, self.max_topk, hidden, sets)
         runtime.join(group, heap, cfg.comm.rdma)
