@@ -36,7 +36,8 @@ from deepep_rows import DeepEP  # noqa: E402
 from protocols import Protocols, measure  # noqa: E402
 
 # (dispatch_kernel, combine_kernel) pairs; "auto" is what a user gets by default
-PAIRS = (("split", "split"), ("split", "fused"), ("split", "pipelined"), ("fused", "pipelined"), ("auto", "auto"))
+PAIRS = (("split", "split"), ("split", "fused"), ("split", "pipelined"), ("fused", "pipelined"), ("split", "pull"),
+         ("fused", "pull"), ("auto", "auto"))
 
 
 def slowest(op):

@@ -34,7 +34,8 @@ bash benchmarks/device_build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/buil
 say "build: $(tail -1 "$OUT/build.log")"
 PY=python3
 if has test; then
-  run tests "${TEST_LIMIT:-150}" $PY -m pytest -q -x -m gpu -p no:cacheprovider tests/test_nvlink_one_gpu.py tests/test_nvlink.py
+  run tests "${TEST_LIMIT:-150}" $PY -m pytest -q -x -m gpu -p no:cacheprovider tests/test_nvlink_one_gpu.py tests/test_nvlink.py \
+    ${TEST_EXTRA:-}
 fi
 if has phases; then
   for w in 4 2; do
@@ -47,8 +48,11 @@ waitdeepep() {  # DeepEP importable, or a line saying why not
 }
 if has kernels; then
   waitdeepep
-  run kernels "${KERNELS_LIMIT:-150}" $PY benchmarks/bench_kernels.py --world 4 --sms ${SMS4:-16 24 48} --out "$OUT" --iters 20
-  CUDA_VISIBLE_DEVICES=0,1 run kernels "${KERNELS_LIMIT:-150}" $PY benchmarks/bench_kernels.py --world 2 --sms ${SMS2:-8 24 48} --out "$OUT" --iters 20
+  # PAIRS4 / PAIRS2: dispatch/combine kernel pairs (bench_kernels.py's default set when empty)
+  run kernels "${KERNELS_LIMIT:-150}" $PY benchmarks/bench_kernels.py --world 4 --sms ${SMS4:-16 24 48} --out "$OUT" --iters 20 \
+    ${PAIRS4:+--pairs $PAIRS4}
+  CUDA_VISIBLE_DEVICES=0,1 run kernels "${KERNELS_LIMIT:-150}" $PY benchmarks/bench_kernels.py --world 2 --sms ${SMS2:-8 24 48} \
+    --out "$OUT" --iters 20 ${PAIRS2:+--pairs $PAIRS2}
 fi
 if has pair; then
   waitdeepep

@@ -76,7 +76,7 @@ def check_vs_torch(nv, ref, rank, world, E, K, hidden, tokens, seed, mode):
     yb = ref.combine(rows, b.handle)
     be = nv._backend
     mode0 = be.combine_mode
-    for mode in ("split", "fused", "pipelined"):  # every combine kernel
+    for mode in ("split", "fused", "pipelined", "pull"):  # every combine kernel
         be.combine_mode = mode
         ya = nv.combine(rows, a.handle)
         assert ya.dtype == torch.bfloat16 and ya.shape == (x.shape[0], hidden), ctx
@@ -241,10 +241,9 @@ def body_graph_autograd_errors(rank, world):
     E, K, H = 8 * world, 4, 2048
     ref = _buf("torch", E, K, H)
     # ---- CUDA graph: capture dispatch + combine once (worst-case mode), replay on new routings;
-    # both dispatch kernels (stage, then pull; stage_pull)
-    for kernel in ("split", "fused"):  # with the fused dispatch, the pipelined combine in the graph
-        nv = _buf("nvlink", E, K, H, max_tokens=256, dispatch_kernel=kernel,
-                  combine_kernel="pipelined" if kernel == "fused" else "split")
+    # dispatch / combine kernel pairs: every kernel in a graph at least once
+    for kernel, combine_kernel in (("split", "split"), ("fused", "pipelined"), ("split", "pull")):
+        nv = _buf("nvlink", E, K, H, max_tokens=256, dispatch_kernel=kernel, combine_kernel=combine_kernel)
         T = 256
         g, (sx, sidx, sw), res, y = _captured(nv, T, H, K)
         Rmax = world * 256
@@ -262,7 +261,7 @@ def body_graph_autograd_errors(rank, world):
             assert bool((res.topk_idx[R:] == -1).all()) and bool((res.topk_weights[R:] == 0).all())
             assert res.num_tokens_per_expert.tolist() == list(b.tokens_per_expert)
             yb = ref.combine((b.x.float() * 2).to(torch.bfloat16), b.handle)
-            torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=kernel)
+            torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=f"{kernel}/{combine_kernel}")
         del g
         nv.close()
 

@@ -102,11 +102,15 @@ def check(nv, rank, world, E, K, H, tokens, seed, mode, fp8=False):
         rows = (out.x[:R].float() * (rank + 1) + 0.25).to(torch.bfloat16)
         full = torch.zeros_like(out.x)
         full[:R] = rows
-        y = nv.combine(full, out.handle)
         every_rows = [None] * world
         dist.all_gather_object(every_rows, rows.cpu())
-        torch.testing.assert_close(y.float().cpu(), reference_combine(every_rows, idxs, rank, E), atol=2e-2,
-                                   rtol=1e-2, msg=ctx)
+        want = reference_combine(every_rows, idxs, rank, E)
+        mode0 = nv._backend.combine_mode
+        for cmode in (mode0, "pull"):  # the configured combine, and the pull kernel (remote reads)
+            nv._backend.combine_mode = cmode
+            y = nv.combine(full, out.handle)
+            torch.testing.assert_close(y.float().cpu(), want, atol=2e-2, rtol=1e-2, msg=f"{ctx} combine {cmode}")
+        nv._backend.combine_mode = mode0
 
 
 def check_graph(rank, world, E, K, H, T):

@@ -28,7 +28,7 @@ def test_combine_kernel_auto(world, tokens, want):
 
 
 def test_kernels_as_given_win():
-    for k in ("split", "fused", "pipelined"):
+    for k in ("split", "fused", "pipelined", "pull"):
         assert plan_combine_kernel(k, 128, 4) == k
     assert plan_dispatch_kernel("split", 2, 24) == "split" and plan_dispatch_kernel("fused", 4, 48) == "fused"
 

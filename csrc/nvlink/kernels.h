@@ -71,6 +71,11 @@ void launch_combine_fused(const Ctx& c, int blocks, const int4* x, const int* se
 bool combine_pipe_tma_fits(int row_bytes);
 void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
                              const int* recv_src, int4* y, int T, cudaStream_t stream);
+// combine_pull_tma.cu: the owners read their rows from the ranks that staged them (remote loads);
+// where its two shared-memory rings hold a token's rows, on sm_90+ (combine_pull_tma_fits).
+bool combine_pull_tma_fits(int row_bytes, int world);
+void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
+                             int4* y, int T, cudaStream_t stream);
 
 }  // namespace nvl
 }  // namespace ep

@@ -13,7 +13,9 @@
 //            staged sub-chunk of kStageSub tokens (STAGE_READY) and the receivers pull it at once.
 //   combine: each rank writes the rows it received back into the source's IPC combine area at slot
 //            [its rank, position] (remote stores), flags COMBINE; the source sums the slots per
-//            token in float (its own rows read in place) and flags REDUCE_DONE.
+//            token in float (its own rows read in place) and flags REDUCE_DONE. The pull combine
+//            (combine_pull_tma.cu) turns it around: each rank stages its received rows into its own
+//            area and the owners read them (remote loads), flagging COMBINE_READY per sub-chunk.
 // A timeout marks the missing rank in host-mapped memory, sets an abort word and returns: kernels
 // never trap, so the CUDA context stays usable.
 //
@@ -39,7 +41,7 @@ enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_ME
 // HostInfo::err_kernel: the step whose wait timed out (0: none), and its name in error messages.
 enum KernelId { K_NOTIFY = 1, K_STAGE, K_PULL, K_SEND, K_REDUCE, K_NUM };
 constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "combine-send", "combine-reduce"};
-enum CombineMode { kCombineSplit = 0, kCombineFused = 1, kCombinePipelined = 2 };  // Runtime::combine
+enum CombineMode { kCombineSplit = 0, kCombineFused = 1, kCombinePipelined = 2, kCombinePull = 3 };  // Runtime::combine
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
 constexpr int kStageSub = 16;  // tokens per STAGE_READY flag (a staged sub-chunk)
 
@@ -64,6 +66,7 @@ struct Ctx {
   size_t off_flags, off_meta, off_send_list, off_stage_x, off_stage_scales, off_stage_idx,
       off_stage_w, off_combine, off_arrive;
   size_t off_stage_ready;     // int [kMaxRanks][stage_subs]: STAGE_READY[src][sub], written by src
+  size_t off_combine_ready;   // int [kMaxRanks][stage_subs]: COMBINE_READY[holder][sub] (pull combine), written by holder
   int stage_subs;             // sub-chunks of kStageSub tokens in max_tokens
   size_t stage_row_cap;       // bytes per staged row available (hidden * 2)
   int* epochs;                // [E_NUM] local device

@@ -50,6 +50,8 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   ctx_.off_stage_ready = off;
   ctx_.stage_subs = (max_tokens + kStageSub - 1) / kStageSub;
   off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.stage_subs));
+  ctx_.off_combine_ready = off;
+  off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.stage_subs));
   ctx_.off_stage_x = off;
   ctx_.stage_row_cap = static_cast<size_t>(hidden) * 2;
   off = align_up(off + ctx_.stage_row_cap * max_tokens);
@@ -236,15 +238,20 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   check_open();
   check_tokens(T);
   set_device();
-  EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePipelined, "combine mode must be 0 (split), 1 (fused) or "
-               "2 (pipelined), got %d", mode);
+  EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePull, "combine mode must be 0 (split), 1 (fused), "
+               "2 (pipelined) or 3 (pull), got %d", mode);
   const int blocks = grid_for(num_sms);
+  if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_)) {
+    launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                            ptr<int4>(y), T, stream_of(stream));
+    return;
+  }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
     launch_combine_pipe_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                             ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
     return;
   }
-  if (mode != kCombineSplit) {  // fused, or pipelined where its bulk copies do not apply
+  if (mode != kCombineSplit) {  // fused, or pipelined / pull where their bulk copies do not apply
     launch_combine_fused(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                          ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
     return;

@@ -5,7 +5,7 @@ variable                     overrides            values
 EP_PLUGIN_NVLINK_WORST_CASE  comm.host_sync       1 | true | yes | on: host_sync false (dispatch
                                                   never waits on the host; its outputs are sized
                                                   for the worst case); 0 | false | no | off: true
-EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  auto | split | fused | pipelined
+EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  auto | split | fused | pipelined | pull
 EP_PLUGIN_NVLINK_DISPATCH    comm.dispatch_kernel auto | split | fused
 EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name>.yaml presets
                                                   before the ones shipped in the package

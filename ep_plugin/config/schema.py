@@ -16,7 +16,7 @@ from .ep_size import check_ep_size
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCH_DTYPES = ("bf16", "fp8")
 COMBINE_DTYPES = ("bf16",)
-COMBINE_KERNELS = ("auto", "split", "fused", "pipelined")
+COMBINE_KERNELS = ("auto", "split", "fused", "pipelined", "pull")
 DISPATCH_KERNELS = ("auto", "split", "fused")
 VALIDATE_MODES = ("device", "full")
 AUTO = "auto"
@@ -100,7 +100,9 @@ class CommConfig:
     host_sync: bool = False
     # nvlink combine (one of COMBINE_KERNELS): send + reduce kernels ("split"), one kernel whose warps
     # send and then reduce each chunk once it has arrived ("fused"), the same with bulk-copy sends while
-    # the other warps reduce ("pipelined"); "auto" picks by the token count (backends/nvlink/plan.py).
+    # the other warps reduce ("pipelined"), or every rank stages its rows in its own buffer and the owners
+    # read and sum them ("pull": remote reads instead of writes); "auto" picks by the token count and EP
+    # size (backends/nvlink/plan.py).
     combine_kernel: str = "auto"
     # nvlink, rank-major dispatch without a host sync (and cached dispatches): stage, then pull
     # ("split"), or one kernel that pulls each sub-chunk as soon as its source has staged it ("fused");

@@ -24,7 +24,7 @@ def plan_num_sms(requested: Union[int, str], sm_count: int, world: int = 0, toke
 
 
 # Runtime.combine's mode numbers (csrc/nvlink/nvlink.h CombineMode).
-COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2}
+COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 # Below this many tokens the split kernels win: the queue-driven kernels pay for their work queue and
 # per-chunk counters, which a few hundred rows do not repay (4x H200, 2026-11-22: 128 tokens split
 # 59 us vs fused 170 us).
