@@ -18,10 +18,13 @@
 //   warp 1, the loader: takes chunks of kChunk tokens from the work queue (token order), and for each
 //     token, each rank r holding one of its rows (send_pos[t][r] >= 0, r != me), waits for
 //     COMBINE_READY[r][sub] >= ce in its own buffer (a local poll), then bulk-loads the row from r's area
-//     into a slot of its load ring and hands the token to a reduce warp (a descriptor in shared memory).
+//     into a slot of its load ring (its own row from x, likewise) and hands the token to a reduce warp (a
+//     descriptor in shared memory).
 //   warps 2..15, the reducers: descriptor d goes to warp 2 + d % 14; a warp waits for the token's
-//     slots, sums them in rank order with its own row (read in place from x), writes y in BF16 and frees
-//     the slots and the descriptor.
+//     slots, sums them in rank order, writes y in BF16 and frees the slots and the descriptor. Summing
+//     from shared memory only keeps a slot's hold short: with the own row read from HBM by the reducer
+//     (first version) a slot stayed held through those loads and EP4 at 24 SMs ran 758 us queued
+//     against the fused push's 641 (4x H200, 2026-11-26).
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
@@ -43,7 +46,7 @@ namespace nvl {
 namespace {
 
 constexpr int kPullRingBytes = 216 * 1024;  // both rings; the static shared memory fits beside it
-constexpr int kStageSlots = 6;              // local copies: 4 rows in flight per SM outrun the link
+constexpr int kStageSlots = 5;              // local copies: 3 rows in flight per SM outrun the link
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
 constexpr int kStoreLag = 4;                // stager's bulk store groups in flight
@@ -54,7 +57,6 @@ struct TokenDesc {
   int t;        // token
   int item0;    // load-ring item of its first remote row
   int present;  // bit r: rank r's row is in the load ring (rank order = item order)
-  int self;     // row of x holding this rank's own row of the token, or -1
 };
 
 __device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, int sub) {
@@ -175,14 +177,19 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           // a free descriptor slot: its previous use has been reduced
           const int ds = nd % kDesc;
           while (ld_acquire_cta_shared(&s_dfree[ds]) < nd / kDesc) spin_pause();
-          TokenDesc d{t0 + k, item, 0, -1};
+          TokenDesc d{t0 + k, item, 0};
 #pragma unroll
           for (int r = 0; r < MAXW; ++r) {
             if (r >= W || failed) continue;
             const int pos = s_pos[k * W + r];
             if (pos < 0) continue;
-            if (r == me) {
-              d.self = s_off[me] + pos;
+            const int ls = item % nload;
+            if (r == me) {  // the own row too goes through the ring: a reducer then never waits on HBM
+              while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
+              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + pos) * row_bytes,
+                       row_bytes, &s_lbar[ls]);
+              d.present |= 1 << r;
+              ++item;
               continue;
             }
             const int sub = pos / kStageSub;
@@ -196,7 +203,6 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
               ready_sub[r] = sub;
               fence_proxy_async();  // the acquired rows before the bulk load reads them
             }
-            const int ls = item % nload;
             while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
             tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, area_of[r] + static_cast<size_t>(pos) * (row_bytes / 16),
                      row_bytes, &s_lbar[ls]);
@@ -243,12 +249,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           mbar_wait(&s_lbar[ls], (item / nload) & 1);
           src[r] = reinterpret_cast<const int4*>(load_buf + static_cast<size_t>(ls) * row_bytes);
           ++item;
-        } else if (r == me && td.self >= 0) {
-          src[r] = reinterpret_cast<const int4*>(x) + static_cast<size_t>(td.self) * n16;
         }
       }
       int4* yrow = reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16;
-      // U vectors per lane per round: the own row comes from HBM, so its loads go out together
+      // U vectors per lane per round, all from shared memory
       for (int base = 0; base < n16; base += 32 * U) {
         int4 v[MAXW][U];
 #pragma unroll
@@ -256,7 +260,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int j = base + u * 32 + lane;
-            if (src[r] && j < n16) v[r][u] = r == me ? ld_nc_v4(src[r] + j) : src[r][j];
+            if (src[r] && j < n16) v[r][u] = src[r][j];
           }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -293,10 +297,10 @@ __host__ __device__ inline int load_slots(int row_bytes) {
 
 }  // namespace
 
-// A token needs one load slot per remote rank holding a row of it, all at once: the ring must hold a
-// whole token's rows (world - 1) or the loader would wait on itself.
+// A token needs one load slot per rank holding a row of it (its own included), all at once: the ring
+// must hold a whole token's rows or the loader would wait on itself.
 bool combine_pull_tma_fits(int row_bytes, int world) {
-  return kStageSlots > kRingLag && load_slots(row_bytes) >= world - 1 && load_slots(row_bytes) >= 2 &&
+  return kStageSlots > kRingLag && load_slots(row_bytes) >= world && load_slots(row_bytes) >= 2 &&
          tma_supported();
 }
 
