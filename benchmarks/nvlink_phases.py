@@ -87,6 +87,15 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)
 
+    def pull_variant(slots, diag):  # comm.combine_kernel pull with Runtime.pull_stage_slots / pull_diag set
+        def call():
+            rt.pull_stage_slots, rt.pull_diag = slots, diag
+            try:
+                mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
+            finally:
+                rt.pull_stage_slots, rt.pull_diag = 5, 0
+        return call
+
     cases = {
         "dispatch BF16": lambda: buf.dispatch(x, idx, w),
         "dispatch BF16, fused": fused(lambda: buf.dispatch(x, idx, w)),
@@ -95,13 +104,19 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         "dispatch cached BF16": lambda: buf.dispatch(x, handle=first.handle),
         "dispatch cached BF16, fused": fused(lambda: buf.dispatch(x, handle=first.handle)),
         **{f"combine BF16, {k}": mode("combine_mode", k, lambda: buf.combine(first.x, first.handle))
-           for k in ("split", "fused", "pipelined")},
+           for k in ("split", "fused", "pipelined", "pull")},
+        # the pull combine's halves alone (y is wrong in these rows) and its shared-memory split
+        **{f"combine pull, {name}": pull_variant(slots, diag)
+           for name, slots, diag in (("stage only", 5, 1), ("loads only", 5, 2), ("3 stage slots", 3, 0),
+                                     ("8 stage slots", 8, 0), ("8 slots, stage only", 8, 1))},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }
     backend._rt = TimedRuntime(rt, log)
     try:
         for name, fn in cases.items():
+            if args.only not in name:
+                continue
             for _ in range(args.warmup):
                 fn()
             torch.cuda.synchronize()
@@ -144,6 +159,7 @@ def main() -> None:
     ap.add_argument("--num-sms", type=int, default=24)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.world:
         raise SystemExit(f"nvlink_phases needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")

@@ -46,7 +46,6 @@ namespace nvl {
 namespace {
 
 constexpr int kPullRingBytes = 216 * 1024;  // both rings; the static shared memory fits beside it
-constexpr int kStageSlots = 5;              // local copies: 3 rows in flight per SM outrun the link
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
 constexpr int kStoreLag = 4;                // stager's bulk store groups in flight
@@ -69,9 +68,9 @@ template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nstage,
-                        int nload) {
+                        int nload, int diag) {
   extern __shared__ __align__(128) char s_mem[];
-  __shared__ uint64_t s_sbar[kStageSlots], s_lbar[kLoadMaxSlots];
+  __shared__ uint64_t s_sbar[kPullStageMaxSlots], s_lbar[kLoadMaxSlots];
   __shared__ int s_freed[kLoadMaxSlots];  // uses of a load slot consumed
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
   __shared__ TokenDesc s_desc[kDesc];
@@ -140,6 +139,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         const int n = min(kStageSub, cnt - q0);
         char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
         const char* src0 = x + static_cast<size_t>(s_off[o] + q0) * row_bytes;
+        if (diag & 2) {  // benchmarks: the loads alone
+          st_release_sys(ready_at(c, o, me, sub), ce);
+          continue;
+        }
         for (int j = 0; j < n; ++j) {
           while (ring.full()) store_oldest(dst_of[ring.tail % kPend]);
           dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * row_bytes;
@@ -192,6 +195,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
               ++item;
               continue;
             }
+            if (diag & 1) continue;  // benchmarks: the stage alone
             const int sub = pos / kStageSub;
             if (sub != ready_sub[r]) {  // positions rise with t (notify's scan), so this polls once per sub
               const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
@@ -287,11 +291,11 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   finish_queued_combine(c, ce);
 }
 
-// Slots of the two rings for rows of row_bytes: the stager's (kStageSlots) and the loader's (the rest,
-// capped); 0 loader slots when the rows do not fit.
-__host__ __device__ inline int load_slots(int row_bytes) {
+// The loader's slots for rows of row_bytes beside stage_slots of the stager's (the rest of the shared
+// memory, capped); 0 when the rows do not fit.
+__host__ __device__ inline int load_slots(int row_bytes, int stage_slots) {
   if (row_bytes <= 0 || row_bytes % 16) return 0;
-  const int n = kPullRingBytes / row_bytes - kStageSlots;
+  const int n = kPullRingBytes / row_bytes - stage_slots;
   return n < 0 ? 0 : (n < kLoadMaxSlots ? n : kLoadMaxSlots);
 }
 
@@ -299,8 +303,9 @@ __host__ __device__ inline int load_slots(int row_bytes) {
 
 // A token needs one load slot per rank holding a row of it (its own included), all at once: the ring
 // must hold a whole token's rows or the loader would wait on itself.
-bool combine_pull_tma_fits(int row_bytes, int world) {
-  return kStageSlots > kRingLag && load_slots(row_bytes) >= world && load_slots(row_bytes) >= 2 &&
+bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
+  const int n = load_slots(row_bytes, stage_slots);
+  return stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots && n >= world && n >= 2 &&
          tma_supported();
 }
 
@@ -308,9 +313,9 @@ namespace {
 
 template <int MAXW, int U>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                 __nv_bfloat16* y, int T, cudaStream_t stream) {
-  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes);
-  const size_t smem = static_cast<size_t>(kStageSlots + nload) * row_bytes;
+                 __nv_bfloat16* y, int T, int nstage, int diag, cudaStream_t stream) {
+  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nstage);
+  const size_t smem = static_cast<size_t>(nstage + nload) * row_bytes;
   static bool smem_set[64] = {};
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
@@ -319,22 +324,22 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
                                        kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, kStageSlots,
-                                                                     nload);
+  combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, nstage, nload,
+                                                                        diag);
 }
 
 }  // namespace
 
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, cudaStream_t stream) {
+                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   if (c.world <= 2)
-    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stream);
+    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   else if (c.world <= 4)
-    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stream);
+    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   else
-    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stream);
+    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
