@@ -34,14 +34,15 @@ AUTO_COMBINE_MIN_TOKENS = 512
 def plan_combine_kernel(requested: str, tokens: int, world: int) -> str:
     """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks: as given, or for `auto`
     what measured fastest (benchmarks/results/bench_kernels_ep*_2026-11-26*.json, 4096 tokens, hidden 7168,
-    cold call): at EP2 the pipelined kernel (8 / 24 / 48 SMs: 580 / 355 / 315 us against split's
-    869 / 359 / 320), above EP2 the fused one (EP4, 16 / 24 / 48 SMs: 781 / 714 / 681 us against split's
-    1005 / 751 / 757 and pipelined's 915 / 818 / 707); split below AUTO_COMBINE_MIN_TOKENS."""
+    cold call): at EP2 the pull kernel (24 / 48 SMs: 273 / 242 us cold, 246 / 238 queued, against the
+    pipelined one's 340 / 302 and 317 / 277; ..._pull_v2_..._s2call2), above EP2 the fused one (EP4, 16 /
+    24 / 48 SMs: 781 / 714 / 681 us against split's 1005 / 751 / 757 and pipelined's 915 / 818 / 707);
+    split below AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
     if tokens < AUTO_COMBINE_MIN_TOKENS:
         return "split"
-    return "pipelined" if world <= 2 else "fused"
+    return "pull" if world <= 2 else "fused"
 
 
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
