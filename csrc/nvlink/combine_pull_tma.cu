@@ -1,30 +1,31 @@
 // combine, pull mode (comm.combine_kernel: pull): every rank stages the rows it received into its own
-// combine area (local bulk copies), and each token's owner reads its rows from the ranks that hold
-// them (bulk loads over NVLink) and sums them as they arrive.
+// combine area (local copies), and each token's owner reads its rows from the ranks that hold them
+// (bulk loads over NVLink) and sums them as they arrive.
 //
 // Why: the push combines (split, fused, pipelined) move the rows with remote *writes* and reach
 // 234-249 GB/s out of each GPU at EP4 (4x H200, 2026-11-26), while the dispatch's pull moves the same
 // bytes with remote *reads* at 315 GB/s, the fabric's ceiling (NCCL 316-330). Pulling costs one local
-// copy (HBM, ~10x the link's rate, overlapped: peers read a sub-chunk as soon as it is staged) and
-// saves the receive-side round trip through the combine area: the owner sums straight from shared
-// memory.
+// copy (HBM, overlapped: peers read a sub-chunk as soon as it is staged) and saves the receive-side
+// round trip through the combine area: the owner sums straight from shared memory.
 //
 // Each block, three roles:
-//   thread 0 (warp 0), the stager: sub-chunks of kStageSub positions of one owner (16 consecutive rows
-//     of x, contiguous in x and in this rank's area at slot [owner][position]), interleaved over the
-//     owners (rotated by rank) and strided over blocks, so every owner's early positions go first;
-//     rows stream x -> shared -> area through one BulkRing; once a sub-chunk's stores are complete, one
-//     system fence and a release store of COMBINE_READY[me][sub] = ce into the owner's buffer.
-//   warp 1, the loader: takes chunks of kChunk tokens from the work queue (token order), and for each
-//     token, each rank r holding one of its rows (send_pos[t][r] >= 0, r != me), waits for
+//   warp 0, the loader: takes chunks of kChunk tokens from the work queue (token order); for each token
+//     and each rank r holding one of its rows (send_pos[t][r] >= 0, r != me) it waits for
 //     COMBINE_READY[r][sub] >= ce in its own buffer (a local poll), then bulk-loads the row from r's area
-//     into a slot of its load ring (its own row from x, likewise) and hands the token to a reduce warp (a
-//     descriptor in shared memory).
-//   warps 2..15, the reducers: descriptor d goes to warp 2 + d % 14; a warp waits for the token's
-//     slots, sums them in rank order, writes y in BF16 and frees the slots and the descriptor. Summing
-//     from shared memory only keeps a slot's hold short: with the own row read from HBM by the reducer
-//     (first version) a slot stayed held through those loads and EP4 at 24 SMs ran 758 us queued
-//     against the fused push's 641 (4x H200, 2026-11-26).
+//     into a slot of the load ring (its own row from x, likewise) and hands the token to a reduce warp
+//     (a descriptor in shared memory). The ring is all of the block's shared memory.
+//   warps 1..S, the stagers (S = stage_warps): sub-chunks of kCombineSub positions of one owner (up to 4
+//     consecutive rows, contiguous in x and in this rank's area at slot [owner][position]), interleaved
+//     over the owners (rotated by rank) and strided over all stage warps of the grid, so every owner's
+//     early positions go first; a warp copies a sub-chunk with 16-byte register loads and stores, then
+//     fences and releases COMBINE_READY[me][sub] = ce in the owner's buffer. Small sub-chunks: the grid's
+//     ~150 stage warps all start at once, and the owners' first rows are ready after one of them.
+//   warps S+1..15, the reducers: descriptor d goes to reducer d % (15 - S); a warp waits for the token's
+//     slots, sums them in rank order, writes y in BF16 and frees the slots and the descriptor.
+// Measured on 4x H200 (2026-11-26, EP4, 24 SMs, queued; nvlink_phases.py), the first layout (a bulk-copy
+// stager in thread 0 with 5 of the 15 slots, reducers reading the own row from HBM) took 758 us; with the
+// own row in the ring 631, of which the loads alone 600 and the stage alone 330: the loads were short
+// of bytes in flight (8 stage slots: 882, 3: 679). Register stagers leave every slot to the loads.
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
@@ -33,7 +34,7 @@
 //   3. the last block releases REDUCE_DONE[me] = ce at every peer (this rank reads their areas no more)
 //      and sets epochs[E_COMBINE] = ce unless the call was aborted, and resets the work queue.
 // Compatible with the push modes in either order (flags carry epochs; the arrival counters are not used).
-// A timeout on COMBINE_READY is recorded with K_REDUCE; the stager never waits on a peer.
+// A timeout on COMBINE_READY is recorded with K_REDUCE; the stagers never wait on a peer.
 #include <cuda_bf16.h>
 
 #include "common/error.h"
@@ -45,12 +46,10 @@ namespace ep {
 namespace nvl {
 namespace {
 
-constexpr int kPullRingBytes = 216 * 1024;  // both rings; the static shared memory fits beside it
+constexpr int kPullRingBytes = 224 * 1024;  // the load ring; the static shared memory fits beside it
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
-constexpr int kStoreLag = 4;                // stager's bulk store groups in flight
-constexpr int kPend = 16;                   // stager ring items between loaded and published
-constexpr int kReduceWarps = kThreads / 32 - 2;
+constexpr int kStageU = 16;                 // 16-byte vectors in flight per lane of a stage warp
 
 struct TokenDesc {
   int t;        // token
@@ -59,7 +58,7 @@ struct TokenDesc {
 };
 
 __device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, int sub) {
-  return reinterpret_cast<int*>(c.peers[owner] + c.off_combine_ready) + static_cast<size_t>(holder) * c.stage_subs + sub;
+  return reinterpret_cast<int*>(c.peers[owner] + c.off_combine_ready) + static_cast<size_t>(holder) * c.combine_subs + sub;
 }
 
 __device__ __forceinline__ void spin_pause() { __nanosleep(20); }
@@ -70,11 +69,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nstage,
                         int nload, int diag) {
   extern __shared__ __align__(128) char s_mem[];
-  __shared__ uint64_t s_sbar[kPullStageMaxSlots], s_lbar[kLoadMaxSlots];
+  __shared__ uint64_t s_lbar[kLoadMaxSlots];
   __shared__ int s_freed[kLoadMaxSlots];  // uses of a load slot consumed
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
   __shared__ TokenDesc s_desc[kDesc];
-  __shared__ int s_pend[kPend];           // stager: (owner, sub) + 1 of a unit's last item, else 0
   __shared__ int s_pos[kChunk * MAXW];    // loader: send_pos of the chunk
   __shared__ int s_nd, s_end;             // descriptors published; 1 once the loader is done
   __shared__ int s_off[kMaxRanks + 1];
@@ -84,11 +82,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   const int row_bytes = c.hidden * 2;
-  char* const stage_buf = s_mem;
-  char* const load_buf = s_mem + static_cast<size_t>(nstage) * row_bytes;
-  BulkRing<kRingLag> ring{stage_buf, s_sbar, nstage, row_bytes};
+  char* const load_buf = s_mem;
   if (tid == 0) {
-    ring.init();
     for (int s = 0; s < nload; ++s) mbar_init(&s_lbar[s], 1);
     fence_mbar_init();
     s_nd = 0;
@@ -100,61 +95,41 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
-  if (warp == 0) {
-    if (lane == 0) {  // ---- the stager
-      char* area = c.peers[me] + c.off_combine;
-      const int npeers = W - 1;
-      int max_subs = 0;
-      for (int o = 0; o < W; ++o)
-        if (o != me) max_subs = max(max_subs, (s_off[o + 1] - s_off[o] + kStageSub - 1) / kStageSub);
-      const int nunits = max_subs * npeers;
-      int published = 0;
-      auto publish = [&](int done) {  // releases the sub-chunks whose last item is below `done`
-        bool fenced = false;
-        for (; published < done; ++published) {
-          const int p = s_pend[published % kPend];
-          if (p == 0) continue;
-          if (!fenced) {  // the sub-chunk's rows (async-proxy writes, complete) before its flag
-            fence_proxy_async();
-            __threadfence_system();
-            fenced = true;
+  if (warp >= 1 && warp <= nstage) {  // ---- a stager
+    char* area = c.peers[me] + c.off_combine;
+    const int npeers = W - 1;
+    int max_subs = 0;
+    for (int o = 0; o < W; ++o)
+      if (o != me) max_subs = max(max_subs, (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub);
+    const int nunits = max_subs * npeers;
+    const int gs = blockIdx.x * nstage + (warp - 1), NS = gridDim.x * nstage;
+    for (int u = gs; u < nunits; u += NS) {
+      const int o = (me + 1 + u % npeers) % W;
+      const int sub = u / npeers, q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
+      if (q0 >= cnt) continue;
+      if (!(diag & 2)) {  // diag 2 (benchmarks): the loads alone
+        const int nvec = min(kCombineSub, cnt - q0) * (row_bytes / 16);
+        int4* dst = reinterpret_cast<int4*>(area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes);
+        const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(s_off[o] + q0) * row_bytes);
+        for (int base = 0; base < nvec; base += 32 * kStageU) {
+          int4 v[kStageU];
+#pragma unroll
+          for (int u2 = 0; u2 < kStageU; ++u2) {
+            const int j = base + u2 * 32 + lane;
+            if (j < nvec) v[u2] = ld_nc_v4(src + j);
           }
-          const int o = (p - 1) / c.stage_subs, sub = (p - 1) % c.stage_subs;
-          st_release_sys(ready_at(c, o, me, sub), ce);
+#pragma unroll
+          for (int u2 = 0; u2 < kStageU; ++u2) {
+            const int j = base + u2 * 32 + lane;
+            if (j < nvec) st_na_v4(dst + j, v[u2]);
+          }
         }
-      };
-      auto store_oldest = [&](char* dst) {
-        tma_store(dst, ring.wait_oldest(), row_bytes);
-        ring.pop();
-        tma_store_wait<kStoreLag>();
-        if (ring.tail - kStoreLag > published) publish(ring.tail - kStoreLag);
-      };
-      // destination of each stage ring item, by item index mod kPend
-      char* dst_of[kPend];
-      fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
-      for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
-        const int o = (me + 1 + u % npeers) % W;
-        const int sub = u / npeers, q0 = sub * kStageSub, cnt = s_off[o + 1] - s_off[o];
-        if (q0 >= cnt) continue;
-        const int n = min(kStageSub, cnt - q0);
-        char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
-        const char* src0 = x + static_cast<size_t>(s_off[o] + q0) * row_bytes;
-        if (diag & 2) {  // benchmarks: the loads alone
-          st_release_sys(ready_at(c, o, me, sub), ce);
-          continue;
-        }
-        for (int j = 0; j < n; ++j) {
-          while (ring.full()) store_oldest(dst_of[ring.tail % kPend]);
-          dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * row_bytes;
-          s_pend[ring.head % kPend] = j == n - 1 ? o * c.stage_subs + sub + 1 : 0;
-          ring.load(src0 + static_cast<size_t>(j) * row_bytes, row_bytes);
-        }
+        __threadfence_system();  // every lane's rows before the owner can see the flag
       }
-      while (!ring.empty()) store_oldest(dst_of[ring.tail % kPend]);
-      tma_store_wait_all();
-      publish(ring.tail);
+      __syncwarp();
+      if (lane == 0) st_release_sys(ready_at(c, o, me, sub), ce);
     }
-  } else if (warp == 1) {  // ---- the loader
+  } else if (warp == 0) {  // ---- the loader
     const int nchunks = (T + kChunk - 1) / kChunk;
     const int4* area_of[MAXW];
 #pragma unroll
@@ -196,7 +171,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
               continue;
             }
             if (diag & 1) continue;  // benchmarks: the stage alone
-            const int sub = pos / kStageSub;
+            const int sub = pos / kCombineSub;
             if (sub != ready_sub[r]) {  // positions rise with t (notify's scan), so this polls once per sub
               const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
               if (w != kArrived) {
@@ -226,8 +201,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     }
     if (lane == 0) st_release_cta_shared(&s_end, 1);
   } else {  // ---- the reducers
-    const int n16 = row_bytes / 16;
-    for (int d = warp - 2;; d += kReduceWarps) {
+    const int n16 = row_bytes / 16, nred = kThreads / 32 - 1 - nstage;
+    for (int d = warp - 1 - nstage;; d += nred) {
       int ready = 0;
       while (true) {  // descriptor d published, or the loader done without it
         if (ld_acquire_cta_shared(&s_nd) > d) {
@@ -291,22 +266,21 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   finish_queued_combine(c, ce);
 }
 
-// The loader's slots for rows of row_bytes beside stage_slots of the stager's (the rest of the shared
-// memory, capped); 0 when the rows do not fit.
-__host__ __device__ inline int load_slots(int row_bytes, int stage_slots) {
+// The load ring's slots for rows of row_bytes (the dynamic shared memory, capped); 0 when none fit.
+__host__ __device__ inline int load_slots(int row_bytes) {
   if (row_bytes <= 0 || row_bytes % 16) return 0;
-  const int n = kPullRingBytes / row_bytes - stage_slots;
-  return n < 0 ? 0 : (n < kLoadMaxSlots ? n : kLoadMaxSlots);
+  const int n = kPullRingBytes / row_bytes;
+  return n < kLoadMaxSlots ? n : kLoadMaxSlots;
 }
 
 }  // namespace
 
 // A token needs one load slot per rank holding a row of it (its own included), all at once: the ring
-// must hold a whole token's rows or the loader would wait on itself.
-bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
-  const int n = load_slots(row_bytes, stage_slots);
-  return stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots && n >= world && n >= 2 &&
-         tma_supported();
+// must hold a whole token's rows or the loader would wait on itself. At least one warp stages and one
+// reduces.
+bool combine_pull_tma_fits(int row_bytes, int world, int stage_warps) {
+  return stage_warps >= 1 && stage_warps <= kPullStageMaxWarps && load_slots(row_bytes) >= world &&
+         load_slots(row_bytes) >= 2 && tma_supported();
 }
 
 namespace {
@@ -314,8 +288,8 @@ namespace {
 template <int MAXW, int U>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nstage, int diag, cudaStream_t stream) {
-  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nstage);
-  const size_t smem = static_cast<size_t>(nstage + nload) * row_bytes;
+  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes);
+  const size_t smem = static_cast<size_t>(nload) * row_bytes;
   static bool smem_set[64] = {};
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
@@ -331,15 +305,15 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
 }  // namespace
 
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
+                             int4* y, int T, int stage_warps, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   if (c.world <= 2)
-    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
   else if (c.world <= 4)
-    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
   else
-    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

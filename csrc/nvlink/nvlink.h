@@ -44,6 +44,7 @@ constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "com
 enum CombineMode { kCombineSplit = 0, kCombineFused = 1, kCombinePipelined = 2, kCombinePull = 3 };  // Runtime::combine
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
 constexpr int kStageSub = 16;  // tokens per STAGE_READY flag (a staged sub-chunk)
+constexpr int kCombineSub = 4;  // positions per COMBINE_READY flag of the pull combine (a staged sub-chunk)
 
 // Host-mapped (pinned) results and error state, written by the kernels, read by the host.
 struct HostInfo {
@@ -66,8 +67,9 @@ struct Ctx {
   size_t off_flags, off_meta, off_send_list, off_stage_x, off_stage_scales, off_stage_idx,
       off_stage_w, off_combine, off_arrive;
   size_t off_stage_ready;     // int [kMaxRanks][stage_subs]: STAGE_READY[src][sub], written by src
-  size_t off_combine_ready;   // int [kMaxRanks][stage_subs]: COMBINE_READY[holder][sub] (pull combine), written by holder
+  size_t off_combine_ready;   // int [kMaxRanks][combine_subs]: COMBINE_READY[holder][sub] (pull combine), written by holder
   int stage_subs;             // sub-chunks of kStageSub tokens in max_tokens
+  int combine_subs;           // sub-chunks of kCombineSub positions in max_tokens
   size_t stage_row_cap;       // bytes per staged row available (hidden * 2)
   int* epochs;                // [E_NUM] local device
   unsigned* counters;         // [C_NUM] local device

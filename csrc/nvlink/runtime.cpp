@@ -51,7 +51,8 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   ctx_.stage_subs = (max_tokens + kStageSub - 1) / kStageSub;
   off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.stage_subs));
   ctx_.off_combine_ready = off;
-  off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.stage_subs));
+  ctx_.combine_subs = (max_tokens + kCombineSub - 1) / kCombineSub;
+  off = align_up(off + sizeof(int) * kMaxRanks * static_cast<size_t>(ctx_.combine_subs));
   ctx_.off_stage_x = off;
   ctx_.stage_row_cap = static_cast<size_t>(hidden) * 2;
   off = align_up(off + ctx_.stage_row_cap * max_tokens);
@@ -241,9 +242,9 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePull, "combine mode must be 0 (split), 1 (fused), "
                "2 (pipelined) or 3 (pull), got %d", mode);
   const int blocks = grid_for(num_sms);
-  if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_)) {
+  if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_warps_)) {
     launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_, stream_of(stream));
+                            ptr<int4>(y), T, pull_stage_warps_, pull_diag_, stream_of(stream));
     return;
   }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
@@ -261,9 +262,9 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
                         ptr<int4>(y), T, false, stream_of(stream));
 }
 
-void Runtime::set_pull_stage_slots(int n) {
-  EP_CHECK_ARG(n >= 3 && n <= kPullStageMaxSlots, "pull_stage_slots must be in [3, %d], got %d", kPullStageMaxSlots, n);
-  pull_stage_slots_ = n;
+void Runtime::set_pull_stage_warps(int n) {
+  EP_CHECK_ARG(n >= 1 && n <= kPullStageMaxWarps, "pull_stage_warps must be in [1, %d], got %d", kPullStageMaxWarps, n);
+  pull_stage_warps_ = n;
 }
 
 size_t Runtime::expert_scratch_ints(int num_sms) const {

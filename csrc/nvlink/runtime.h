@@ -48,11 +48,11 @@ class Runtime {
   bool tma() const { return tma_; }
   void set_tma(bool on) { tma_ = on; }
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
-  // The pull combine's split of its shared memory (rows in flight for staging; the loads get the rest)
-  // and, for benchmarks/nvlink_phases.py only, a diagnostic that times one half alone (1: stage only,
-  // remote rows not read; 2: no stage, sub-chunks flagged at once): y is wrong unless it is 0.
-  int pull_stage_slots() const { return pull_stage_slots_; }
-  void set_pull_stage_slots(int n);
+  // The pull combine's warps per block that stage (the others of 1..15 reduce; warp 0 loads) and, for
+  // benchmarks/nvlink_phases.py only, a diagnostic that times one half alone (1: stage only, remote
+  // rows not read; 2: no stage, sub-chunks flagged at once): y is wrong unless it is 0.
+  int pull_stage_warps() const { return pull_stage_warps_; }
+  void set_pull_stage_warps(int n);
   int pull_diag() const { return pull_diag_; }
   void set_pull_diag(int d) { pull_diag_ = d; }
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.
@@ -101,7 +101,7 @@ class Runtime {
   HostInfo* host_dev_ = nullptr;
   bool opened_ = false;
   bool tma_ = true;
-  int pull_stage_slots_ = 5, pull_diag_ = 0;
+  int pull_stage_warps_ = 6, pull_diag_ = 0;
   Ctx ctx_{};
 };
 
