@@ -87,14 +87,14 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)
 
-    def pull_variant(warps, diag):  # comm.combine_kernel pull with Runtime.pull_stage_warps / pull_diag set
+    def pull_variant(slots, warps, diag):  # comm.combine_kernel pull with the Runtime.pull_* knobs set
         def call():
-            old = rt.pull_stage_warps
-            rt.pull_stage_warps, rt.pull_diag = warps, diag
+            old = rt.pull_stage_slots, rt.pull_stage_warps
+            rt.pull_stage_slots, rt.pull_stage_warps, rt.pull_diag = slots, warps, diag
             try:
                 mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
             finally:
-                rt.pull_stage_warps, rt.pull_diag = old, 0
+                (rt.pull_stage_slots, rt.pull_stage_warps), rt.pull_diag = old, 0
         return call
 
     cases = {
@@ -107,9 +107,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         **{f"combine BF16, {k}": mode("combine_mode", k, lambda: buf.combine(first.x, first.handle))
            for k in ("split", "fused", "pipelined", "pull")},
         # the pull combine's halves alone (y is wrong in these rows) and its shared-memory split
-        **{f"combine pull, {name}": pull_variant(warps, diag)
-           for name, warps, diag in (("stage only", 6, 1), ("loads only", 6, 2), ("3 stage warps", 3, 0),
-                                     ("4 stage warps", 4, 0), ("9 stage warps", 9, 0), ("9 warps, stage only", 9, 1))},
+        **{f"combine pull, {name}": pull_variant(slots, warps, diag)
+           for name, slots, warps, diag in (("stage only", 5, 0, 1), ("loads only", 5, 0, 2), ("4 bulk slots", 4, 0, 0),
+                                            ("6 bulk slots", 6, 0, 0), ("6 stage warps", 0, 6, 0),
+                                            ("9 stage warps", 0, 9, 0))},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }

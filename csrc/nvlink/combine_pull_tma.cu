@@ -13,19 +13,23 @@
 //     and each rank r holding one of its rows (send_pos[t][r] >= 0, r != me) it waits for
 //     COMBINE_READY[r][sub] >= ce in its own buffer (a local poll), then bulk-loads the row from r's area
 //     into a slot of the load ring (its own row from x, likewise) and hands the token to a reduce warp
-//     (a descriptor in shared memory). The ring is all of the block's shared memory.
-//   warps 1..S, the stagers (S = stage_warps): sub-chunks of kCombineSub positions of one owner (up to 4
-//     consecutive rows, contiguous in x and in this rank's area at slot [owner][position]), interleaved
-//     over the owners (rotated by rank) and strided over all stage warps of the grid, so every owner's
-//     early positions go first; a warp copies a sub-chunk with 16-byte register loads and stores, then
-//     fences and releases COMBINE_READY[me][sub] = ce in the owner's buffer. Small sub-chunks: the grid's
-//     ~150 stage warps all start at once, and the owners' first rows are ready after one of them.
+//     (a descriptor in shared memory).
+//   the stage, one of two ways (Runtime.pull_stage_slots / pull_stage_warps): sub-chunks of kCombineSub
+//     positions of one owner (up to 4 consecutive rows, contiguous in x and in this rank's area at slot
+//     [owner][position]), interleaved over the owners (rotated by rank) and strided over the grid's
+//     stagers, so every owner's early positions go first; once a sub-chunk is written, a system fence and
+//     a release of COMBINE_READY[me][sub] = ce in the owner's buffer.
+//     - bulk (the default, 5 slots): warp 1's lane 0 streams rows x -> shared -> area through a BulkRing
+//       of its own in front of the load ring (S = 1 below);
+//     - registers: warps 1..S copy with 16-byte loads and stores, and the load ring has all the shared
+//       memory.
 //   warps S+1..15, the reducers: descriptor d goes to reducer d % (15 - S); a warp waits for the token's
 //     slots, sums them in rank order, writes y in BF16 and frees the slots and the descriptor.
-// Measured on 4x H200 (2026-11-26, EP4, 24 SMs, queued; nvlink_phases.py), the first layout (a bulk-copy
-// stager in thread 0 with 5 of the 15 slots, reducers reading the own row from HBM) took 758 us; with the
-// own row in the ring 631, of which the loads alone 600 and the stage alone 330: the loads were short
-// of bytes in flight (8 stage slots: 882, 3: 679). Register stagers leave every slot to the loads.
+// Measured on 4x H200 (2026-11-26, EP4, 24 SMs, queued; nvlink_phases.py): reducers reading the own row
+// from HBM (first version) held the slots through those reads: 758 us. With the own row in the ring and
+// a bulk stager of 5 of 15 slots, 631 (loads alone 600, stage alone 330); register stage warps (6) with
+// 16 load slots, 654 (loads alone 554, stage alone 294): the register copies slow the loads down more
+// than they free slots for them. At EP2 245 against 268.
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
@@ -50,6 +54,8 @@ constexpr int kPullRingBytes = 224 * 1024;  // the load ring; the static shared 
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
 constexpr int kStageU = 16;                 // 16-byte vectors in flight per lane of a stage warp
+constexpr int kStoreLag = 4;                // bulk stager: store groups in flight
+constexpr int kPend = 16;                   // bulk stager: ring items between loaded and published
 
 struct TokenDesc {
   int t;        // token
@@ -66,10 +72,11 @@ __device__ __forceinline__ void spin_pause() { __nanosleep(20); }
 template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
-                        const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nstage,
-                        int nload, int diag) {
+                        const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
+                        int nstage, int nload, int diag) {
   extern __shared__ __align__(128) char s_mem[];
-  __shared__ uint64_t s_lbar[kLoadMaxSlots];
+  __shared__ uint64_t s_lbar[kLoadMaxSlots], s_sbar[kPullStageMaxSlots];
+  __shared__ int s_pend[kPend];           // bulk stager: (owner, sub) + 1 of a unit's last item, else 0
   __shared__ int s_freed[kLoadMaxSlots];  // uses of a load slot consumed
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
   __shared__ TokenDesc s_desc[kDesc];
@@ -82,8 +89,14 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   const int row_bytes = c.hidden * 2;
-  char* const load_buf = s_mem;
+  // nslot_stage > 0: one bulk-copy stager (warp 1, lane 0) with that many slots ahead of the load ring;
+  // else nstage register stage warps (1..nstage)
+  const bool bulk_stage = nslot_stage > 0;
+  if (bulk_stage) nstage = 1;
+  char* const load_buf = s_mem + static_cast<size_t>(nslot_stage) * row_bytes;
+  BulkRing<kRingLag> ring{s_mem, s_sbar, nslot_stage, row_bytes};
   if (tid == 0) {
+    if (bulk_stage) ring.init();
     for (int s = 0; s < nload; ++s) mbar_init(&s_lbar[s], 1);
     fence_mbar_init();
     s_nd = 0;
@@ -95,7 +108,60 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
-  if (warp >= 1 && warp <= nstage) {  // ---- a stager
+  if (warp == 1 && bulk_stage) {  // ---- the bulk-copy stager
+    if (lane == 0) {
+      char* area = c.peers[me] + c.off_combine;
+      const int npeers = W - 1;
+      int max_subs = 0;
+      for (int o = 0; o < W; ++o)
+        if (o != me) max_subs = max(max_subs, (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub);
+      const int nunits = max_subs * npeers;
+      int published = 0;
+      auto publish = [&](int done) {  // releases the sub-chunks whose last item is below `done`
+        bool fenced = false;
+        for (; published < done; ++published) {
+          const int p = s_pend[published % kPend];
+          if (p == 0) continue;
+          if (!fenced) {  // the sub-chunk's rows (async-proxy writes, complete) before its flag
+            fence_proxy_async();
+            __threadfence_system();
+            fenced = true;
+          }
+          const int o = (p - 1) / c.combine_subs, sub = (p - 1) % c.combine_subs;
+          st_release_sys(ready_at(c, o, me, sub), ce);
+        }
+      };
+      char* dst_of[kPend];  // destination of each ring item, by item index mod kPend
+      auto store_oldest = [&]() {
+        tma_store(dst_of[ring.tail % kPend], ring.wait_oldest(), row_bytes);
+        ring.pop();
+        tma_store_wait<kStoreLag>();
+        if (ring.tail - kStoreLag > published) publish(ring.tail - kStoreLag);
+      };
+      fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
+      for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
+        const int o = (me + 1 + u % npeers) % W;
+        const int sub = u / npeers, q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
+        if (q0 >= cnt) continue;
+        if (diag & 2) {  // benchmarks: the loads alone
+          st_release_sys(ready_at(c, o, me, sub), ce);
+          continue;
+        }
+        const int n = min(kCombineSub, cnt - q0);
+        char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
+        const char* src0 = x + static_cast<size_t>(s_off[o] + q0) * row_bytes;
+        for (int j = 0; j < n; ++j) {
+          while (ring.full()) store_oldest();
+          dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * row_bytes;
+          s_pend[ring.head % kPend] = j == n - 1 ? o * c.combine_subs + sub + 1 : 0;
+          ring.load(src0 + static_cast<size_t>(j) * row_bytes, row_bytes);
+        }
+      }
+      while (!ring.empty()) store_oldest();
+      tma_store_wait_all();
+      publish(ring.tail);
+    }
+  } else if (warp >= 1 && warp <= nstage) {  // ---- a register stager
     char* area = c.peers[me] + c.off_combine;
     const int npeers = W - 1;
     int max_subs = 0;
@@ -266,30 +332,33 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   finish_queued_combine(c, ce);
 }
 
-// The load ring's slots for rows of row_bytes (the dynamic shared memory, capped); 0 when none fit.
-__host__ __device__ inline int load_slots(int row_bytes) {
+// The load ring's slots for rows of row_bytes beside stage_slots of a bulk stager's (the rest of the
+// dynamic shared memory, capped); 0 when none fit.
+__host__ __device__ inline int load_slots(int row_bytes, int stage_slots) {
   if (row_bytes <= 0 || row_bytes % 16) return 0;
-  const int n = kPullRingBytes / row_bytes;
-  return n < kLoadMaxSlots ? n : kLoadMaxSlots;
+  const int n = kPullRingBytes / row_bytes - stage_slots;
+  return n < 0 ? 0 : (n < kLoadMaxSlots ? n : kLoadMaxSlots);
 }
 
 }  // namespace
 
 // A token needs one load slot per rank holding a row of it (its own included), all at once: the ring
 // must hold a whole token's rows or the loader would wait on itself. At least one warp stages and one
-// reduces.
-bool combine_pull_tma_fits(int row_bytes, int world, int stage_warps) {
-  return stage_warps >= 1 && stage_warps <= kPullStageMaxWarps && load_slots(row_bytes) >= world &&
-         load_slots(row_bytes) >= 2 && tma_supported();
+// reduces; a bulk stager's ring needs more slots than its lag.
+bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots, int stage_warps) {
+  const int n = load_slots(row_bytes, stage_slots);
+  const bool stager = stage_slots > 0 ? stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots
+                                      : stage_warps >= 1 && stage_warps <= kPullStageMaxWarps;
+  return stager && n >= world && n >= 2 && tma_supported();
 }
 
 namespace {
 
 template <int MAXW, int U>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                 __nv_bfloat16* y, int T, int nstage, int diag, cudaStream_t stream) {
-  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes);
-  const size_t smem = static_cast<size_t>(nload) * row_bytes;
+                 __nv_bfloat16* y, int T, int nslot_stage, int nstage, int diag, cudaStream_t stream) {
+  const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
+  const size_t smem = static_cast<size_t>(nslot_stage + nload) * row_bytes;
   static bool smem_set[64] = {};
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
@@ -298,22 +367,22 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
                                        kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, nstage, nload,
-                                                                        diag);
+  combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, nslot_stage,
+                                                                        nstage, nload, diag);
 }
 
 }  // namespace
 
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_warps, int diag, cudaStream_t stream) {
+                             int4* y, int T, int stage_slots, int stage_warps, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   if (c.world <= 2)
-    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
+    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
   else if (c.world <= 4)
-    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
+    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
   else
-    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_warps, diag, stream);
+    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
