@@ -10,10 +10,10 @@
 //   words of its own expert from the lower ranks, with no fence and no cnt_flag round behind them.
 // - kPackedInfo: token and combine slot leave in one 8-byte remote store to the set's info region;
 //   the receive half splits the received rows' words into src_info and row_slot (local memory).
-// - kScalesRowMajor (FP8): a row's scales gather in shared memory and leave as 16-byte stores into the
-//   row-major region [EL][W*M][H/128] (one contiguous 4*H/128 bytes per row and destination) instead of
-//   H/128 scattered 4-byte stores into the transposed array; the receive half transposes the
-//   received rows' scales into the contract's [EL][H/128][W*M].
+// - kScalesRowMajor (FP8): a row's scales gather in shared memory and leave as 16-byte stores (H % 512
+//   == 0) into the row-major region [EL][W*M][H/128], 4*H/128 contiguous bytes per row and destination,
+//   instead of H/128 scattered 4-byte stores into the transposed array; the receive half transposes
+//   the received rows' scales into the contract's [EL][H/128][W*M].
 // - kFp8Wide (FP8): a thread casts two adjacent BF16 units and stores 16 FP8 bytes at once.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
 // half's fix-ups (per local expert, the rows below its count), after the same signals that cover
@@ -182,14 +182,19 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
             if (first) put_scale(j / 16, scale);
           });
     }
-    if (rm) {  // S * 4 bytes per row, a multiple of 16 (H % 128 == 0): whole 16-byte stores
+    if (rm) {
       __syncthreads();
-      const int q4 = S / 4;
-      for (int i = threadIdx.x; i < K * q4; i += blockDim.x) {
-        const int k = i / q4, u = i - k * q4;
+      // 16-byte stores where a row's S * 4 bytes are whole 16-byte units (H % 512 == 0, and then every
+      // row starts on one); else one float per store
+      const int width = S % 4 == 0 ? 4 : 1, units = S / width;
+      for (int i = threadIdx.x; i < K * units; i += blockDim.x) {
+        const int k = i / units, u = i - k * units;
         if (s_dst[k] == nullptr) continue;
         float* row = reinterpret_cast<float*>(s_dst[k] + c.set_scales_rm) + s_at[k] * S;
-        st_na_v4(reinterpret_cast<int4*>(row) + u, reinterpret_cast<const int4*>(s_scale)[u]);
+        if (width == 4)
+          st_na_v4(reinterpret_cast<int4*>(row) + u, reinterpret_cast<const int4*>(s_scale)[u]);
+        else
+          row[u] = s_scale[u];
       }
     }
     __syncthreads();
