@@ -206,10 +206,11 @@ def body_matches_reference(rank, world, out_dir, output_buffers=0):
 
 
 # The direct dispatch's variant bits (engine.kernel_flags; csrc/nvshmem/ll_device.cuh): row-major FP8 scales,
-# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts. Each alone, then all together.
-SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS = 8, 16, 32, 64
-ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS
-DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, ALL_DIRECT_FLAGS]
+# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait.
+# Each alone, then all together.
+SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
+ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD
+DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, ALL_DIRECT_FLAGS]
 
 
 def body_direct_flags(rank, world, out_dir):
@@ -228,7 +229,7 @@ def body_direct_flags(rank, world, out_dir):
         for flags in DIRECT_FLAG_SETS:
             auto._low_latency.kernel_flags = flags
             kinds = [(True, False)]
-            if flags & (PACKED_INFO | COUNT_WORDS):
+            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD):
                 kinds.append((False, False))
             if flags == ALL_DIRECT_FLAGS:
                 kinds.append((True, True))

@@ -51,7 +51,8 @@ constexpr int kScalesRowMajor = 8;   // FP8: a row's scales in one contiguous re
 constexpr int kPackedInfo = 16;      // token and combine slot in one 8-byte remote store, split on receive
 constexpr int kFp8Wide = 32;         // FP8: 16 bytes per store (two BF16 units per thread)
 constexpr int kCountWords = 64;      // counts tagged with the epoch: a row waits for its expert's words only
-constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords;
+constexpr int kPreload = 128;        // a token's first row loads issued before its wait for the lower ranks' counts
+constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;

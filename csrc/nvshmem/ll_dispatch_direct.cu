@@ -15,6 +15,8 @@
 //   instead of H/128 scattered 4-byte stores into the transposed array; the receive half transposes
 //   the received rows' scales into the contract's [EL][H/128][W*M].
 // - kFp8Wide (FP8): a thread casts two adjacent BF16 units and stores 16 FP8 bytes at once.
+// - kPreload: a token's first round of row loads is issued before its slots and the wait for the
+//   lower ranks' counts, so the row is in registers when its destinations are known.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
 // half's fix-ups (per local expert, the rows below its count), after the same signals that cover
 // the rows; otherwise the receive half stays block 0's.
@@ -113,7 +115,11 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
   const int n16 = c.hidden / 8;
   const long long row_bytes = kFp8 ? c.hidden : 2ll * c.hidden;
   const bool rm = kFp8 && (flags & kScalesRowMajor);
+  const bool wide = kFp8 && (flags & kFp8Wide), preload = (flags & kPreload) != 0;
+  int4 pre[kRowInFlight] = {};
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    const int4* src = x + static_cast<long long>(t) * n16;
+    if (preload) load_first_round(src, n16, wide, pre);  // in flight through the slots and the count wait
     token_slots(s_topk, t, K, s_slot);
     if (threadIdx.x < K) {
       const int k = threadIdx.x, e = s_topk[t * K + k];
@@ -162,25 +168,29 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
         reinterpret_cast<float*>(d + c.set_scales)[(el * S + g) * WM + row] = scale;
       }
     };
-    const int4* src = x + static_cast<long long>(t) * n16;
-    if (kFp8 && (flags & kFp8Wide)) {
-      stream_row_fp8_wide(src, n16, round_scale, [&](int j, const int4& q, float scale, bool first) {
-        for (int k = 0; k < K; ++k)
-          if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, q);
-        if (first) put_scale(j / 8, scale);
-      });
+    auto bf16_store = [&](int j, const int4& v) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
+    };
+    auto fp8_store = [&](int j, const uint2& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) reinterpret_cast<uint2*>(s_dst[k] + s_at[k] * row_bytes)[j] = q;
+      if (first) put_scale(j / 16, scale);
+    };
+    auto fp8_wide_store = [&](int j, const int4& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, q);
+      if (first) put_scale(j / 8, scale);
+    };
+    if (wide) {
+      if (preload)
+        stream_row_fp8_wide<true>(src, n16, round_scale, pre, fp8_wide_store);
+      else
+        stream_row_fp8_wide<false>(src, n16, round_scale, pre, fp8_wide_store);
+    } else if (preload) {
+      stream_row_from<kFp8, true>(src, n16, round_scale, pre, bf16_store, fp8_store);
     } else {
-      stream_row<kFp8>(
-          src, n16, round_scale,
-          [&](int j, const int4& v) {
-            for (int k = 0; k < K; ++k)
-              if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
-          },
-          [&](int j, const uint2& q, float scale, bool first) {
-            for (int k = 0; k < K; ++k)
-              if (s_dst[k] != nullptr) reinterpret_cast<uint2*>(s_dst[k] + s_at[k] * row_bytes)[j] = q;
-            if (first) put_scale(j / 16, scale);
-          });
+      stream_row<kFp8>(src, n16, round_scale, bf16_store, fp8_store);
     }
     if (rm) {
       __syncthreads();

@@ -92,18 +92,44 @@ __device__ inline void expert_histogram(const int* s_topk, int TK, int E, int* s
   __syncthreads();
 }
 
+constexpr int kRowInFlight = 2;  // a 7168-wide row is 896 units: both of a thread's loads before its stores
+
+// kPreload: the first round of a row's loads -- stream_row's units, or stream_row_fp8_wide's pairs
+// when `wide` -- issued before the row's destinations are known, so that they overlap the wait for
+// the lower ranks' counts. Every thread of the block calls it.
+__device__ __forceinline__ void load_first_round(const int4* src, int n16, bool wide, int4 (&v)[kRowInFlight]) {
+  if (wide) {
+    const int j = threadIdx.x;
+    const bool active = j < n16 / 2;
+    v[0] = active ? ld_nc_v4(src + 2 * j) : make_int4(0, 0, 0, 0);
+    v[1] = active ? ld_nc_v4(src + 2 * j + 1) : make_int4(0, 0, 0, 0);
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < kRowInFlight; ++u) {
+    const int j = u * blockDim.x + threadIdx.x;
+    v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+  }
+}
+
 // Streams one BF16 row through the block, a 16-byte unit per thread and round: bf16(j, v) stores unit
 // j as is; with kFp8, fp8(j, q, scale, first) stores its 8 FP8 bytes, `first` on the unit that also
-// stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle).
-template <bool kFp8, typename Bf16Store, typename Fp8Store>
-__device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
-  constexpr int kInFlight = 2;  // a 7168-wide row is 896 units: both of a thread's loads before its stores
+// stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle). kPre:
+// the first round's units are `first` (load_first_round), not loaded here.
+template <bool kFp8, bool kPre, typename Bf16Store, typename Fp8Store>
+__device__ __forceinline__ void stream_row_from(const int4* src, int n16, int round_scale,
+                                                const int4 (&first)[kRowInFlight], Bf16Store bf16, Fp8Store fp8) {
+  constexpr int kInFlight = kRowInFlight;
   for (int base = 0; base < n16; base += kInFlight * blockDim.x) {
     int4 v[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int j = base + u * blockDim.x + threadIdx.x;
-      v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+      if constexpr (kPre) {
+        v[u] = base == 0 ? first[u] : (j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0));
+      } else {
+        v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -120,18 +146,32 @@ __device__ __forceinline__ void stream_row(const int4* src, int n16, int round_s
   }
 }
 
+template <bool kFp8, typename Bf16Store, typename Fp8Store>
+__device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
+  const int4 none[kRowInFlight] = {};
+  stream_row_from<kFp8, false>(src, n16, round_scale, none, bf16, fp8);
+}
+
 // stream_row's FP8 form with 16 FP8 bytes per thread and round (kFp8Wide): fp8(j, q, scale, first) stores
 // 16-byte unit j of the FP8 row (BF16 units 2j, 2j + 1), `first` on the unit that also stores its
 // 128-channel group's scale (group j / 8). n16: BF16 units of the row, a multiple of 16 (H % 128 == 0).
-template <typename Fp8Store>
-__device__ __forceinline__ void stream_row_fp8_wide(const int4* src, int n16, int round_scale, Fp8Store fp8) {
+// kPre: the first round's pair is `first` (load_first_round with wide).
+template <bool kPre, typename Fp8Store>
+__device__ __forceinline__ void stream_row_fp8_wide(const int4* src, int n16, int round_scale,
+                                                    const int4 (&first)[kRowInFlight], Fp8Store fp8) {
   const int n32 = n16 / 2;
   // base steps by blockDim.x (a multiple of 32): lane j % 8 == 0 starts a group, as the shuffles assume
   for (int base = 0; base < n32; base += blockDim.x) {
     const int j = base + threadIdx.x;
     const bool active = j < n32;
-    const int4 v0 = active ? ld_nc_v4(src + 2 * j) : make_int4(0, 0, 0, 0);
-    const int4 v1 = active ? ld_nc_v4(src + 2 * j + 1) : make_int4(0, 0, 0, 0);
+    int4 v0, v1;
+    if (kPre && base == 0) {
+      v0 = first[0];
+      v1 = first[1];
+    } else {
+      v0 = active ? ld_nc_v4(src + 2 * j) : make_int4(0, 0, 0, 0);
+      v1 = active ? ld_nc_v4(src + 2 * j + 1) : make_int4(0, 0, 0, 0);
+    }
     float scale;
     const int4 q = cast_fp8_pair(v0, v1, round_scale, &scale);
     if (active) fp8(j, q, scale, (j % 8) == 0);

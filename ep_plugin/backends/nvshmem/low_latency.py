@@ -142,7 +142,8 @@ class NvshmemLowLatency(ReportsFaults):
         self.fused_launch = self.output_buffers > 0
         # Variant bits ORed into both calls' phases, for A/B runs (benchmarks/bench_decode_pair.py); 0 = the
         # default kernels. csrc/nvshmem/ll_device.cuh: 4 the earlier combine prologue; the direct dispatch's
-        # 8 row-major FP8 scales, 16 token + slot in one store, 32 16-byte FP8 stores, 64 epoch-tagged counts.
+        # 8 row-major FP8 scales, 16 token + slot in one store, 32 16-byte FP8 stores, 64 epoch-tagged counts,
+        # 128 row loads before the count wait.
         # Every rank must set the same bits (the senders' and receivers' layouts must agree).
         self.kernel_flags = 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
