@@ -5,9 +5,11 @@
 // writes recv_count and layout_range. Nothing is copied on the receiving side.
 //
 // Variant bits of `phases` (ll_device.cuh; every rank of a call passes the same bits), each one a
-// change measured against the code without it:
+// change to A/B against the code without it (benchmarks/ll_device.sh pair):
 // - kCountWords: each count is a u64 word tagged with the epoch, so a (token, k) waits only for the
-//   words of its own expert from the lower ranks, with no fence and no cnt_flag round behind them.
+//   words of its own expert from the lower ranks, with no fence and no cnt_flag round behind them. A
+//   word that times out is recorded against its source and drops that row only; the abort word then
+//   ends the other waits of the call.
 // - kPackedInfo: token and combine slot leave in one 8-byte remote store to the set's info region;
 //   the receive half splits the received rows' words into src_info and row_slot (local memory).
 // - kScalesRowMajor (FP8): a row's scales gather in shared memory and leave as 16-byte stores (H % 512
