@@ -47,11 +47,13 @@ PROFILE=${LL_PROFILE:-5}
 #   k8 row-major FP8 scales transposed on receive, k16 token + combine slot in one 8-byte store, k32
 #   16-byte FP8 stores, k64 epoch-tagged counts (a row waits for its expert's counts only), k128 a
 #   token's row loads issued before that wait, k40 = 8|32 (the FP8 pair), k248 all five. Read each
-#   against `default` (the A/B lines' "/ default" ratio).
+#   against `default` (the A/B lines' "/ default" ratio); shim_k32 (kFp8Wide on the slot path that
+#   ep_plugin.deep_ep without ep_config takes) against `shim`, FP8 columns.
 # Dropped after the 2026-11-26 call 2 (05:45 UTC): serial (kernel_flags 4) and blocks64 lost to the
 # default at EP2 and EP4; ob0_nvshmem equalled ob0 (the yardstick's 168 / 205 us rows are not this code).
 FLAGGED="k8:eng.kernel_flags=8 k16:eng.kernel_flags=16 k32:eng.kernel_flags=32 k64:eng.kernel_flags=64"
 FLAGGED="$FLAGGED k128:eng.kernel_flags=128 k40:eng.kernel_flags=40 k248:eng.kernel_flags=248"
+FLAGGED="$FLAGGED shim_k32:shim=1,eng.kernel_flags=32"  # the slot path reads kFp8Wide too: DeepEP's API, no ep_config
 VARIANTS=${LL_VARIANTS:-"default ob0 shim shim_ob2 shim_ob0:shim=1,ob=0 ob0_fused:ob=0,eng.fused_launch=1 $FLAGGED"}
 VARIANTS_EP4=${LL_VARIANTS_EP4:-"default ob0 shim shim_ob2 ob0_fused:ob=0,eng.fused_launch=1 $FLAGGED"}
 PROFILED=${LL_PROFILED:-"default shim ob0 k248"}  # the variants whose kernels are traced (DeepEP's always)

@@ -218,7 +218,8 @@ def body_direct_flags(rank, world, out_dir):
     FP8 over every routing case (BF16 too where a bit touches it, round_scale with all bits), through
     hooks (the split launches: the receive half alone, on every block when it has rows to fix up),
     and with all bits in a CUDA graph. The bits change between calls of one engine, as every rank
-    changes them alike (each bit has regions of its own, so no call reads another variant's words)."""
+    changes them alike (each bit has regions of its own, so no call reads another variant's words).
+    Then kFp8Wide, the one bit the slot path (output_buffers 0) reads, on an engine of that path."""
     seed = 500
     for E_l, K, hidden in ((144, 8, 7168), (2, 3, 256)):
         auto, ref = _buf("auto", E_l, K, hidden, output_buffers=2), _buf("torch", E_l, K, hidden)
@@ -247,6 +248,19 @@ def body_direct_flags(rank, world, out_dir):
                         check_graph(auto, ref, rank, E_l, K, hidden, use_fp8)
         auto.check()
         auto.close()
+        # the slot path (fresh outputs; also the torch-tensor sets of ep_plugin.deep_ep): kFp8Wide only
+        slots = _buf("auto", E_l, K, hidden, output_buffers=0)
+        seed += 1
+        check_case(slots, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds the engine
+        slots._low_latency.kernel_flags = FP8_WIDE
+        for tokens, mode in CASES:
+            for round_scale in (False, True):
+                seed += 1
+                check_case(slots, ref, rank, E_l, K, hidden, tokens, mode, seed, True, round_scale)
+        seed += 1
+        check_case(slots, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
+        slots.check()
+        slots.close()
         ref.close()
     write_rank_result(out_dir, rank, {"ok": True})
 
