@@ -14,7 +14,8 @@ EPBuffer, closed before the next), `--variants` picks them:
     shim_ob2     the same with ep_config output_buffers 2
     NAME:k=v,..  a variant of its own: `ob=N` (output_buffers), `shim=1`, `eng.ATTR=V` (an attribute
                  of the low-latency engine, set after its first call: the A/B knobs, e.g.
-                 `eng.fused_launch=0`), `cfg.a.b=V` (any config key).
+                 `eng.fused_launch=0`, `eng.kernel_flags=N` for the variant bits of
+                 csrc/nvshmem/ll_device.cuh), `cfg.a.b=V` (any config key).
 Per variant and dtype (BF16, FP8 dispatch; combine BF16), four protocols, each --iters timed pairs
 after --warmup, CUDA events around the pair, a rank's median, the slowest rank's (DESIGN.md):
     graph_cold    graph replay after an L2 flush (256 MB write), device sync and dist.barrier

@@ -72,7 +72,8 @@ class FakeRuntime:
         self.max_tokens, self.max_topk = max_tokens, max_topk
         rows = num_experts * max_tokens  # EL * W*M, the layout of ll_runtime.cu's sets (on 256-byte bounds)
         self._offsets = (0, rows * hidden, 2 * rows * hidden, 2 * rows * hidden + (4 * rows + 255) // 256 * 256)
-        nbytes = self._offsets[3] + 4 * rows
+        # + the int2 info region after row_slot (kPackedInfo); the row-major FP8 scales sit in the data bytes
+        nbytes = self._offsets[3] + (4 * rows + 255) // 256 * 256 + 8 * rows
         self._sets = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(output_sets if self.heap_sets else 0)]
         self.sets = len(self._sets)
 

@@ -1,4 +1,4 @@
-"""The low-latency calls on 2 GPUs: the NVSHMEM engine against the torch reference engine.
+"""The low-latency calls on 2 GPUs (EP_TEST_WORLD=4: 4): the NVSHMEM engine against the torch reference engine.
 
 Each test spawns one process per GPU and builds two EPBuffers on the same group: `comm.backend: auto`
 (whose low-latency engine is the NVSHMEM kernels when ep_plugin._C is built with NVSHMEM) and
@@ -205,6 +205,66 @@ def body_matches_reference(rank, world, out_dir, output_buffers=0):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
+# The direct dispatch's variant bits (engine.kernel_flags; csrc/nvshmem/ll_device.cuh): row-major FP8 scales,
+# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait.
+# Each alone, then all together.
+SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
+ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD
+DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, ALL_DIRECT_FLAGS]
+
+
+def body_direct_flags(rank, world, out_dir):
+    """Each flag set on one engine (heap output sets, so the direct dispatch) against the reference:
+    FP8 over every routing case (BF16 too where a bit touches it, round_scale with all bits), through
+    hooks (the split launches: the receive half alone, on every block when it has rows to fix up),
+    and with all bits in a CUDA graph. The bits change between calls of one engine, as every rank
+    changes them alike (each bit has regions of its own, so no call reads another variant's words).
+    Then kFp8Wide, the one bit the slot path (output_buffers 0) reads, on an engine of that path."""
+    seed = 500
+    for E_l, K, hidden in ((144, 8, 7168), (2, 3, 256)):
+        auto, ref = _buf("auto", E_l, K, hidden, output_buffers=2), _buf("torch", E_l, K, hidden)
+        check_case(auto, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds both engines
+        if _no_nvshmem_engine(auto, out_dir, rank):
+            return
+        assert auto._low_latency.output_sets == 2
+        for flags in DIRECT_FLAG_SETS:
+            auto._low_latency.kernel_flags = flags
+            kinds = [(True, False)]
+            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD):
+                kinds.append((False, False))
+            if flags == ALL_DIRECT_FLAGS:
+                kinds.append((True, True))
+            for tokens, mode in CASES:
+                for use_fp8, round_scale in kinds:
+                    seed += 1
+                    check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
+            seed += 1
+            check_case(auto, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
+            if flags == ALL_DIRECT_FLAGS:
+                seed += 1
+                check_case(auto, ref, rank, E_l, K, hidden, [0, M], "random", seed, False, False, hook=True)
+                if hidden == 7168:
+                    for use_fp8 in (True, False):
+                        check_graph(auto, ref, rank, E_l, K, hidden, use_fp8)
+        auto.check()
+        auto.close()
+        # the slot path (fresh outputs; also the torch-tensor sets of ep_plugin.deep_ep): kFp8Wide only
+        slots = _buf("auto", E_l, K, hidden, output_buffers=0)
+        seed += 1
+        check_case(slots, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds the engine
+        slots._low_latency.kernel_flags = FP8_WIDE
+        for tokens, mode in CASES:
+            for round_scale in (False, True):
+                seed += 1
+                check_case(slots, ref, rank, E_l, K, hidden, tokens, mode, seed, True, round_scale)
+        seed += 1
+        check_case(slots, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
+        slots.check()
+        slots.close()
+        ref.close()
+    write_rank_result(out_dir, rank, {"ok": True})
+
+
 def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
     """dispatch + experts + combine (no hooks) captured in one CUDA graph after a warm-up outside
     capture, replayed on new inputs: each replay matches the reference on the same inputs."""
@@ -251,17 +311,23 @@ def test_output_sets_match_reference(tmp_path):
     _spawn_on_gpus(body_matches_reference, tmp_path, 2, timeout=580)
 
 
-def body_mask(rank, world, out_dir):
+def test_direct_dispatch_flags_match_reference(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_on_gpus(body_direct_flags, tmp_path, timeout=400)
+
+
+def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0):
     """Both ranks leave rank 1 out. Rank 1 then stays away from the engine under test (as a dead rank
     would), and rank 0's calls must neither wait for it nor deliver to it: rank 0 receives its own
     rows only and combine sums its own experts only, as the reference computes with every entry to or
-    from rank 1 set to -1."""
+    from rank 1 set to -1. output_buffers 2: the direct dispatch into heap sets, with kernel_flags."""
     E_l, K, hidden = 2, 3, 7168
-    auto, ref = _buf("auto", E_l, K, hidden), _buf("torch", E_l, K, hidden)
+    auto, ref = _buf("auto", E_l, K, hidden, output_buffers=output_buffers), _buf("torch", E_l, K, hidden)
     x, idx, w = _inputs(rank, [M, M], hidden, E_l * WORLD, K, seed=71)
     check_case(auto, ref, rank, E_l, K, hidden, [M, M], "random", 70, False, False)  # builds both engines
     if _no_nvshmem_engine(auto, out_dir, rank):
         return
+    auto._low_latency.kernel_flags = kernel_flags
     torch.cuda.synchronize()
     dist.barrier()
     cut = idx.clone()
@@ -297,6 +363,11 @@ def body_mask(rank, world, out_dir):
 def test_mask_leaves_a_rank_out(tmp_path):
     _need_nvshmem_engine()
     _spawn_on_gpus(body_mask, tmp_path, timeout=300, abandon=True)
+
+
+def test_mask_with_direct_dispatch_flags(tmp_path):
+    _need_nvshmem_engine()
+    _spawn_on_gpus(body_mask, tmp_path, 2, ALL_DIRECT_FLAGS, timeout=300, abandon=True)
 
 
 TIMEOUT_S = 2.0

@@ -16,7 +16,11 @@
 //   cnt_all[p][W][E]       int, every source's rows per global expert, sent to every rank first
 //   cnt_flag[p][W]         u64, source s sets [s] to epoch + 1 once its counts are there
 //   out_set[i]             data [EL][W*M][H] BF16, or FP8 [EL][W*M][H] + scales [EL][H/128][W*M] float32
-//                          in the same bytes; src_info [EL][W*M] int; row_slot [EL][W*M] int
+//                          + row-major scales [EL][W*M][H/128] float32 (kScalesRowMajor) in the same
+//                          bytes; src_info [EL][W*M] int; row_slot [EL][W*M] int; info [EL][W*M] int2
+//                          {token, combine slot} (kPackedInfo)
+//   cnt_word[p][W][E]      u64 (epoch + 1) << 32 | rows, kCountWords' counts: a word carries its own
+//                          epoch, so it needs neither a fence nor cnt_flag behind it
 // A row's place: the rows of lower source ranks for that expert first (cnt_all), then this source's
 // in token order. The host picks the set of each call (the same on every rank); a set is rewritten N
 // dispatches later.
@@ -42,8 +46,22 @@ constexpr int kMaxSets = 8;  // output sets in the heap at most
 constexpr int kSend = 1, kRecv = 2;  // phases of one launch
 // Variant bits ORed into `phases` (the engine's `kernel_flags`, for A/B runs; 0 = the default code):
 constexpr int kSerialPrologue = 4;   // combine receive: thread 0 gathers each token's picks serially
+// The direct dispatch (ll_dispatch_direct.cu; every rank of a call must pass the same bits):
+constexpr int kScalesRowMajor = 8;   // FP8: a row's scales in one contiguous remote write, transposed on receive
+constexpr int kPackedInfo = 16;      // token and combine slot in one 8-byte remote store, split on receive
+constexpr int kFp8Wide = 32;         // FP8: 16 bytes per store (two BF16 units per thread)
+constexpr int kCountWords = 64;      // counts tagged with the epoch: a row waits for its expert's words only
+constexpr int kPreload = 128;        // a token's first row loads issued before its wait for the lower ranks' counts
+constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload;
 constexpr int kPhaseMask = kSend | kRecv;
+constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;
+
+// Whether the direct dispatch's receive half has rows to fix up (every block takes a share), or only
+// the counts to write (block 0 alone). The host sizes the receive launch with it.
+__host__ __device__ __forceinline__ bool direct_recv_rows(bool fp8, int flags) {
+  return (flags & kPackedInfo) != 0 || (fp8 && (flags & kScalesRowMajor) != 0);
+}
 
 // Local (not symmetric) ints: epochs of each half, last-block tickets, the mask of left-out ranks.
 enum StateIndex { kDispSendEpoch = 0, kDispRecvEpoch, kCombSendEpoch, kCombRecvEpoch,
@@ -59,8 +77,9 @@ struct Ctx {
   long long disp_flag[2], disp_cnt[2], disp_slots[2], comb_flag[2], comb_rows[2];
   long long stage_rows, stage_cnt, comb_stage;  // -1 when every peer is P2P
   int sets;                                      // output sets in the heap (0: slots and a receive copy)
-  long long cnt_all[2], cnt_flag[2], out_set[kMaxSets];
+  long long cnt_all[2], cnt_flag[2], cnt_word[2], out_set[kMaxSets];
   long long set_scales, set_src_info, set_row_slot;  // offsets inside a set
+  long long set_scales_rm, set_info;                 // offsets inside a set (kScalesRowMajor, kPackedInfo)
   int* state;
   int* aborted;
   HostInfo* host;

@@ -1,6 +1,7 @@
 // Low-latency dispatch: a copy per (token, expert) into the owner's slot for (expert, this source),
 // then counts and one signal per destination; the receive half packs each expert's rows in source
 // order into the caller's [EL, W*M, H] tensor. One kernel does either half or both (kSend|kRecv).
+// Of the variant bits (ll_device.cuh) only kFp8Wide acts here: 16-byte FP8 stores into the slots.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -16,7 +17,7 @@ namespace {
 // (token, k) goes nowhere (invalid id or left-out owner).
 template <bool kFp8>
 __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_topk, int T, int K,
-                            int round_scale, bool* any_rdma) {
+                            int round_scale, bool* any_rdma, int flags) {
   __shared__ int s_slot[32];
   __shared__ char* s_dst[32];
   __shared__ int s_rdma;
@@ -44,25 +45,43 @@ __device__ void send_tokens(const Ctx& c, int p, const int4* x, const int* s_top
     const bool rdma = s_rdma != 0;
     char* stage = rdma ? c.heap + c.stage_rows + static_cast<long long>(t) * c.slot_bytes : nullptr;
     if (rdma && threadIdx.x == 0) *reinterpret_cast<int4*>(stage) = make_int4(t, 0, 0, 0);
-    stream_row<kFp8>(
-        x + static_cast<long long>(t) * n16, n16, round_scale,
-        [&](int j, const int4& v) {
-          for (int k = 0; k < K; ++k)
-            if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + kHeaderBytes) + j, v);
-          if (rdma) st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, v);
-        },
-        [&](int j, const uint2& q, float scale, bool first) {
-          for (int k = 0; k < K; ++k) {
-            char* d = s_dst[k];
-            if (d == nullptr) continue;
-            reinterpret_cast<uint2*>(d + kHeaderBytes)[j] = q;
-            if (first) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[j / 16] = scale;
-          }
-          if (rdma) {
-            reinterpret_cast<uint2*>(stage + kHeaderBytes)[j] = q;
-            if (first) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[j / 16] = scale;
-          }
-        });
+    const int4* src = x + static_cast<long long>(t) * n16;
+    auto bf16_store = [&](int j, const int4& v) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + kHeaderBytes) + j, v);
+      if (rdma) st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, v);
+    };
+    auto fp8_store = [&](int j, const uint2& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k) {
+        char* d = s_dst[k];
+        if (d == nullptr) continue;
+        reinterpret_cast<uint2*>(d + kHeaderBytes)[j] = q;
+        if (first) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[j / 16] = scale;
+      }
+      if (rdma) {
+        reinterpret_cast<uint2*>(stage + kHeaderBytes)[j] = q;
+        if (first) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[j / 16] = scale;
+      }
+    };
+    // kFp8Wide: 16 FP8 bytes per store, and a warp's 4 scales are 16 contiguous bytes of the slot
+    auto fp8_wide_store = [&](int j, const int4& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k) {
+        char* d = s_dst[k];
+        if (d == nullptr) continue;
+        st_na_v4(reinterpret_cast<int4*>(d + kHeaderBytes) + j, q);
+        if (first) reinterpret_cast<float*>(d + kHeaderBytes + c.hidden)[j / 8] = scale;
+      }
+      if (rdma) {
+        st_na_v4(reinterpret_cast<int4*>(stage + kHeaderBytes) + j, q);
+        if (first) reinterpret_cast<float*>(stage + kHeaderBytes + c.hidden)[j / 8] = scale;
+      }
+    };
+    if (kFp8 && (flags & kFp8Wide)) {
+      const int4 none[kRowInFlight] = {};
+      stream_row_fp8_wide<false>(src, n16, round_scale, none, fp8_wide_store);
+    } else {
+      stream_row<kFp8>(src, n16, round_scale, bf16_store, fp8_store);
+    }
     if (rdma) {  // NVSHMEM puts from the staged slot to the peers without P2P (compiled, not run here)
       __syncthreads();
       const int bytes = kHeaderBytes + (kFp8 ? c.hidden + c.hidden / 32 : c.hidden * 2);
@@ -182,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     bool any_rdma = false;
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) send_counts(c, p, s_topk, T * K, s_topk + T * K);
-    send_tokens<kFp8>(c, p, x, s_topk, T, K, round_scale, &any_rdma);
+    send_tokens<kFp8>(c, p, x, s_topk, T, K, round_scale, &any_rdma, phases & kVariantMask);
     if (any_rdma && threadIdx.x == 0) nvshmem_quiet();
     if (last_block(ticket(c, kTicketDispSend))) {
       signal_ranks(c, c.disp_flag[p], epoch);

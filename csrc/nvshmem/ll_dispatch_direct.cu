@@ -3,6 +3,25 @@
 // rows), then writes each (token, expert) row with its token and combine slot straight into the
 // owner's set, and signals each rank. The receive half is one block: it waits for the signals and
 // writes recv_count and layout_range. Nothing is copied on the receiving side.
+//
+// Variant bits of `phases` (ll_device.cuh; every rank of a call passes the same bits), each one a
+// change to A/B against the code without it (benchmarks/ll_device.sh pair):
+// - kCountWords: each count is a u64 word tagged with the epoch, so a (token, k) waits only for the
+//   words of its own expert from the lower ranks, with no fence and no cnt_flag round behind them. A
+//   word that times out is recorded against its source and drops that row only; the abort word then
+//   ends the other waits of the call.
+// - kPackedInfo: token and combine slot leave in one 8-byte remote store to the set's info region;
+//   the receive half splits the received rows' words into src_info and row_slot (local memory).
+// - kScalesRowMajor (FP8): a row's scales gather in shared memory and leave as 16-byte stores (H % 512
+//   == 0) into the row-major region [EL][W*M][H/128], 4*H/128 contiguous bytes per row and destination,
+//   instead of H/128 scattered 4-byte stores into the transposed array; the receive half transposes
+//   the received rows' scales into the contract's [EL][H/128][W*M].
+// - kFp8Wide (FP8): a thread casts two adjacent BF16 units and stores 16 FP8 bytes at once.
+// - kPreload: a token's first round of row loads is issued before its slots and the wait for the
+//   lower ranks' counts, so the row is in registers when its destinations are known.
+// With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
+// half's fix-ups (per local expert, the rows below its count), after the same signals that cover
+// the rows; otherwise the receive half stays block 0's.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -18,10 +37,61 @@ __device__ __forceinline__ int* cnt_all_at(const Ctx& c, char* base, int p, int 
   return reinterpret_cast<int*>(base + c.cnt_all[p]) + static_cast<long long>(s) * c.num_experts + e;
 }
 
-// This rank's rows per global expert -> cnt_all[p][rank][*] at every rank not left out, then cnt_flag.
-__device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_topk, int TK, int* s_hist) {
+__device__ __forceinline__ unsigned long long* cnt_word_at(const Ctx& c, char* base, int p, int s, int e) {
+  return reinterpret_cast<unsigned long long*>(base + c.cnt_word[p]) + static_cast<long long>(s) * c.num_experts + e;
+}
+
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* w) {
+  unsigned long long v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
+  return v;
+}
+
+// Source s's rows for global expert e, once its counts are known to be here (the receive half, after
+// s's signal: the words came before it).
+__device__ __forceinline__ int source_count(const Ctx& c, int p, int s, int e, int flags) {
+  if (flags & kCountWords) return static_cast<int>(ld_volatile_u64(cnt_word_at(c, c.heap, p, s, e)) & 0xffffffffull);
+  return ld_volatile(cnt_all_at(c, c.heap, p, s, e));
+}
+
+// kCountWords: source s's rows for global expert e, waited for by their epoch tag (a 64-bit store is
+// single-copy atomic: tag and count arrive together); -1 when s timed out or another wait of the call
+// did (the row is not sent: its place is unknown).
+__device__ int wait_count_word(const Ctx& c, int p, int s, int e, int epoch) {
+  const unsigned long long* w = cnt_word_at(c, c.heap, p, s, e);
+  const unsigned target = static_cast<unsigned>(epoch + 1);
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  for (unsigned it = 1;; ++it) {
+    const unsigned long long v = ld_volatile_u64(w);
+    // wrapping: an older call's word of this parity carries a smaller tag, never a larger one (a peer
+    // cannot reach this parity's next dispatch before this rank's combine of this call)
+    if (static_cast<int>(static_cast<unsigned>(v >> 32) - target) >= 0) return static_cast<int>(v & 0xffffffffull);
+    if ((it & 127u) == 0) {
+      if (ld_volatile(c.aborted)) return -1;
+      if (globaltimer() > deadline) {
+        record_timeout(c, s, kKernelDispatch);
+        return -1;
+      }
+    }
+  }
+}
+
+// This rank's rows per global expert -> every rank not left out: cnt_all[p][rank][*] then cnt_flag,
+// or (kCountWords) the tagged words cnt_word[p][rank][*] alone.
+__device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_topk, int TK, int* s_hist, int flags) {
   const int E = c.num_experts;
   expert_histogram(s_topk, TK, E, s_hist);
+  if (flags & kCountWords) {
+    const unsigned long long tag = static_cast<unsigned long long>(static_cast<unsigned>(epoch + 1)) << 32;
+    for (int i = threadIdx.x; i < c.world * E; i += blockDim.x) {
+      const int d = i / E, e = i % E;
+      if (!left_out(c, d))
+        *reinterpret_cast<volatile unsigned long long*>(cnt_word_at(c, c.peer[d], p, c.rank, e)) =
+            tag | static_cast<unsigned>(s_hist[e]);
+    }
+    __syncthreads();  // s_hist is the caller's shared memory
+    return;
+  }
   for (int i = threadIdx.x; i < c.world * E; i += blockDim.x) {
     const int d = i / E, e = i % E;
     if (!left_out(c, d)) *cnt_all_at(c, c.peer[d], p, c.rank, e) = s_hist[e];
@@ -34,17 +104,24 @@ __device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_to
   }
 }
 
-// The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out).
+// The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out);
+// unused with kCountWords, where each (token, k) waits for its expert's words.
 template <bool kFp8>
-__device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int* s_topk, int T, int K,
-                          int round_scale, const int* s_low, int* self_pos) {
+__device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x, const int* s_topk, int T, int K,
+                          int round_scale, const int* s_low, int* self_pos, int flags) {
   __shared__ int s_slot[32];
   __shared__ char* s_dst[32];      // the owner's set, or nullptr (nowhere)
   __shared__ long long s_at[32];   // el * W*M + row in that set
+  __shared__ __align__(16) float s_scale[kMaxScaleGroups];  // kScalesRowMajor: the row's scales
   const int EL = c.local_experts, WM = c.world * c.max_tokens, S = c.hidden / 128;
   const int n16 = c.hidden / 8;
   const long long row_bytes = kFp8 ? c.hidden : 2ll * c.hidden;
+  const bool rm = kFp8 && (flags & kScalesRowMajor);
+  const bool wide = kFp8 && (flags & kFp8Wide), preload = (flags & kPreload) != 0;
+  int4 pre[kRowInFlight] = {};
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    const int4* src = x + static_cast<long long>(t) * n16;
+    if (preload) load_first_round(src, n16, wide, pre);  // in flight through the slots and the count wait
     token_slots(s_topk, t, K, s_slot);
     if (threadIdx.x < K) {
       const int k = threadIdx.x, e = s_topk[t * K + k];
@@ -52,13 +129,27 @@ __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int
       long long at = 0;
       if (e >= 0) {
         int row = s_slot[k];
-        for (int s = 0; s < c.rank; ++s)
-          if (s_low[s]) row += ld_volatile(cnt_all_at(c, c.heap, p, s, e));
-        if (row < WM) {  // always (a source gives an expert at most M rows): a guard, never past the set
+        bool placed = true;
+        for (int s = 0; s < c.rank && placed; ++s) {
+          if (flags & kCountWords) {
+            if (left_out(c, s)) continue;
+            const int n = wait_count_word(c, p, s, e, epoch);
+            placed = n >= 0;
+            row += n;
+          } else if (s_low[s]) {
+            row += ld_volatile(cnt_all_at(c, c.heap, p, s, e));
+          }
+        }
+        if (placed && row < WM) {  // always (a source gives an expert at most M rows): a guard, never past the set
           dst = c.peer[e / EL] + c.out_set[set];
           at = static_cast<long long>(e % EL) * WM + row;
-          reinterpret_cast<int*>(dst + c.set_src_info)[at] = t;
-          reinterpret_cast<int*>(dst + c.set_row_slot)[at] = (c.rank * c.max_tokens + t) * c.max_topk + k;
+          const int slot = (c.rank * c.max_tokens + t) * c.max_topk + k;
+          if (flags & kPackedInfo) {
+            reinterpret_cast<int2*>(dst + c.set_info)[at] = make_int2(t, slot);
+          } else {
+            reinterpret_cast<int*>(dst + c.set_src_info)[at] = t;
+            reinterpret_cast<int*>(dst + c.set_row_slot)[at] = slot;
+          }
           if (e / EL == c.rank && self_pos != nullptr) self_pos[t * c.max_topk + k] = static_cast<int>(at);
         }
       }
@@ -66,49 +157,128 @@ __device__ void send_rows(const Ctx& c, int p, int set, const int4* x, const int
       s_at[k] = at;
     }
     __syncthreads();
-    stream_row<kFp8>(
-        x + static_cast<long long>(t) * n16, n16, round_scale,
-        [&](int j, const int4& v) {
-          for (int k = 0; k < K; ++k)
-            if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
-        },
-        [&](int j, const uint2& q, float scale, bool first) {
-          for (int k = 0; k < K; ++k) {
-            char* d = s_dst[k];
-            if (d == nullptr) continue;
-            reinterpret_cast<uint2*>(d + s_at[k] * row_bytes)[j] = q;
-            if (first) {  // scales are [EL][S][W*M]
-              const long long el = s_at[k] / WM, row = s_at[k] % WM;
-              reinterpret_cast<float*>(d + c.set_scales)[(el * S + j / 16) * WM + row] = scale;
-            }
-          }
-        });
+    // an FP8 unit's scale: into shared memory (sent whole below), or straight into the transposed array
+    auto put_scale = [&](int g, float scale) {
+      if (rm) {
+        s_scale[g] = scale;
+        return;
+      }
+      for (int k = 0; k < K; ++k) {
+        char* d = s_dst[k];
+        if (d == nullptr) continue;
+        const long long el = s_at[k] / WM, row = s_at[k] % WM;  // scales are [EL][S][W*M]
+        reinterpret_cast<float*>(d + c.set_scales)[(el * S + g) * WM + row] = scale;
+      }
+    };
+    auto bf16_store = [&](int j, const int4& v) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
+    };
+    auto fp8_store = [&](int j, const uint2& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) reinterpret_cast<uint2*>(s_dst[k] + s_at[k] * row_bytes)[j] = q;
+      if (first) put_scale(j / 16, scale);
+    };
+    auto fp8_wide_store = [&](int j, const int4& q, float scale, bool first) {
+      for (int k = 0; k < K; ++k)
+        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, q);
+      if (first) put_scale(j / 8, scale);
+    };
+    if (wide) {
+      if (preload)
+        stream_row_fp8_wide<true>(src, n16, round_scale, pre, fp8_wide_store);
+      else
+        stream_row_fp8_wide<false>(src, n16, round_scale, pre, fp8_wide_store);
+    } else if (preload) {
+      stream_row_from<kFp8, true>(src, n16, round_scale, pre, bf16_store, fp8_store);
+    } else {
+      stream_row<kFp8>(src, n16, round_scale, bf16_store, fp8_store);
+    }
+    if (rm) {
+      __syncthreads();
+      // 16-byte stores where a row's S * 4 bytes are whole 16-byte units (H % 512 == 0, and then every
+      // row starts on one); else one float per store
+      const int width = S % 4 == 0 ? 4 : 1, units = S / width;
+      for (int i = threadIdx.x; i < K * units; i += blockDim.x) {
+        const int k = i / units, u = i - k * units;
+        if (s_dst[k] == nullptr) continue;
+        float* row = reinterpret_cast<float*>(s_dst[k] + c.set_scales_rm) + s_at[k] * S;
+        if (width == 4)
+          st_na_v4(reinterpret_cast<int4*>(row) + u, reinterpret_cast<const int4*>(s_scale)[u]);
+        else
+          row[u] = s_scale[u];
+      }
+    }
     __syncthreads();
   }
 }
 
-// Block 0 of the receive half: every source's signal, then recv_count, layout_range and the stats
-// from the counts (already here: they came before the rows).
-__device__ void receive_counts(const Ctx& c, const DispatchOut& o) {
+// The receive half: every source's signal; block 0 writes recv_count, layout_range and the stats from
+// the counts (already here: they came before the rows). With fix-ups (direct_recv_rows) every block
+// then takes local experts blockIdx.x, + gridDim.x, ... and, for the rows below each one's count,
+// splits the info words and transposes the row-major scales; the last block moves the epoch on.
+template <bool kFp8>
+__device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) {
   const int W = c.world, EL = c.local_experts, WM = W * c.max_tokens;
+  const bool fixups = direct_recv_rows(kFp8, flags);
+  if (!fixups && blockIdx.x != 0) return;
   const int epoch = ld_volatile(c.state + kDispRecvEpoch);
   const int p = epoch & 1;
   __shared__ int s_ok[kMaxRanks];
+  __shared__ int s_rows;
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.disp_flag[p], s, epoch + 1, kKernelDispatch);
   __syncthreads();
-  for (int el = threadIdx.x; el < EL; el += blockDim.x) {
-    int begin = 0;
-    for (int s = 0; s < W; ++s) {
-      const int n = s_ok[s] ? min(ld_volatile(cnt_all_at(c, c.heap, p, s, c.rank * EL + el)), WM - begin) : 0;
-      o.layout_range[el * W + s] = (static_cast<long long>(begin) << 32) | static_cast<long long>(n);
-      begin += n;
+  if (blockIdx.x == 0) {
+    for (int el = threadIdx.x; el < EL; el += blockDim.x) {
+      int begin = 0;
+      for (int s = 0; s < W; ++s) {
+        const int n = s_ok[s] ? min(source_count(c, p, s, c.rank * EL + el, flags), WM - begin) : 0;
+        o.layout_range[el * W + s] = (static_cast<long long>(begin) << 32) | static_cast<long long>(n);
+        begin += n;
+      }
+      o.recv_count[el] = begin;
+      if (o.recv_stats != nullptr) o.recv_stats[el] += begin;
     }
-    o.recv_count[el] = begin;
-    if (o.recv_stats != nullptr) o.recv_stats[el] += begin;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
+  if (!fixups) {
+    __syncthreads();
+    if (threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
+    return;
+  }
+  char* base = c.heap + c.out_set[set];
+  const int S = c.hidden / 128;
+  for (int el = blockIdx.x; el < EL; el += gridDim.x) {
+    __syncthreads();  // s_rows of the previous expert has been read
+    if (threadIdx.x == 0) {
+      int begin = 0;
+      for (int s = 0; s < W; ++s)
+        if (s_ok[s]) begin += min(source_count(c, p, s, c.rank * EL + el, flags), WM - begin);
+      s_rows = begin;
+    }
+    __syncthreads();
+    const int n = s_rows;
+    const long long first = static_cast<long long>(el) * WM;
+    if (flags & kPackedInfo) {
+      const int2* info = reinterpret_cast<const int2*>(base + c.set_info) + first;
+      int* src_info = reinterpret_cast<int*>(base + c.set_src_info) + first;
+      int* row_slot = reinterpret_cast<int*>(base + c.set_row_slot) + first;
+      for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        const int2 v = __ldcg(info + r);  // written by peers: past L1
+        src_info[r] = v.x;
+        row_slot[r] = v.y;
+      }
+    }
+    if (kFp8 && (flags & kScalesRowMajor)) {
+      const float* rm = reinterpret_cast<const float*>(base + c.set_scales_rm) + first * S;
+      float* tr = reinterpret_cast<float*>(base + c.set_scales) + first * S;  // [S][W*M] of this expert
+      for (int i = threadIdx.x; i < n * S; i += blockDim.x) {
+        const int g = i / n, r = i - g * n;  // consecutive threads: consecutive rows of one group (coalesced writes)
+        tr[static_cast<long long>(g) * WM + r] = __ldcg(rm + static_cast<long long>(r) * S + g);
+      }
+    }
+  }
+  if (last_block(ticket(c, kTicketDispRecv)) && threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
 }
 
 }  // namespace
@@ -118,35 +288,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     dispatch_direct(Ctx c, const int4* x, const int64_t* topk_idx, int T, int K, int phases, int round_scale,
                     int set, DispatchOut o) {
   extern __shared__ int smem[];
+  const int flags = phases & kVariantMask;
   if (phases & kSend) {
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
     load_topk(c, topk_idx, T, K, s_topk);
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
-    if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K);
+    if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);
     __shared__ int s_low[kMaxRanks];
     __shared__ int s_lost;
     if (threadIdx.x == 0) s_lost = 0;
     __syncthreads();
-    for (int s = threadIdx.x; s < c.rank; s += blockDim.x) {
-      const bool in = !left_out(c, s);
-      const bool got = in && wait_signal(c, c.cnt_flag[p], s, epoch + 1, kKernelDispatch);
-      s_low[s] = got;
-      if (in && !got) s_lost = 1;
+    if (!(flags & kCountWords)) {
+      for (int s = threadIdx.x; s < c.rank; s += blockDim.x) {
+        const bool in = !left_out(c, s);
+        const bool got = in && wait_signal(c, c.cnt_flag[p], s, epoch + 1, kKernelDispatch);
+        s_low[s] = got;
+        if (in && !got) s_lost = 1;
+      }
+      __syncthreads();
     }
-    __syncthreads();
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
-    if (!s_lost) send_rows<kFp8>(c, p, set, x, s_topk, T, K, round_scale, s_low, o.self_pos);
+    if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags);
     if (last_block(ticket(c, kTicketDispSend))) {
       signal_ranks(c, c.disp_flag[p], epoch);
       __syncthreads();
       if (threadIdx.x == 0) c.state[kDispSendEpoch] = epoch + 1;
     }
   }
-  if ((phases & kRecv) && blockIdx.x == 0) {
+  if (phases & kRecv) {
     __syncthreads();
-    receive_counts(c, o);
+    receive<kFp8>(c, o, set, flags);
   }
 }
 

@@ -2,6 +2,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -24,6 +25,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
   size_t at = 0;
   auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
   long long disp_flag[2], cnt_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2], cnt_all[2];
+  long long cnt_word[2];
   for (int p = 0; p < 2; ++p) {
     disp_flag[p] = take(8ull * W);
     cnt_flag[p] = take(8ull * W);
@@ -32,15 +34,21 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
     disp_slots[p] = sets > 0 ? -1 : take(slot * E * M);
     cnt_all[p] = sets > 0 ? take(4ull * W * E) : -1;
     comb_rows[p] = take(2ull * H * M * KMAX);
+    cnt_word[p] = sets > 0 ? take(8ull * W * E) : -1;
   }
-  // a set: data (BF16 rows; FP8 rows and their scales in the same bytes), src_info, row_slot
+  // a set: data (BF16 rows; FP8 rows and both forms of their scales in the same bytes), src_info,
+  // row_slot, info
   const size_t rows = static_cast<size_t>(E) * M;  // EL * W*M
-  const size_t set_scales = align256(rows * H), set_src_info = align256(2 * rows * H);
+  const size_t scale_bytes = rows * (H / 128) * 4;
+  const size_t set_scales = align256(rows * H), set_scales_rm = align256(set_scales + scale_bytes);
+  // the FP8 bytes fit in the BF16 rows' at every real size; the max only guards a toy one
+  const size_t set_src_info = std::max(align256(2 * rows * H), align256(set_scales_rm + scale_bytes));
   const size_t set_row_slot = set_src_info + align256(4 * rows);
+  const size_t set_info = set_row_slot + align256(4 * rows);
   long long out_set[kMaxSets];
   for (int i = 0; i < kMaxSets; ++i) {  // 256-byte aligned: torch tensors view them
     at = i < sets ? align256(at) : at;
-    out_set[i] = i < sets ? take(set_row_slot + 4 * rows) : -1;
+    out_set[i] = i < sets ? take(set_info + 8 * rows) : -1;
   }
   long long stage_rows = -1, stage_cnt = -1, comb_stage = -1;
   if (stage) {
@@ -53,6 +61,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
       c->disp_flag[p] = disp_flag[p];
       c->cnt_flag[p] = cnt_flag[p];
       c->cnt_all[p] = cnt_all[p];
+      c->cnt_word[p] = cnt_word[p];
       c->comb_flag[p] = comb_flag[p];
       c->disp_cnt[p] = disp_cnt[p];
       c->disp_slots[p] = disp_slots[p];
@@ -66,6 +75,8 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
     c->set_scales = static_cast<long long>(set_scales);
     c->set_src_info = static_cast<long long>(set_src_info);
     c->set_row_slot = static_cast<long long>(set_row_slot);
+    c->set_scales_rm = static_cast<long long>(set_scales_rm);
+    c->set_info = static_cast<long long>(set_info);
   }
   return at;
 }
@@ -194,9 +205,11 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
                        uintptr_t layout_range, uintptr_t row_slot, uintptr_t recv_stats, uintptr_t stream, int out_set,
                        uintptr_t self_pos) {
   check_call(T, K);
-  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kSerialPrologue)) == 0,
+  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kVariantMask)) == 0,
                "low-latency dispatch: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   EP_CHECK_ARG(!use_fp8 || hidden_ % 128 == 0, "low-latency FP8 dispatch needs hidden %% 128 == 0, got %d", hidden_);
+  EP_CHECK_ARG(!use_fp8 || !(phases & kScalesRowMajor) || hidden_ / 128 <= kMaxScaleGroups,
+               "low-latency dispatch: kScalesRowMajor needs hidden <= %d, got %d", kMaxScaleGroups * 128, hidden_);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   DispatchOut o{reinterpret_cast<char*>(out_x), reinterpret_cast<float*>(out_scales), reinterpret_cast<int*>(recv_count),
                 reinterpret_cast<int*>(src_info), reinterpret_cast<long long*>(layout_range),
@@ -207,7 +220,9 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
   const int64_t* idx = reinterpret_cast<const int64_t*>(topk_idx);
   if (out_set >= 0) {
     EP_CHECK_ARG(out_set < c.sets, "low-latency dispatch: output set %d, the buffer has %d", out_set, c.sets);
-    const int blocks = (phases & kPhaseMask) == kRecv ? 1 : num_blocks_;  // the receive half is block 0's
+    // the receive half is block 0's, unless it has rows to fix up (direct_recv_rows)
+    const bool one = (phases & kPhaseMask) == kRecv && !direct_recv_rows(use_fp8 != 0, phases);
+    const int blocks = one ? 1 : num_blocks_;
     if (use_fp8)
       launch(::ep::ll::dispatch_direct<true>, blocks, phases, smem, s, c, in, idx, T, K, phases, round_scale, out_set, o);
     else
@@ -223,7 +238,8 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
 void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
                       int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos) {
   check_call(T, K);
-  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kSerialPrologue)) == 0,
+  // the engine passes one set of bits to both calls: the dispatch's are ignored here
+  EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kVariantMask)) == 0,
                "low-latency combine: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const size_t smem = smem_bytes(0, 0, c.num_experts);

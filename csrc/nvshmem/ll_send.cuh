@@ -27,33 +27,60 @@ __device__ __forceinline__ void unpack_bf16(const int4& v, float* f) {
   }
 }
 
-// The FP8 bytes of 8 BF16 channels and their 128-channel group's scale. Every lane of the warp calls
-// it (the amax shuffles span 16 lanes); lanes past the row pass zeros.
-__device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, float* scale_out) {
-  float f[8];
-  unpack_bf16(v, f);
-  float a = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(f[i]));
-  const float amax = fmaxf(group_amax(a), 1e-4f);
+// The scale of a 128-channel group and the factor its values are multiplied by before the cast.
+__device__ __forceinline__ void fp8_scale(float group_amax_value, int round_scale, float* scale, float* inv) {
+  const float amax = fmaxf(group_amax_value, 1e-4f);
   // The float32 steps torch takes for DeepEP's reference cast on CUDA: `amax / 448.0` is a
   // multiply by the rounded reciprocal, `448.0 / amax` is reciprocal(amax) * 448.
   constexpr float kInv448 = 1.f / 448.f;
-  float scale, inv;
   if (round_scale) {
-    scale = exp2f(ceilf(log2f(amax * kInv448)));
-    inv = 1.f / scale;
+    *scale = exp2f(ceilf(log2f(amax * kInv448)));
+    *inv = 1.f / *scale;
   } else {
-    scale = amax * kInv448;
-    inv = (1.f / amax) * 448.f;
+    *scale = amax * kInv448;
+    *inv = (1.f / amax) * 448.f;
   }
+}
+
+__device__ __forceinline__ float abs_max8(const float* f) {
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(f[i]));
+  return a;
+}
+
+__device__ __forceinline__ uint2 to_fp8_8(const float* f, float inv) {
   uint2 q;
   unsigned char* qb = reinterpret_cast<unsigned char*>(&q);
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     qb[i] = static_cast<unsigned char>(__nv_cvt_float_to_fp8(f[i] * inv, __NV_SATFINITE, __NV_E4M3));
-  *scale_out = scale;
   return q;
+}
+
+// The FP8 bytes of 8 BF16 channels and their 128-channel group's scale. Every lane of the warp calls
+// it (the amax shuffles span 16 lanes); lanes past the row pass zeros.
+__device__ __forceinline__ uint2 cast_fp8_unit(const int4& v, int round_scale, float* scale_out) {
+  float f[8];
+  unpack_bf16(v, f);
+  float inv;
+  fp8_scale(group_amax(abs_max8(f)), round_scale, scale_out, &inv);
+  return to_fp8_8(f, inv);
+}
+
+// The same for 16 channels (two adjacent units) per lane: a group is 8 lanes, and the 16 FP8 bytes
+// leave in one store. max is exact in any order, so the bytes and scales equal cast_fp8_unit's.
+__device__ __forceinline__ int4 cast_fp8_pair(const int4& v0, const int4& v1, int round_scale, float* scale_out) {
+  float f0[8], f1[8];
+  unpack_bf16(v0, f0);
+  unpack_bf16(v1, f1);
+  float a = fmaxf(abs_max8(f0), abs_max8(f1));
+#pragma unroll
+  for (int d = 4; d >= 1; d >>= 1) a = fmaxf(a, __shfl_xor_sync(kFull, a, d));
+  float inv;
+  fp8_scale(a, round_scale, scale_out, &inv);
+  const uint2 lo = to_fp8_8(f0, inv), hi = to_fp8_8(f1, inv);
+  return make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x), static_cast<int>(hi.y));
 }
 
 // s_hist[E] <- the rows this rank sends each expert (the entries of s_topk naming it). By the whole block.
@@ -65,18 +92,44 @@ __device__ inline void expert_histogram(const int* s_topk, int TK, int E, int* s
   __syncthreads();
 }
 
+constexpr int kRowInFlight = 2;  // a 7168-wide row is 896 units: both of a thread's loads before its stores
+
+// kPreload: the first round of a row's loads -- stream_row's units, or stream_row_fp8_wide's pairs
+// when `wide` -- issued before the row's destinations are known, so that they overlap the wait for
+// the lower ranks' counts. Every thread of the block calls it.
+__device__ __forceinline__ void load_first_round(const int4* src, int n16, bool wide, int4 (&v)[kRowInFlight]) {
+  if (wide) {
+    const int j = threadIdx.x;
+    const bool active = j < n16 / 2;
+    v[0] = active ? ld_nc_v4(src + 2 * j) : make_int4(0, 0, 0, 0);
+    v[1] = active ? ld_nc_v4(src + 2 * j + 1) : make_int4(0, 0, 0, 0);
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < kRowInFlight; ++u) {
+    const int j = u * blockDim.x + threadIdx.x;
+    v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+  }
+}
+
 // Streams one BF16 row through the block, a 16-byte unit per thread and round: bf16(j, v) stores unit
 // j as is; with kFp8, fp8(j, q, scale, first) stores its 8 FP8 bytes, `first` on the unit that also
-// stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle).
-template <bool kFp8, typename Bf16Store, typename Fp8Store>
-__device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
-  constexpr int kInFlight = 2;  // a 7168-wide row is 896 units: both of a thread's loads before its stores
+// stores its 128-channel group's scale. Every thread of the block calls it (the casts shuffle). kPre:
+// the first round's units are `first` (load_first_round), not loaded here.
+template <bool kFp8, bool kPre, typename Bf16Store, typename Fp8Store>
+__device__ __forceinline__ void stream_row_from(const int4* src, int n16, int round_scale,
+                                                const int4 (&first)[kRowInFlight], Bf16Store bf16, Fp8Store fp8) {
+  constexpr int kInFlight = kRowInFlight;
   for (int base = 0; base < n16; base += kInFlight * blockDim.x) {
     int4 v[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int j = base + u * blockDim.x + threadIdx.x;
-      v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+      if constexpr (kPre) {
+        v[u] = base == 0 ? first[u] : (j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0));
+      } else {
+        v[u] = j < n16 ? ld_nc_v4(src + j) : make_int4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -90,6 +143,38 @@ __device__ __forceinline__ void stream_row(const int4* src, int n16, int round_s
         if (active) fp8(j, q, scale, (j % 16) == 0);
       }
     }
+  }
+}
+
+template <bool kFp8, typename Bf16Store, typename Fp8Store>
+__device__ __forceinline__ void stream_row(const int4* src, int n16, int round_scale, Bf16Store bf16, Fp8Store fp8) {
+  const int4 none[kRowInFlight] = {};
+  stream_row_from<kFp8, false>(src, n16, round_scale, none, bf16, fp8);
+}
+
+// stream_row's FP8 form with 16 FP8 bytes per thread and round (kFp8Wide): fp8(j, q, scale, first) stores
+// 16-byte unit j of the FP8 row (BF16 units 2j, 2j + 1), `first` on the unit that also stores its
+// 128-channel group's scale (group j / 8). n16: BF16 units of the row, a multiple of 16 (H % 128 == 0).
+// kPre: the first round's pair is `first` (load_first_round with wide).
+template <bool kPre, typename Fp8Store>
+__device__ __forceinline__ void stream_row_fp8_wide(const int4* src, int n16, int round_scale,
+                                                    const int4 (&first)[kRowInFlight], Fp8Store fp8) {
+  const int n32 = n16 / 2;
+  // base steps by blockDim.x (a multiple of 32): lane j % 8 == 0 starts a group, as the shuffles assume
+  for (int base = 0; base < n32; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    const bool active = j < n32;
+    int4 v0, v1;
+    if (kPre && base == 0) {
+      v0 = first[0];
+      v1 = first[1];
+    } else {
+      v0 = active ? ld_nc_v4(src + 2 * j) : make_int4(0, 0, 0, 0);
+      v1 = active ? ld_nc_v4(src + 2 * j + 1) : make_int4(0, 0, 0, 0);
+    }
+    float scale;
+    const int4 q = cast_fp8_pair(v0, v1, round_scale, &scale);
+    if (active) fp8(j, q, scale, (j % 8) == 0);
   }
 }
 

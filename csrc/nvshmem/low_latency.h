@@ -1,6 +1,7 @@
 // ep_plugin._C.LowLatencyRuntime: the low-latency kernels' host side (ll_runtime.cu). Protocol:
 // every rank builds one after nvshmem_init (a collective: one symmetric allocation, zeroed, then a
-// barrier). dispatch/combine launch one kernel with phases kSend (1), kRecv (2) or both: the send
+// barrier). dispatch/combine launch one kernel with phases kSend (1), kRecv (2) or both (ORed with the
+// variant bits of ll_device.cuh, which every rank of a call passes alike): the send
 // half writes rows straight into the owners' symmetric slots (P2P stores, or NVSHMEM puts where a
 // peer is not P2P-reachable), then one signal per rank carrying epoch + 1; the receive half waits
 // for the signals (deadline timeout_s, recorded in host-mapped memory, never a trap) and packs the

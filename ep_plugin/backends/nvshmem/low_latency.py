@@ -140,8 +140,11 @@ class NvshmemLowLatency(ReportsFaults):
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
         self.fused_launch = self.output_buffers > 0
-        # Variant bits ORed into the combine's phases (csrc/nvshmem/ll_device.cuh: kSerialPrologue = 4 is the
-        # earlier receive prologue); 0 = the default kernels. For A/B runs (benchmarks/bench_decode_pair.py).
+        # Variant bits ORed into both calls' phases, for A/B runs (benchmarks/bench_decode_pair.py); 0 = the
+        # default kernels. csrc/nvshmem/ll_device.cuh: 4 the earlier combine prologue; the direct dispatch's
+        # 8 row-major FP8 scales, 16 token + slot in one store, 32 16-byte FP8 stores, 64 epoch-tagged counts,
+        # 128 row loads before the count wait.
+        # Every rank must set the same bits (the senders' and receivers' layouts must agree).
         self.kernel_flags = 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
@@ -286,10 +289,11 @@ class NvshmemLowLatency(ReportsFaults):
         fp8 = 1 if use_fp8 else 0
         stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
         held = -1
+        flags = self.kernel_flags
         if self.fused_launch and not hook:
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             held = self._take_held()
-            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV, *ptrs,
+            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV | flags, *ptrs,
                         stats_ptr, _current_stream(), out_set, state["ptrs"][2])
             recv = None
         else:
@@ -299,18 +303,19 @@ class NvshmemLowLatency(ReportsFaults):
             outputs = self._dispatch_outputs(use_fp8, x.device) if self.output_sets else None
             held = self._take_held()
             set_args = (outputs[6], outputs[4]["ptrs"][2]) if outputs else ()  # the set and self_pos
-            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND,
+            rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND | flags,
                         0, 0, 0, 0, 0, 0, 0, stream, *set_args)
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = \
                 outputs or self._dispatch_outputs(use_fp8, x.device)
             # the receive half reads no input (x and topk_idx may go once the send half is queued)
             self_ptr = state["ptrs"][2]
             if not hook:
-                rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, stream, out_set, self_ptr)
+                rt.dispatch(0, 0, T, K, fp8, 0, RECV | flags, *ptrs, stats_ptr, stream, out_set, self_ptr)
                 recv = None
             else:
                 def recv(_alive=recv_stats):  # on the stream current when the hook runs; keeps recv_stats alive
-                    rt.dispatch(0, 0, T, K, fp8, 0, RECV, *ptrs, stats_ptr, _current_stream(), out_set, self_ptr)
+                    rt.dispatch(0, 0, T, K, fp8, 0, RECV | flags, *ptrs, stats_ptr, _current_stream(), out_set,
+                                self_ptr)
         if held >= 0:
             self._raise_held(held)
         handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
