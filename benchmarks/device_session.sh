@@ -38,8 +38,8 @@ if has test; then
     ${TEST_EXTRA:-}
 fi
 if has phases; then
-  for w in 4 2; do
-    run phases "${PHASES_LIMIT:-60}" $PY benchmarks/nvlink_phases.py --world $w --iters 20
+  for w in ${PHASES_WORLDS:-4 2}; do  # PHASES_ARGS: e.g. --only pull
+    run phases "${PHASES_LIMIT:-60}" $PY benchmarks/nvlink_phases.py --world $w --iters 20 ${PHASES_ARGS:-}
   done
 fi
 waitdeepep() {  # DeepEP importable, or a line saying why not
