@@ -26,8 +26,10 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
     faulthandler.dump_traceback_later(float(os.environ.get("EP_TEST_STACK_DUMP_S", 240)), file=sys.stderr)
     ok = False
     # Several ranks share the machine's cores: torch's intra-op threads per rank would oversubscribe
-    # them (small ops measured ~100x slower with two ranks on two cores).
-    torch.set_num_threads(1)
+    # them (small ops measured ~100x slower with two ranks on two cores). A rank gets its share of the
+    # cores, so on a GPU host (16 cores, 2 ranks) the CPU-side references of big shapes are not
+    # single-threaded, and on the 2-core CI box each rank still has one thread.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
