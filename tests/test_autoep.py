@@ -356,6 +356,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_example(tmp_path, *args, gpu=False):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
     _torchrun(os.path.join("examples", "deepspeed", "autoep_hf_moe.py"), "--json", str(out), *args, gpu=gpu)
     res = json.loads(out.read_text())
@@ -418,9 +419,15 @@ def test_bench_autoep_smoke_cpu(tmp_path):
 def test_example_pretrains_on_gpus_bf16(tmp_path):
     """The example's GPU setting (BF16, grouped GEMM, ep_plugin.yaml's backend: auto) against "comm"."""
     from ep_plugin._ext import has_c
+    from concurrent.futures import ThreadPoolExecutor
+
     args = ("--preset", "deepseek_v3", "--hidden", "256", "--steps", "30", "--seq-len", "128")
-    ours = _run_example(tmp_path, *args, gpu=True)
-    ref = _run_example(tmp_path, *args, "--comm-backend", "comm", gpu=True)
+    # Both runs at once on the same two GPUs (own ports, own process groups, a few hundred MiB each):
+    # most of each run is the start-up (imports, DeepSpeed's engine), which overlaps.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_run_example, tmp_path / name, *more, gpu=True)
+                for name, more in (("ours", args), ("ref", (*args, "--comm-backend", "comm")))]
+        ours, ref = (r.result() for r in runs)
     assert ours["ep_plugin_layers"] == 1 and ref["ep_plugin_layers"] == 0
     assert ours["backend"] == ("nvlink" if has_c() else "torch"), ours["backend"]
     assert _falls(ours["losses"]), ours["losses"]
