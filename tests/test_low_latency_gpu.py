@@ -23,7 +23,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends import registry
 from ep_plugin.errors import EPTimeoutError
-from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._dist import read_rank_results, spawn_parts, write_rank_result
 from tests._need import need_nvshmem
 from tests.reference import make_inputs
 from tests.test_low_latency import contract_body
@@ -47,11 +47,10 @@ def _need_nvshmem_engine():
     need_nvshmem(WORLD)
 
 
-def _spawn_on_gpus(body, tmp_path, *args, **kw):
-    """Run body(rank, world, out_dir, *args) on the GPUs. _need_nvshmem_engine has found 2 GPUs and
-    NVSHMEM in _C, so a rank whose auto buffer still got the torch engine is a failure, not a skip."""
-    spawn(body, WORLD, str(tmp_path), *args, backend="nccl", **kw)
-    results = read_rank_results(str(tmp_path), WORLD)
+def _check_results(out_dir):
+    """_need_nvshmem_engine has found the GPUs and NVSHMEM in _C, so a rank whose auto buffer still got
+    the torch engine is a failure, not a skip."""
+    results = read_rank_results(str(out_dir), WORLD)
     fallbacks = [r["skip"] for r in results if "skip" in r]
     assert not fallbacks, f"NVSHMEM is built, yet the low-latency engine is the torch reference: {fallbacks[0]}"
     assert all(r.get("ok") for r in results), results
@@ -301,14 +300,38 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
     auto.check()
 
 
-def test_nvshmem_engine_matches_reference(tmp_path):
-    _need_nvshmem_engine()
-    _spawn_on_gpus(body_matches_reference, tmp_path, timeout=580)
+@pytest.fixture(scope="module")
+def ll_parts(tmp_path_factory):
+    """The bodies that leave the group whole, in one spawn (one process start, NCCL init and NVSHMEM
+    bootstrap instead of three): fresh outputs first (the process's NVSHMEM heap is sized by its first
+    engine, as in test_low_latency_one_gpu, which runs the same two in this order), then output sets,
+    then the torch engine. Without NVSHMEM in _C only the torch engine runs (the NVSHMEM tests then
+    skip or fail in _need_nvshmem_engine)."""
+    _need_gpus()
+    import ep_plugin._ext as ext
+
+    root = tmp_path_factory.mktemp("ll_parts")
+    parts = []
+    if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
+        for name, sets in (("fresh", 0), ("sets", 2)):
+            (root / name).mkdir()
+            parts.append((name, body_matches_reference, (str(root / name), sets)))
+    parts.append(("torch_engine", contract_body, ("cuda",)))
+    return root, spawn_parts(parts, WORLD, str(root), backend="nccl", timeout=900)
 
 
-def test_output_sets_match_reference(tmp_path):
+def test_nvshmem_engine_matches_reference(ll_parts):
     _need_nvshmem_engine()
-    _spawn_on_gpus(body_matches_reference, tmp_path, 2, timeout=580)
+    root, parts = ll_parts
+    parts["fresh"].check()
+    _check_results(root / "fresh")
+
+
+def test_output_sets_match_reference(ll_parts):
+    _need_nvshmem_engine()
+    root, parts = ll_parts
+    parts["sets"].check()
+    _check_results(root / "sets")
 
 
 def test_direct_dispatch_flags_match_reference(tmp_path):
@@ -360,9 +383,23 @@ def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-def test_mask_leaves_a_rank_out(tmp_path):
+@pytest.fixture(scope="module")
+def fault_parts(tmp_path_factory):
+    """The mask and the timeout in one spawn of their own (abandon mode: the timeout leaves its buffer
+    broken, so it runs last; the mask leaves the group whole)."""
     _need_nvshmem_engine()
-    _spawn_on_gpus(body_mask, tmp_path, timeout=300, abandon=True)
+    root = tmp_path_factory.mktemp("ll_faults")
+    parts = []
+    for name, body in (("mask", body_mask), ("timeout", body_timeout)):
+        (root / name).mkdir()
+        parts.append((name, body, (str(root / name),)))
+    return root, spawn_parts(parts, WORLD, str(root), backend="nccl", timeout=300, abandon=True)
+
+
+def test_mask_leaves_a_rank_out(fault_parts):
+    root, parts = fault_parts
+    parts["mask"].check()
+    _check_results(root / "mask")
 
 
 def test_mask_with_direct_dispatch_flags(tmp_path):
@@ -401,12 +438,12 @@ def body_timeout(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-def test_timeout_names_the_rank_that_skipped(tmp_path):
-    _need_nvshmem_engine()
-    _spawn_on_gpus(body_timeout, tmp_path, timeout=120, abandon=True)
+def test_timeout_names_the_rank_that_skipped(fault_parts):
+    root, parts = fault_parts
+    parts["timeout"].check()
+    _check_results(root / "timeout")
 
 
-def test_torch_engine_on_nccl():
+def test_torch_engine_on_nccl(ll_parts):
     """The reference itself on CUDA tensors and NCCL: the CPU contract test's brute-force checks."""
-    _need_gpus()
-    spawn(contract_body, WORLD, "cuda", backend="nccl")
+    ll_parts[1]["torch_engine"].check()
