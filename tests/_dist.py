@@ -121,13 +121,13 @@ def read_rank_results(out_dir, world_size: int) -> list:
 PART_AGREE_S = 60.0  # how long ranks wait for each other between two parts of spawn_parts
 
 
-def _parts_body(rank, world, out_dir, parts):
+def _parts_body(rank, world, out_dir, parts, abandon=False):
     import json
     import time
     from datetime import timedelta
 
     store = dist.distributed_c10d._get_default_store()
-    for name, fn, args in parts:
+    for i, (name, fn, args) in enumerate(parts):
         t0 = time.monotonic()
         try:
             fn(rank, world, *args)
@@ -136,15 +136,18 @@ def _parts_body(rank, world, out_dir, parts):
             error = traceback.format_exc()
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "seconds": time.monotonic() - t0}, f)
+        if abandon and i == len(parts) - 1:
+            return  # nothing follows and the worker leaves without the closing barrier: no need to agree
         # Every rank's outcome before the next part: a rank that failed may have left a collective half done,
         # so after a failure nobody goes on (the parts not run fail with that reason).
         store.set(f"ep_parts/{name}/{rank}", "ok" if error is None else "failed")
         keys = [f"ep_parts/{name}/{r}" for r in range(world)]
         try:
             store.wait(keys, timedelta(seconds=PART_AGREE_S))
-        except Exception:  # noqa: BLE001  (a rank stuck in the part: spawn's timeout ends it)
+            agreed = all(store.get(k) == b"ok" for k in keys)
+        except Exception:  # noqa: BLE001  (a rank stuck in the part, or rank 0 (the store) gone after a failure)
             os._exit(3)
-        if any(store.get(k) != b"ok" for k in keys):
+        if not agreed:
             os._exit(3)  # skip the closing barrier: a peer may be stuck in a broken collective
 
 
@@ -153,11 +156,12 @@ def spawn_parts(parts, world_size: int, out_dir, **kw) -> dict:
     one framework import for all of them), in order. parts: [(name, fn, args)], fn(rank, world, *args)
     module-level. Returns {name: PartResult}; each test asserts its own part with PartResult.check(), so a
     failure is reported by the test it belongs to and the parts after it say they did not run.
-    Only for parts that leave the group usable; fault tests (a rank killed or abandoned) keep spawn()."""
+    Parts that leave the group usable; with abandon=True the last part may break it (a rank that stalls,
+    or ends its process: its test then passes that rank to PartResult.check(exited=...))."""
     os.makedirs(out_dir, exist_ok=True)
     failure = None
     try:
-        spawn(_parts_body, world_size, str(out_dir), list(parts), **kw)
+        spawn(_parts_body, world_size, str(out_dir), list(parts), kw.get("abandon", False), **kw)
     except AssertionError as exc:
         failure = str(exc)
     return {name: PartResult(name, out_dir, world_size, failure) for name, _, _ in parts}
@@ -176,11 +180,15 @@ class PartResult:
                     self.ranks[r] = json.load(f)
         self.world = world
 
-    def check(self) -> None:
+    def check(self, exited=()) -> None:
+        """exited: ranks that end their process in this part on purpose (their result is never written)."""
         errors = [f"rank {r} failed:\n{v['error']}" for r, v in sorted(self.ranks.items()) if v["error"]]
         if errors:
             raise AssertionError(f"part {self.name}:\n" + "\n".join(errors))
-        missing = [r for r in range(self.world) if r not in self.ranks]
+        came_back = [r for r in exited if r in self.ranks]
+        if came_back:
+            raise AssertionError(f"part {self.name}: ranks {came_back} were to end their process, yet finished it")
+        missing = [r for r in range(self.world) if r not in self.ranks and r not in exited]
         if missing:
             raise AssertionError(f"part {self.name} did not finish on ranks {missing} (an earlier part failed, or "
                                  f"this one hung): {self.spawn_failure or 'no error reported'}")

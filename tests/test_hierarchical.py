@@ -16,7 +16,7 @@ import ep_plugin
 from ep_plugin.backends.hierarchical import HierarchicalBackend
 from ep_plugin.backends.hierarchical.backend import contract_positions
 from ep_plugin.backends.hierarchical.nodes import ranks_per_node_of
-from tests._dist import spawn
+from tests._dist import spawn, spawn_parts
 from tests._need import need_nvshmem
 from tests.reference import make_inputs, reference_combine, reference_dispatch, reference_expert_dispatch
 
@@ -328,10 +328,19 @@ def check_graph(buf, rank, world):
     assert torch.equal(res.x[:n], eager.x[:n]) and torch.equal(y, y_eager)
 
 
-@pytest.mark.gpu
-def test_nvshmem_two_virtual_nodes():
+@pytest.fixture(scope="module")
+def nvshmem_parts(tmp_path_factory):
+    """Both GPU bodies in one spawn (one process start, NCCL init and NVSHMEM bootstrap), in abandon
+    mode: the timeout leaves rank 0's buffer broken, so it runs last."""
     need_nvshmem(2)
-    spawn(body_nvshmem, 2, backend="nccl", timeout=400)
+    parts = [("two_virtual_nodes", body_nvshmem, ()), ("timeout", body_nvshmem_timeout, ())]
+    return spawn_parts(parts, 2, str(tmp_path_factory.mktemp("hier_nvshmem")), backend="nccl", abandon=True,
+                       timeout=500)
+
+
+@pytest.mark.gpu
+def test_nvshmem_two_virtual_nodes(nvshmem_parts):
+    nvshmem_parts["two_virtual_nodes"].check()
 
 
 def test_traffic_per_domain():
@@ -378,6 +387,5 @@ def body_nvshmem_timeout(rank, world):
 
 
 @pytest.mark.gpu
-def test_nvshmem_timeout_names_the_missing_rank():
-    need_nvshmem(2)
-    spawn(body_nvshmem_timeout, 2, backend="nccl", abandon=True, timeout=120)
+def test_nvshmem_timeout_names_the_missing_rank(nvshmem_parts):
+    nvshmem_parts["timeout"].check()

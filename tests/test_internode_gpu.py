@@ -21,7 +21,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.hierarchical.timeline import StageTimeline
 from ep_plugin.errors import EPTimeoutError
-from tests._dist import spawn
+from tests._dist import spawn_parts
 from tests.reference import make_inputs
 from tests.test_hierarchical import E, K, _cfg, check_against_reference, check_graph, check_node_limited
 
@@ -78,11 +78,19 @@ def body_contract(rank, world, P):
         buf.close()
 
 
-@pytest.mark.parametrize("shape", list(WORLDS))
-def test_contract_against_reference(shape):
-    world, P = WORLDS[shape]
+@pytest.fixture(scope="module", params=list(WORLDS))
+def internode_parts(request, tmp_path_factory):
+    """Both bodies of a world in one spawn (one process start, NCCL init and NVSHMEM bootstrap), in
+    abandon mode: the peer's death ends the group, so it runs last."""
+    world, P = WORLDS[request.param]
     _need(world)
-    spawn(body_contract, world, P, backend="nccl", timeout=400)
+    parts = [("contract", body_contract, (P,)), ("peer_dies", body_peer_dies, (P,))]
+    return spawn_parts(parts, world, str(tmp_path_factory.mktemp(f"internode{request.param}")), backend="nccl",
+                       abandon=True, timeout=500)
+
+
+def test_contract_against_reference(internode_parts):
+    internode_parts["contract"].check()
 
 
 class _DieAfterRailSend(StageTimeline):
@@ -138,8 +146,6 @@ def body_peer_dies(rank, world, P):
         assert where == "dispatch", (rank, where, str(caught))
 
 
-@pytest.mark.parametrize("shape", list(WORLDS))
-def test_peer_dies_mid_dispatch(shape):
-    world, P = WORLDS[shape]
-    _need(world)
-    spawn(body_peer_dies, world, P, backend="nccl", abandon=True, timeout=120)
+def test_peer_dies_mid_dispatch(internode_parts):
+    part = internode_parts["peer_dies"]
+    part.check(exited=(part.world - 1,))  # body_peer_dies's dead rank
