@@ -53,12 +53,35 @@ def survivor_body(rank, world, how):
     assert elapsed < TIMEOUT_S + 5, f"raised after {elapsed:.1f}s with comm.timeout_s={TIMEOUT_S}"
 
 
-@pytest.mark.parametrize("how", ["sync", "async", "next_call"])
-def test_peer_dies_before_combine(how):
+HOWS = ["sync", "async", "next_call"]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """The three cases at the same time, each in its own pair of processes on the two GPUs (a death
+    ends a group, so they cannot share one): their start-ups and timeouts overlap. Each case's
+    exception (None: it passed), for its own test."""
+    from concurrent.futures import ThreadPoolExecutor
+
     world = 2
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
     import ep_plugin._ext as ext
     if not ext.has_c():
         pytest.skip("ep_plugin._C is not built")
-    spawn(survivor_body, world, how, backend="nccl", timeout=120, abandon=True)
+
+    def run(how):
+        try:
+            spawn(survivor_body, world, how, backend="nccl", timeout=120, abandon=True)
+        except AssertionError as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(len(HOWS)) as pool:
+        return dict(zip(HOWS, pool.map(run, HOWS)))
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_peer_dies_before_combine(outcomes, how):
+    if outcomes[how] is not None:
+        raise outcomes[how]
