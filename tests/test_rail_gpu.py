@@ -15,8 +15,8 @@ waits for NCCL's 10-minute watchdog). So every rail call is followed by a sync a
 any NCCL collective (TorchRail, the brute force): a rank whose peer left sees EPTimeoutError after
 COMM_TIMEOUT_S. What a rank finds (check() errors, comparisons) is collected, then exchanged over a
 gloo group with a timeout (_agree) and raised on every rank with every rank's messages. The ranks run
-in spawn's abandon mode: a failed rank exits at once, without the collective teardown (NCCL, NVSHMEM
-finalize) that its peer would never join.
+in spawn's abandon mode (one spawn per shape, spawn_parts): after a failed body the ranks exit, without
+the later bodies and the collective teardown (NCCL, NVSHMEM finalize) that a peer might never join.
 """
 import os
 import time
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ep_plugin.errors import EPTimeoutError
-from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._dist import read_rank_results, spawn_parts, write_rank_result
 from tests._need import need_nvshmem
 
 pytestmark = pytest.mark.gpu
@@ -47,13 +47,29 @@ def _need_nvshmem(world):
     need_nvshmem(world)
 
 
-def _run(body, tmp_path, timeout, world):
+@pytest.fixture(scope="module", params=list(SHAPES))
+def rail_parts(request, tmp_path_factory):
+    """A shape's three bodies in one spawn (one process start, NCCL init and NVSHMEM bootstrap), the
+    timeout last (it leaves its engine faulted). abandon: after a failed part the ranks exit without the
+    collective teardown (destroy_process_group, NVSHMEM finalize) that a peer might never join; the
+    peer's rail wait times out after COMM_TIMEOUT_S, so both tracebacks come back."""
+    world = SHAPES[request.param]
+    _need_nvshmem(world)
     # EP_RAIL_TEST_TIMEOUT: a shorter bound, so a rank's assertion is reported before an outer limit kills all.
-    # abandon: a rank that raised exits at once (no destroy_process_group / NVSHMEM finalize, which wait for
-    # the peer), and the peer's rail wait times out after COMM_TIMEOUT_S, so both tracebacks come back
-    timeout = min(timeout, float(os.environ.get("EP_RAIL_TEST_TIMEOUT", timeout)))
-    spawn(body, world, str(tmp_path), backend="nccl", timeout=timeout, abandon=True)
-    results = read_rank_results(str(tmp_path), world)
+    timeout = min(900.0, float(os.environ.get("EP_RAIL_TEST_TIMEOUT", 900.0)))
+    root = tmp_path_factory.mktemp(f"rail{request.param}")
+    parts = []
+    for name, body in (("matches", body_matches_reference), ("order_graph_puts", body_order_graph_puts),
+                       ("timeout", body_timeout)):
+        (root / name).mkdir()
+        parts.append((name, body, (str(root / name),)))
+    return world, root, spawn_parts(parts, world, str(root), backend="nccl", timeout=timeout, abandon=True)
+
+
+def _check(rail_parts, name):
+    world, root, parts = rail_parts
+    parts[name].check()
+    results = read_rank_results(str(root / name), world)
     assert all(r.get("ok") for r in results), results
 
 
@@ -317,10 +333,8 @@ def body_matches_reference(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_nvshmem_rail_matches_reference(tmp_path, shape):
-    _need_nvshmem(SHAPES[shape])
-    _run(body_matches_reference, tmp_path, timeout=580, world=SHAPES[shape])
+def test_nvshmem_rail_matches_reference(rail_parts):
+    _check(rail_parts, "matches")
 
 
 def _interleaved(eng, ref, rank, M, hidden, E, K, fp8, seed):
@@ -407,10 +421,8 @@ def body_order_graph_puts(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_nvshmem_rail_order_graph_and_puts(tmp_path, shape):
-    _need_nvshmem(SHAPES[shape])
-    _run(body_order_graph_puts, tmp_path, timeout=580, world=SHAPES[shape])
+def test_nvshmem_rail_order_graph_and_puts(rail_parts):
+    _check(rail_parts, "order_graph_puts")
 
 
 TIMEOUT_S = 2.0
@@ -458,7 +470,5 @@ def body_timeout(rank, world, out_dir):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_timeout_names_the_rank_that_skipped(tmp_path, shape):
-    _need_nvshmem(SHAPES[shape])
-    _run(body_timeout, tmp_path, timeout=180, world=SHAPES[shape])
+def test_timeout_names_the_rank_that_skipped(rail_parts):
+    _check(rail_parts, "timeout")
