@@ -106,17 +106,48 @@ def test_subgroup_peer_late_to_build_the_buffer_is_named():
     spawn(subgroup_body, 4, 3, timeout=60, abandon=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("bind_device", [False, True], ids=["lazy", "bound"])
-def test_stalled_peer_is_named_on_nccl(monkeypatch, bind_device):
-    """NCCL's kernel cannot be cancelled: the host's wait gives up, and the backend aborts its own group.
+@pytest.fixture(scope="module")
+def nccl_outcomes():
+    """The three NCCL cases at the same time, each in its own pair of processes on the two GPUs (a stall
+    or a death ends a group): their start-ups and waits overlap. Each case's exception (None: passed).
     TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (torch's default, set here so the CI environment cannot change
     it) lets the watchdog kill the process once the group's own timeout (comm.timeout_s + GRACE_S)
     passes; our error must come first, and the workers exit right after checking it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    spawn(stall_body, 2, 1, "cuda", backend="nccl", timeout=120, abandon=True, bind_device=bind_device)
+    cases = {"stalled_lazy": (stall_body, (2, 1, "cuda"), {"bind_device": False}),
+             "stalled_bound": (stall_body, (2, 1, "cuda"), {"bind_device": True}),
+             "dead": (nccl_death_body, (2, 1), {})}
+
+    def run(name):
+        body, args, kw = cases[name]
+        try:
+            spawn(body, *args, backend="nccl", timeout=120, abandon=True, **kw)
+        except AssertionError as exc:
+            return exc
+        return None
+
+    before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"  # the spawned ranks inherit it
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            return dict(zip(cases, pool.map(run, cases)))
+    finally:
+        if before is None:
+            del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bind_device", [False, True], ids=["lazy", "bound"])
+def test_stalled_peer_is_named_on_nccl(nccl_outcomes, bind_device):
+    """NCCL's kernel cannot be cancelled: the host's wait gives up, and the backend aborts its own group."""
+    outcome = nccl_outcomes["stalled_bound" if bind_device else "stalled_lazy"]
+    if outcome is not None:
+        raise outcome
 
 
 def nccl_death_body(rank, world, dead):
@@ -139,8 +170,6 @@ def nccl_death_body(rank, world, dead):
 
 
 @pytest.mark.gpu
-def test_dead_peer_before_combine_is_named_on_nccl(monkeypatch):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    spawn(nccl_death_body, 2, 1, backend="nccl", timeout=120, abandon=True)
+def test_dead_peer_before_combine_is_named_on_nccl(nccl_outcomes):
+    if nccl_outcomes["dead"] is not None:
+        raise nccl_outcomes["dead"]
