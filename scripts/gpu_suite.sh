@@ -8,6 +8,9 @@
 #   bash scripts/gpu_suite.sh build bench          # second call (build is skipped when already done)
 #   bash scripts/gpu_suite.sh build ll             # receive hooks vs a GEMM (benchmarks/bench_ll_overlap.py)
 #   PYTEST_K=expert: only the GPU tests matching it; TEST_TIMEOUT (570 s): the suite's limit; LAYER_BASELINE=0: the layer on this tree only
+#   GPU_TEST_WORKERS=2: two pytest workers (pytest-xdist, a file each at a time) share the GPUs: most of a
+#   test's time is process start-up and host work, which then overlap; off by default (timings of one
+#   test then include the other's load)
 #   BENCH_ARGS / LL_ARGS: extra arguments of bench_dispatch.py / bench_ll_overlap.py
 #
 # Expects megatron-core/deepspeed wheels in .whl/ (../shared/gpu/fetch_wheels.sh), optionally DeepEP
@@ -49,8 +52,10 @@ stage_test() {  # the whole GPU suite (-m gpu) in one call: junit + log in $OUT,
   echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)"
   local t0=$(date +%s)
   # SIGINT first: pytest stops, reports what ran and writes the junit file; KILL 30 s later if it hangs.
+  local workers=()
+  [ "${GPU_TEST_WORKERS:-1}" -gt 1 ] && workers=(-n "$GPU_TEST_WORKERS" --dist loadfile)
   timeout -s INT -k 30 "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu tests -p no:cacheprovider -rA --durations=30 \
-    --junitxml="$OUT/gpu_junit.xml" -k "${PYTEST_K:-}" > "$OUT/gpu_tests.log" 2>&1
+    "${workers[@]}" --junitxml="$OUT/gpu_junit.xml" -k "${PYTEST_K:-}" > "$OUT/gpu_tests.log" 2>&1
   local rc=$?
   echo "gpu tests rc=$rc in $(( $(date +%s) - t0 )) s  (log $OUT/gpu_tests.log, junit $OUT/gpu_junit.xml)"
   JUNIT="$OUT/gpu_junit.xml" LOG="$OUT/gpu_tests.log" python3 - <<'PYEOF'
@@ -59,6 +64,8 @@ log = open(os.environ["LOG"], errors="replace").read()
 m = re.search(r"collected (\d+) items(?: / (\d+) deselected)?", log)
 if m:
     print(f"collected {m.group(1)}, deselected {m.group(2) or 0}")
+elif (m := re.search(r"(\d+) workers \[(\d+) items\]", log)):
+    print(f"{m.group(1)} workers, {m.group(2)} tests")
 if not os.path.exists(os.environ["JUNIT"]):
     print("no junit file (pytest killed?); the log's tail:")
     print("\n".join(log.splitlines()[-25:]))

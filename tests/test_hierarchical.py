@@ -16,7 +16,7 @@ import ep_plugin
 from ep_plugin.backends.hierarchical import HierarchicalBackend
 from ep_plugin.backends.hierarchical.backend import contract_positions
 from ep_plugin.backends.hierarchical.nodes import ranks_per_node_of
-from tests._dist import spawn, spawn_parts
+from tests._dist import spawn_parts
 from tests._need import need_nvshmem
 from tests.reference import make_inputs, reference_combine, reference_dispatch, reference_expert_dispatch
 
@@ -227,9 +227,26 @@ def check_backward(buf, rank, world, xs, idxs, ws):
     torch.testing.assert_close(wg.grad, want_w)
 
 
+TORCH_PARTS = {2: (1,), 4: (2, 1), 6: (3, 2), 8: (4, 2)}  # world -> ranks per node of the cases
+
+
+@pytest.fixture(scope="module")
+def torch_parts_runs(tmp_path_factory):
+    """One spawn per world size, running the cases of every P of that world in it (the process start-ups
+    of 6 and 8 ranks on the CI machine's 2 cores cost more than a case)."""
+    runs = {}
+
+    def run(world, body):
+        if world not in runs:
+            parts = [(f"P{P}", body, (P,)) for P in TORCH_PARTS[world]]
+            runs[world] = spawn_parts(parts, world, str(tmp_path_factory.mktemp(f"hier_torch{world}")), timeout=900)
+        return runs[world]
+    return run
+
+
 @pytest.mark.parametrize("world,P", [(2, 1), (4, 2), (4, 1), (6, 3), (6, 2)])
-def test_torch_parts_match_reference(world, P):
-    spawn(body_torch_parts, world, P, timeout=600)
+def test_torch_parts_match_reference(torch_parts_runs, world, P):
+    torch_parts_runs(world, body_torch_parts)[f"P{P}"].check()
 
 
 def body_world8(rank, world, P):
@@ -242,8 +259,8 @@ def body_world8(rank, world, P):
 
 
 @pytest.mark.parametrize("P", [4, 2])
-def test_torch_parts_at_eight_ranks(P):
-    spawn(body_world8, 8, P, timeout=600)
+def test_torch_parts_at_eight_ranks(torch_parts_runs, P):
+    torch_parts_runs(8, body_world8)[f"P{P}"].check()
 
 
 def test_contract_positions_reorders_forwarder_blocks():
