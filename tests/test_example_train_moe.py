@@ -30,7 +30,8 @@ def _train(env, *args):
 
 def test_train_moe_example_loss_falls():
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    first, last, backend, rows = _train(env, "--steps", "60")
+    # the loss falls from ~5.6 to ~2.7 in 20 steps and hovers near 2.5 after (measured on CPU)
+    first, last, backend, rows = _train(env, "--steps", "25")
     assert (backend, rows) == ("torch", "float32")
     assert last < first - 1.0, (first, last)
 
