@@ -24,7 +24,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
 
-from tests._dist import spawn  # noqa: E402
+from tests._dist import spawn, spawn_parts  # noqa: E402
 from tests.fakes import RecordingMonitor  # noqa: E402
 
 VOCAB, SEQ, MICRO = 64, 16, 2
@@ -266,16 +266,25 @@ def _stats_cases(rank, world):
         assert logged == [] and monitor.events == [], seen
 
 
-def test_autoep_reports_stats_every_interval_cpu():
-    spawn(_stats_cases, 2, timeout=120)
+@pytest.fixture(scope="module")
+def cpu_parts(tmp_path_factory):
+    """The three CPU bodies in one spawn (DeepSpeed and transformers imported once per rank, not three
+    times). The equality cases go last: they wrap EPPluginExchange's methods with call counters."""
+    parts = [("behaviour", _behaviour_cases, ()), ("stats", _stats_cases, ()),
+             ("equality", _equality_cases, ("cpu", (("torch", 1e-5, None),), 32, ("mixtral", "deepseek_v3")))]
+    return spawn_parts(parts, 2, str(tmp_path_factory.mktemp("autoep_cpu")), timeout=660)
 
 
-def test_autoep_trains_like_comm_cpu():
-    spawn(_equality_cases, 2, "cpu", (("torch", 1e-5, None),), 32, ("mixtral", "deepseek_v3"), timeout=300)
+def test_autoep_reports_stats_every_interval_cpu(cpu_parts):
+    cpu_parts["stats"].check()
 
 
-def test_autoep_behaviour_cpu():
-    spawn(_behaviour_cases, 2, timeout=240)
+def test_autoep_trains_like_comm_cpu(cpu_parts):
+    cpu_parts["equality"].check()
+
+
+def test_autoep_behaviour_cpu(cpu_parts):
+    cpu_parts["behaviour"].check()
 
 
 @pytest.mark.gpu
