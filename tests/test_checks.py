@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import ep_plugin
 import ep_plugin.deep_ep as deep_ep
-from tests._dist import spawn
+from tests._dist import spawn_parts
 
 H, E, K, T = 64, 4, 2, 5
 
@@ -55,8 +55,8 @@ def cached_body(rank, world):
     _still_usable(buf, rank)
 
 
-def test_cached_dispatch_checks_its_routing():
-    spawn(cached_body, 2)
+def test_cached_dispatch_checks_its_routing(check_parts):
+    check_parts["cached_body"].check()
 
 
 def device_body(rank, world):
@@ -66,8 +66,8 @@ def device_body(rank, world):
     _still_usable(buf, rank)
 
 
-def test_dispatch_refuses_a_device_the_buffer_does_not_move():
-    spawn(device_body, 2)
+def test_dispatch_refuses_a_device_the_buffer_does_not_move(check_parts):
+    check_parts["device_body"].check()
 
 
 def topk_zero_body(rank, world):
@@ -78,8 +78,8 @@ def topk_zero_body(rank, world):
     _still_usable(buf, rank)
 
 
-def test_topk_of_zero_columns_is_refused():
-    spawn(topk_zero_body, 2)
+def test_topk_of_zero_columns_is_refused(check_parts):
+    check_parts["topk_zero_body"].check()
 
 
 def other_buffer_body(rank, world):
@@ -95,8 +95,8 @@ def other_buffer_body(rank, world):
     assert b.combine(rb.x, rb.handle).shape == (T, 2 * H)
 
 
-def test_handles_name_their_buffer():
-    spawn(other_buffer_body, 2)
+def test_handles_name_their_buffer(check_parts):
+    check_parts["other_buffer_body"].check()
 
 
 def repeats_body(rank, world):
@@ -119,8 +119,8 @@ def repeats_body(rank, world):
     _still_usable(buf, rank)
 
 
-def test_a_repeated_expert_gets_one_expert_major_row():
-    spawn(repeats_body, 2)
+def test_a_repeated_expert_gets_one_expert_major_row(check_parts):
+    check_parts["repeats_body"].check()
 
 
 def deep_ep_body(rank, world):
@@ -153,5 +153,15 @@ def deep_ep_body(rank, world):
     buf.destroy()
 
 
-def test_deep_ep_checks_its_layout_tensors():
-    spawn(deep_ep_body, 2)
+def test_deep_ep_checks_its_layout_tensors(check_parts):
+    check_parts["deep_ep_body"].check()
+
+
+BODIES = ("cached_body", "device_body", "topk_zero_body", "other_buffer_body", "repeats_body", "deep_ep_body")
+
+
+@pytest.fixture(scope="module")
+def check_parts(tmp_path_factory):
+    """Every body in one spawn (each leaves the group usable: that is what they check)."""
+    parts = [(name, globals()[name], ()) for name in BODIES]
+    return spawn_parts(parts, 2, str(tmp_path_factory.mktemp("checks")), timeout=300)
