@@ -10,7 +10,7 @@ import torch
 
 from ep_plugin.backends.hierarchical.backend import contract_order, contract_positions
 from ep_plugin.backends.hierarchical.timeline import StageTimeline
-from tests._dist import spawn
+from tests._dist import spawn_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,9 +63,29 @@ def body_timeline(rank, world, P):
     buf.close()
 
 
+# world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
+RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2)),
+        2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1)),
+        6: (("sources", "body_sources_path", 3),)}
+
+
+@pytest.fixture(scope="module")
+def internode_runs(tmp_path_factory):
+    """One spawn per world size for every body of that size (process start-ups of 4 and 6 ranks on the
+    CI machine's 2 cores cost more than the bodies); each body leaves the group usable."""
+    runs = {}
+
+    def run(world, name, P):
+        if world not in runs:
+            parts = [(f"{n}_P{p}", globals()[body], (p,)) for n, body, p in RUNS[world]]
+            runs[world] = spawn_parts(parts, world, str(tmp_path_factory.mktemp(f"internode{world}")), timeout=600)
+        return runs[world][f"{name}_P{P}"]
+    return run
+
+
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
-def test_timeline_marks_each_stage(world, P):
-    spawn(body_timeline, world, P, timeout=300)
+def test_timeline_marks_each_stage(internode_runs, world, P):
+    internode_runs(world, "timeline", P).check()
 
 
 def test_bench_internode_arguments():
@@ -132,20 +152,23 @@ def body_sources_path(rank, world, P):
     used = []
     orig = hb.contract_order
     hb.contract_order = lambda *a: used.append(1) or orig(*a)
-    for host_sync in (False, True):
-        buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
-        buf._backend.inner = _InnerWithSources(buf._backend.inner, P)
-        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)),
-                                              ("starve_last", 13), ("nowhere", 20))):
-            check_against_reference(buf, rank, world, 128, tokens, 40 + seed, mode, "cpu")
-        check_node_limited(buf, rank, world, P, "cpu")
-        buf.close()
+    try:  # put back: the process runs other bodies after this one
+        for host_sync in (False, True):
+            buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
+            buf._backend.inner = _InnerWithSources(buf._backend.inner, P)
+            for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)),
+                                                  ("starve_last", 13), ("nowhere", 20))):
+                check_against_reference(buf, rank, world, 128, tokens, 40 + seed, mode, "cpu")
+            check_node_limited(buf, rank, world, P, "cpu")
+            buf.close()
+    finally:
+        hb.contract_order = orig
     assert used, "the contract_order path was not taken"
 
 
 @pytest.mark.parametrize("world,P", [(4, 2), (6, 3)])
-def test_hierarchical_orders_rows_from_inner_sources(world, P):
-    spawn(body_sources_path, world, P, timeout=300)
+def test_hierarchical_orders_rows_from_inner_sources(internode_runs, world, P):
+    internode_runs(world, "sources", P).check()
 
 
 class _PhasedRail:
@@ -195,5 +218,5 @@ def body_phased_rail(rank, world, P):
 
 
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
-def test_routing_mask_launched_under_the_rail_send(world, P):
-    spawn(body_phased_rail, world, P, timeout=300)
+def test_routing_mask_launched_under_the_rail_send(internode_runs, world, P):
+    internode_runs(world, "phased", P).check()
