@@ -192,3 +192,16 @@ class PartResult:
         if missing:
             raise AssertionError(f"part {self.name} did not finish on ranks {missing} (an earlier part failed, or "
                                  f"this one hung): {self.spawn_failure or 'no error reported'}")
+
+
+def parts_per_world(tmp_path_factory, tag: str, table: dict, **kw):
+    """For a module fixture: table maps a world size to its parts [(name, fn, args)]; returns
+    run(world, name) -> PartResult, spawning each world's parts together (spawn_parts) on first use, so
+    a module's tests of one world size share one process start-up and group init."""
+    runs = {}
+
+    def run(world, name):
+        if world not in runs:
+            runs[world] = spawn_parts(table[world], world, str(tmp_path_factory.mktemp(f"{tag}{world}")), **kw)
+        return runs[world][name]
+    return run

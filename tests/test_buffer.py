@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
-from tests._dist import spawn
+from tests._dist import parts_per_world
 from tests.reference import make_inputs, reference_combine, reference_dispatch
 
 H, K = 32, 4
@@ -58,9 +58,12 @@ def contract_body(rank, world, device="cpu", topk=K, hidden=H):
 # Worlds that are not powers of two, and row widths that are not multiples of 8 bytes: with topk 3 a
 # packed row is 4*H+36 bytes for float32 and 2*H+36 for bf16, so H=33 misaligns the bf16 rows and
 # H=34 the float32 ones. "skew", "nowhere" and "starve_last" leave ranks with nothing to receive.
-@pytest.mark.parametrize("world,topk,hidden", [(2, 4, 32), (3, 3, 33), (4, 4, 32), (5, 3, 34)])
-def test_contract_random_routings(world, topk, hidden):
-    spawn(contract_body, world, "cpu", topk, hidden)
+CONTRACTS = {2: (4, 32), 3: (3, 33), 4: (4, 32), 5: (3, 34)}  # world -> (topk, hidden)
+
+
+@pytest.mark.parametrize("world,topk,hidden", [(w, *th) for w, th in CONTRACTS.items()])
+def test_contract_random_routings(runs, world, topk, hidden):
+    runs(world, "contract").check()
 
 
 def grad_body(rank, world):
@@ -98,8 +101,8 @@ def grad_body(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gradients_match_single_process_reference(world):
-    spawn(grad_body, world)
+def test_gradients_match_single_process_reference(runs, world):
+    runs(world, "grad").check()
 
 
 def modes_body(rank, world, device="cpu"):
@@ -162,5 +165,15 @@ def fp8_body(rank, world):
 
 
 @pytest.mark.parametrize("body", [modes_body, fp8_body])
-def test_async_cached_fp8(body):
-    spawn(body, 2)
+def test_async_cached_fp8(runs, body):
+    runs(2, body.__name__).check()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn per world size for the bodies of that size (each leaves the group usable)."""
+    table = {w: [("contract", contract_body, ("cpu", topk, hidden))] for w, (topk, hidden) in CONTRACTS.items()}
+    for w in (2, 4):
+        table[w].append(("grad", grad_body, ()))
+    table[2] += [("modes_body", modes_body, ()), ("fp8_body", fp8_body, ())]
+    return parts_per_world(tmp_path_factory, "buffer", table, timeout=600)

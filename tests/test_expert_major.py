@@ -5,7 +5,7 @@ import torch
 
 import ep_plugin
 from ep_plugin import expert_major
-from tests._dist import spawn
+from tests._dist import parts_per_world
 from tests.reference import make_inputs, reference_expert_dispatch
 
 H, K = 32, 4
@@ -63,8 +63,8 @@ def expert_body(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_expert_major_matches_reference(world):
-    spawn(expert_body, world)
+def test_expert_major_matches_reference(runs, world):
+    runs(world, "expert").check()
 
 
 def grad_body(rank, world):
@@ -101,8 +101,8 @@ def grad_body(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_expert_major_gradients_match_rank_major(world):
-    spawn(grad_body, world)
+def test_expert_major_gradients_match_rank_major(runs, world):
+    runs(world, "grad").check()
 
 
 def errors_body(rank, world):
@@ -120,8 +120,16 @@ def errors_body(rank, world):
     buf.close()
 
 
-def test_expert_major_errors():
-    spawn(errors_body, 2)
+def test_expert_major_errors(runs):
+    runs(2, "errors").check()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn per world size for the bodies of that size (each leaves the group usable)."""
+    both = [("expert", expert_body, ()), ("grad", grad_body, ())]
+    return parts_per_world(tmp_path_factory, "expert_major", {2: both + [("errors", errors_body, ())], 3: both},
+                           timeout=600)
 
 
 def test_plan_positions_and_capacity():
