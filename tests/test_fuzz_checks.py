@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests._dist import spawn
+from tests._dist import spawn_parts
 
 pytest.importorskip("hypothesis")
 
@@ -14,23 +14,31 @@ SHAPES = [(3, 2), (17, 4), (64, 4), (256, 2)]
 EXAMPLES = int(os.environ.get("EP_FUZZ_EXAMPLES", 1000))
 
 
-def test_fuzz_torch_backend(tmp_path):
+@pytest.fixture(scope="module")
+def fuzz_parts(tmp_path_factory):
+    """Both fuzzers in one spawn (one group for the whole run, as each fuzzer already keeps one)."""
     from tests.fuzz_cases import fuzz_body
 
-    out = tmp_path / "count"
-    spawn(fuzz_body, 2, "torch", SHAPES, "cpu", 8, EXAMPLES, str(out))
-    count, seconds = out.read_text().split()
+    root = tmp_path_factory.mktemp("fuzz")
+    n_ll = int(os.environ.get("EP_FUZZ_LL_EXAMPLES", 300))
+    parts = [("torch", fuzz_body, ("torch", SHAPES, "cpu", 8, EXAMPLES, str(root / "torch.count"))),
+             ("low_latency", fuzz_body, ("torch", [(128, 4), (64, 4)], "cpu", 8, n_ll, str(root / "ll.count"), None,
+                                         True))]
+    return root, n_ll, spawn_parts(parts, 2, str(root), timeout=1200)
+
+
+def test_fuzz_torch_backend(fuzz_parts):
+    root, _, parts = fuzz_parts
+    parts["torch"].check()
+    count, seconds = (root / "torch.count").read_text().split()
     print(f"torch backend fuzz: {count} cases in {seconds} s")
     assert int(count) >= EXAMPLES
 
 
-def test_fuzz_low_latency_torch_engine(tmp_path):
+def test_fuzz_low_latency_torch_engine(fuzz_parts):
     """The low-latency calls' fuzzer on the torch engine (gloo): the same protocol, fewer cases (CI time)."""
-    from tests.fuzz_cases import fuzz_body
-
-    out = tmp_path / "count"
-    n = int(os.environ.get("EP_FUZZ_LL_EXAMPLES", 300))
-    spawn(fuzz_body, 2, "torch", [(128, 4), (64, 4)], "cpu", 8, n, str(out), None, True)
-    count, seconds = out.read_text().split()
+    root, n, parts = fuzz_parts
+    parts["low_latency"].check()
+    count, seconds = (root / "ll.count").read_text().split()
     print(f"low-latency torch engine fuzz: {count} cases in {seconds} s")
     assert int(count) >= n

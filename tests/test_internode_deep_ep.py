@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ep_plugin.deep_ep as deep_ep
 from ep_plugin.deep_ep.internode import InternodeHandle
-from tests._dist import spawn
+from tests._dist import parts_per_world
 from tests.test_deep_ep_compat import _fp8, _fp8_back
 
 
@@ -175,18 +175,27 @@ def body_one_node(rank, world):
     buf.destroy()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn per world size for every case of that size (4-rank start-ups on the CI machine's 2
+    cores cost more than a case); each case destroys its buffer and leaves the group usable."""
+    table = {4: [(f"P{P}{tag}", body, (P, *extra)) for tag, extra in (("", ()), ("_hier", (True,))) for P in (2, 1)],
+             2: [("P1_hier", body, (1, True)), ("one_node", body_one_node, ())]}
+    return parts_per_world(tmp_path_factory, "deep_ep_internode", table, timeout=600)
+
+
 @pytest.mark.parametrize("world,P", [(4, 2), (4, 1)])
-def test_deep_ep_internode_like_test_internode(world, P):
-    spawn(body, world, P, timeout=300)
+def test_deep_ep_internode_like_test_internode(runs, world, P):
+    runs(world, f"P{P}").check()
 
 
 @pytest.mark.parametrize("world,P", [(4, 2), (4, 1), (2, 1)])
-def test_deep_ep_internode_on_the_hierarchical_backend(world, P):
+def test_deep_ep_internode_on_the_hierarchical_backend(runs, world, P):
     """The same checks through the hierarchical composition, sized for the worst case as on GPUs.
     DeepEP's combine takes the exact received rows back (fewer than the backend's worst case): the
     2026-11-26 device run's device-side assert (an index past the cut rows in combine's reorder)."""
-    spawn(body, world, P, True, timeout=300)
+    runs(world, f"P{P}_hier").check()
 
 
-def test_one_node_has_no_rdma_ranks():
-    spawn(body_one_node, 2, timeout=120)
+def test_one_node_has_no_rdma_ranks(runs):
+    runs(2, "one_node").check()

@@ -17,7 +17,7 @@ import ep_plugin
 from ep_plugin.backends import registry
 from ep_plugin.errors import BackendUnavailableError, ConfigError, EPTimeoutError
 from ep_plugin.types import LowLatencyHandle
-from tests._dist import spawn
+from tests._dist import parts_per_world
 
 M = 16     # comm.low_latency.max_tokens_per_rank
 K = 3
@@ -232,9 +232,17 @@ def contract_body(rank, world, device="cpu"):
         buf.close()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn per world size; at world 2 the timeout runs after the contract, in abandon mode (it
+    leaves rank 1 waiting outside the engine)."""
+    table = {2: [("contract", contract_body, ()), ("timeout", timeout_body, ())], 3: [("contract", contract_body, ())]}
+    return parts_per_world(tmp_path_factory, "low_latency", table, abandon=True, timeout=300)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_torch_engine_matches_brute_force(world):
-    spawn(contract_body, world)
+def test_torch_engine_matches_brute_force(runs, world):
+    runs(world, "contract").check()
 
 
 TIMEOUT_S = 1.5
@@ -262,8 +270,8 @@ def timeout_body(rank, world):
     buf.close()
 
 
-def test_timeout_names_the_missing_rank():
-    spawn(timeout_body, 2, abandon=True, timeout=60)
+def test_timeout_names_the_missing_rank(runs):
+    runs(2, "timeout").check()
 
 
 # --------------------------------------------------------------------------- argument checks, one rank
