@@ -18,6 +18,8 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 
 
 def _train(env, *args):
+    # this tree first: the example imports the ep_plugin under test, installed or not
+    env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), str(EXAMPLE), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
