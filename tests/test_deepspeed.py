@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from tests._dist import spawn, spawn_parts  # noqa: E402
+from tests._dist import spawn_parts  # noqa: E402
 
 EP_ON = {"enabled": True, "config": "tiny", "overrides": {"comm.backend": "torch"}}
 H = 16
@@ -173,9 +173,20 @@ def _capacity_and_cast_cases(rank, device, backend):
     assert layer.ep_buffer(H) is not buf
 
 
+@pytest.fixture(scope="module")
+def cpu_parts(tmp_path_factory):
+    """The CPU bodies in one spawn (DeepSpeed imported once per rank, not four times). align 8 goes
+    last: it replaces the layer module's expert_alignment for the rest of the process."""
+    root = tmp_path_factory.mktemp("deepspeed_cpu")
+    (root / "ckpt").mkdir()
+    parts = [("engine", _engine_cases, ()), ("zero", _zero_cases, (str(root / "ckpt"),)),
+             ("layer_None", _layer_cases, ("cpu", "torch", None)), ("layer_8", _layer_cases, ("cpu", "torch", 8))]
+    return spawn_parts(parts, 2, str(root), timeout=600)
+
+
 @pytest.mark.parametrize("align", [None, 8])
-def test_layer_matches_deepspeed(align):
-    spawn(_layer_cases, 2, "cpu", "torch", align, timeout=240)
+def test_layer_matches_deepspeed(cpu_parts, align):
+    cpu_parts[f"layer_{align}"].check()
 
 
 @pytest.fixture(scope="module")
@@ -313,8 +324,8 @@ def _engine_cases(rank, world):
     assert m_on.state_dict().keys() == m_off.state_dict().keys()
 
 
-def test_engine_flag_on_off_and_training():
-    spawn(_engine_cases, 2, timeout=240)
+def test_engine_flag_on_off_and_training(cpu_parts):
+    cpu_parts["engine"].check()
 
 
 # ---------------------------------------------------------------------------- config errors
@@ -383,5 +394,5 @@ def _zero_cases(rank, world, ckpt_dir):
     assert abs(_train(on, rank, steps=1)[0] - _train(off, rank, steps=1)[0]) < 1e-4
 
 
-def test_zero2_and_checkpoint(tmp_path):
-    spawn(_zero_cases, 2, str(tmp_path), timeout=240)
+def test_zero2_and_checkpoint(cpu_parts):
+    cpu_parts["zero"].check()
