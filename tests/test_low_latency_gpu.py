@@ -303,17 +303,17 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
 @pytest.fixture(scope="module")
 def ll_parts(tmp_path_factory):
     """The bodies that leave the group whole, in one spawn (one process start, NCCL init and NVSHMEM
-    bootstrap instead of three): fresh outputs first (the process's NVSHMEM heap is sized by its first
-    engine, as in test_low_latency_one_gpu, which runs the same two in this order), then output sets,
-    then the torch engine. Without NVSHMEM in _C only the torch engine runs (the NVSHMEM tests then
-    skip or fail in _need_nvshmem_engine)."""
+    bootstrap instead of three): output sets first (the process's NVSHMEM heap is sized by its first
+    engine, and an engine with output sets needs the most), then fresh outputs, then the torch engine.
+    Without NVSHMEM in _C only the torch engine runs (the NVSHMEM tests then skip or fail in
+    _need_nvshmem_engine)."""
     _need_gpus()
     import ep_plugin._ext as ext
 
     root = tmp_path_factory.mktemp("ll_parts")
     parts = []
     if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        for name, sets in (("fresh", 0), ("sets", 2)):
+        for name, sets in (("sets", 2), ("fresh", 0)):
             (root / name).mkdir()
             parts.append((name, body_matches_reference, (str(root / name), sets)))
     parts.append(("torch_engine", contract_body, ("cuda",)))
