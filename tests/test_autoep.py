@@ -377,26 +377,35 @@ def _falls(losses):
     return sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
-def test_example_pretrains_on_cpu(tmp_path):
-    res = _run_example(tmp_path, "--steps", "30")
+@pytest.fixture(scope="module")
+def cpu_example(tmp_path_factory):
+    """One CPU run of the example for both tests below (a run is two DeepSpeed + transformers start-ups):
+    30 steps, with --stats (timers only: the training is the same) and --no-progress."""
+    out = tmp_path_factory.mktemp("autoep_example") / "run.json"
+    proc = _torchrun(os.path.join("examples", "deepspeed", "autoep_hf_moe.py"), "--json", str(out), "--steps", "30",
+                     "--log-every", "15", "--stats", "--no-progress")
+    return proc, json.loads(out.read_text())
+
+
+def test_example_pretrains_on_cpu(cpu_example):
+    _, res = cpu_example
+    assert res["world"] == 2
     assert res["ep_plugin_layers"] == 2 and res["backend"] == "torch"
     assert _falls(res["losses"]), res["losses"]
 
 
-def test_example_stats_lines_cpu(tmp_path):
+def test_example_stats_lines_cpu(cpu_example):
     """--stats --no-progress: a line per interval with the loss, and the AutoEP layers' own stats line
     per interval (comm.stats_interval = --log-every): tokens/s, the exchanges' share of the time
     naming the slowest rank, time per call, imbalance and bytes per domain; no tqdm bar."""
-    out = tmp_path / "stats.json"
-    proc = _torchrun(os.path.join("examples", "deepspeed", "autoep_hf_moe.py"), "--json", str(out), "--steps", "6",
-                     "--log-every", "3", "--stats", "--no-progress")
+    proc, _ = cpu_example
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in lines] == ["3", "6"], proc.stdout
+    assert [line.split()[1] for line in lines] == ["15", "30"], proc.stdout
     for line in lines:
         assert re.match(r"step +\d+  loss \d+\.\d+( +[\d,]+ tokens/s)?$", line), line
     stats = [line for line in proc.stdout.splitlines() if line.startswith("ep_plugin stats")]
-    assert [line.split(":")[0] for line in stats] == ["ep_plugin stats [torch, EP2] steps 1-3",
-                                                      "ep_plugin stats [torch, EP2] steps 4-6"], proc.stdout
+    assert [line.split(":")[0] for line in stats] == ["ep_plugin stats [torch, EP2] steps 1-15",
+                                                      "ep_plugin stats [torch, EP2] steps 16-30"], proc.stdout
     for line in stats:
         assert re.search(r": [\d,]+ tokens/s, comm \d+% \(slowest rank \d: \d+%\), dispatch .* per call, "
                          r"max/mean rows per rank [\d.]+, per expert [\d.]+, timeouts 0, "
