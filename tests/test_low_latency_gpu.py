@@ -303,8 +303,9 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
 @pytest.fixture(scope="module")
 def ll_parts(tmp_path_factory):
     """The bodies that leave the group whole, in one spawn (one process start, NCCL init and NVSHMEM
-    bootstrap instead of three): output sets first (the process's NVSHMEM heap is sized by its first
-    engine, and an engine with output sets needs the most), then fresh outputs, then the torch engine.
+    bootstrap instead of four): output sets first (the process's NVSHMEM heap is sized by its first
+    engine, and an engine with output sets needs the most), the direct dispatch's flags (output sets
+    too), then fresh outputs, then the torch engine.
     Without NVSHMEM in _C only the torch engine runs (the NVSHMEM tests then skip or fail in
     _need_nvshmem_engine)."""
     _need_gpus()
@@ -313,9 +314,10 @@ def ll_parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ll_parts")
     parts = []
     if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        for name, sets in (("sets", 2), ("fresh", 0)):
+        for name, body, args in (("sets", body_matches_reference, (2,)), ("direct_flags", body_direct_flags, ()),
+                                 ("fresh", body_matches_reference, (0,))):
             (root / name).mkdir()
-            parts.append((name, body_matches_reference, (str(root / name), sets)))
+            parts.append((name, body, (str(root / name), *args)))
     parts.append(("torch_engine", contract_body, ("cuda",)))
     return root, spawn_parts(parts, WORLD, str(root), backend="nccl", timeout=900)
 
@@ -334,9 +336,11 @@ def test_output_sets_match_reference(ll_parts):
     _check_results(root / "sets")
 
 
-def test_direct_dispatch_flags_match_reference(tmp_path):
+def test_direct_dispatch_flags_match_reference(ll_parts):
     _need_nvshmem_engine()
-    _spawn_on_gpus(body_direct_flags, tmp_path, timeout=400)
+    root, parts = ll_parts
+    parts["direct_flags"].check()
+    _check_results(root / "direct_flags")
 
 
 def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0):
@@ -385,14 +389,15 @@ def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0):
 
 @pytest.fixture(scope="module")
 def fault_parts(tmp_path_factory):
-    """The mask and the timeout in one spawn of their own (abandon mode: the timeout leaves its buffer
-    broken, so it runs last; the mask leaves the group whole)."""
+    """The masks and the timeout in one spawn of their own (abandon mode: the timeout leaves its buffer
+    broken, so it runs last; a mask leaves the group whole)."""
     _need_nvshmem_engine()
     root = tmp_path_factory.mktemp("ll_faults")
     parts = []
-    for name, body in (("mask", body_mask), ("timeout", body_timeout)):
+    for name, body, args in (("mask", body_mask, ()), ("mask_flags", body_mask, (2, ALL_DIRECT_FLAGS)),
+                             ("timeout", body_timeout, ())):
         (root / name).mkdir()
-        parts.append((name, body, (str(root / name),)))
+        parts.append((name, body, (str(root / name), *args)))
     return root, spawn_parts(parts, WORLD, str(root), backend="nccl", timeout=300, abandon=True)
 
 
@@ -402,9 +407,10 @@ def test_mask_leaves_a_rank_out(fault_parts):
     _check_results(root / "mask")
 
 
-def test_mask_with_direct_dispatch_flags(tmp_path):
-    _need_nvshmem_engine()
-    _spawn_on_gpus(body_mask, tmp_path, 2, ALL_DIRECT_FLAGS, timeout=300, abandon=True)
+def test_mask_with_direct_dispatch_flags(fault_parts):
+    root, parts = fault_parts
+    parts["mask_flags"].check()
+    _check_results(root / "mask_flags")
 
 
 TIMEOUT_S = 2.0
