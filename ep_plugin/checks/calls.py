@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ..types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, Handle, padded
-from .core import ExpertIdCheck, Forms, call_form, dtype_names, need
+from .core import ExpertIdCheck, Forms, _cuda_device, call_form, dtype_names, need, tensor_form
 
 LAYOUTS = ("rank", "expert")
 
@@ -32,7 +32,7 @@ class CallChecks:
     def rows(self, x):
         """x (a tensor or an FP8 (data, scales) pair) -> (data, scales or None)."""
         if isinstance(x, torch.Tensor):
-            if ("rows", call_form(x)) in self.forms:
+            if ("rows", tensor_form(x)) in self.forms:
                 return x, None
         elif isinstance(x, (tuple, list)) and len(x) == 2 and ("rows", call_form(*x)) in self.forms:
             return x[0], x[1]
@@ -68,7 +68,7 @@ class CallChecks:
         need(data.shape[0] <= self.max_tokens, ValueError,
              f"x has {data.shape[0]} tokens, more than comm.max_tokens_per_rank={self.max_tokens} "
              "the buffer was sized for")
-        self.forms.add(("rows", call_form(data) if scales is None else call_form(data, scales)))
+        self.forms.add(("rows", tensor_form(data) if scales is None else call_form(data, scales)))
         return data, scales
 
     def layout(self, layout: Optional[str], expert_alignment, handle: Optional[Handle]):
@@ -191,7 +191,7 @@ class CallChecks:
     # ---------------------------------------------------------------- combine
     def combine(self, x, handle, topk_weights) -> bool:
         """-> whether the handle is expert-major."""
-        key = ("combine", call_form(x))
+        key = ("combine", tensor_form(x))
         if key not in self.forms:
             need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
             need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -234,9 +234,27 @@ def _fresh_key(x, topk_idx, topk_weights, layout, expert_alignment):
     layout that is not a str: then the checks run in full, and raise)."""
     if (layout is not None and type(layout) is not str) or type(expert_alignment) is not int:
         return None
-    if isinstance(x, torch.Tensor):
+    Tensor = torch.Tensor
+    pair = type(x) in (tuple, list) and len(x) == 2
+    if type(topk_idx) is Tensor and (topk_weights is None or type(topk_weights) is Tensor):
+        # the common calls, flat: what call_form holds, without its loop and nested tuples (a few us of a
+        # cold call's host time on a busy core); the head tells the argument kinds apart (no weights: the
+        # ids' form stands in for theirs)
+        i, w = topk_idx, topk_weights if topk_weights is not None else topk_idx
+        head = (pair, topk_weights is None, layout, expert_alignment)
+        if type(x) is Tensor:
+            return "fresh", head + (_cuda_device() if x.is_cuda else None, x.dtype, x.shape, x.device,
+                                    x.is_contiguous(), i.dtype, i.shape, i.device, i.is_contiguous(), w.dtype,
+                                    w.shape, w.device, w.is_contiguous())
+        if pair and type(x[0]) is Tensor and type(x[1]) is Tensor:
+            d, sc = x
+            return "fresh", head + (_cuda_device() if d.is_cuda else None, d.dtype, d.shape, d.device,
+                                    d.is_contiguous(), sc.dtype, sc.shape, sc.device, sc.is_contiguous(), i.dtype,
+                                    i.shape, i.device, i.is_contiguous(), w.dtype, w.shape, w.device,
+                                    w.is_contiguous())
+    if isinstance(x, Tensor):
         form = call_form(x, topk_idx, topk_weights)
-    elif isinstance(x, (tuple, list)) and len(x) == 2:
+    elif pair:
         form = call_form(x[0], x[1], topk_idx, topk_weights)
     else:
         return None
