@@ -5,6 +5,7 @@ with no GPU.
                                                           # then a cProfile top-20 (BF16, 4096 tokens)
     python3 benchmarks/bench_nvlink_host.py -v --no-profile   # + torch.cuda stand-in calls per row
     python3 benchmarks/bench_nvlink_host.py --compare OLD_BACKEND.py   # A/B against another backend.py
+    (the same path on the GPU host, real kernels, each launch stamped: bench_nvlink_host_gpu.py)
 
 What runs: EPBuffer (ep_plugin/buffer.py), the nvlink backend (ep_plugin/backends/nvlink/backend.py),
 HostCounts/PinnedRing/Handle (ep_plugin/types.py), exactly as shipped, over stand-ins for the GPU:

@@ -17,9 +17,6 @@ from .types import DispatchResult, ExpertDispatchResult, Handle, XInput
 class HighThroughputCalls:
     """Mixed into EPBuffer: dispatch and combine (DESIGN.md, "The core contract")."""
 
-    def _async(self, async_op):
-        return self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
-
     def dispatch(self, x: XInput, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle: Optional[Handle] = None,
                  async_op: Optional[bool] = None, layout: Optional[str] = None,
@@ -34,44 +31,44 @@ class HighThroughputCalls:
         GEMM takes; combine then takes rows in the same layout). A cached dispatch uses its handle's."""
         self._raise_pending()
         checks = self._checks
-        data, scales = checks.rows(x)
+        given = None
         cached = handle is not None
         if cached:
+            data, scales = checks.rows(x)
             checks.handle(handle, num_tokens=data.shape[0])
             topk_idx = checks.cached(data, topk_idx, topk_weights, handle)
             if handle.given_topk_idx is not None and topk_weights is not None:  # merged as the handle's ids
                 topk_weights = merge_repeats(handle.given_topk_idx, topk_weights)[1]
-        alignment = checks.layout(layout, expert_alignment, handle)
-        given = None
-        if not cached:
-            checks.routing(data, topk_idx, topk_weights)
+            alignment = checks.layout(layout, expert_alignment, handle)
+        else:
+            data, scales, alignment = checks.fresh(x, topk_idx, topk_weights, layout, expert_alignment)
             if alignment is not None and not checks.caps.merges_repeats:  # one row per (token, expert)
                 given = topk_idx
                 topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
-        async_op = self._async(async_op)
-        grad = torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad))
-        if grad:
+        async_op = self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
+        if torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
             need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
             rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op, alignment)
         else:
-            with torch.no_grad():
-                if alignment is None:
-                    out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
-                else:
-                    out = self._backend.dispatch_expert(data, scales, topk_idx, topk_weights, handle, async_op,
-                                                        alignment)
+            # no torch.no_grad(): nothing here requires grad, so nothing is recorded either way (its
+            # context costs a few us before the first kernel)
+            if alignment is None:
+                out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
+            else:
+                out = self._backend.dispatch_expert(data, scales, topk_idx, topk_weights, handle, async_op, alignment)
             rx, rw = out.x, out.topk_weights
-        out.handle.buffer_id = self._id
+        h = out.handle
+        h.buffer_id = self._id
         if given is not None and given is not topk_idx:
-            out.handle.given_topk_idx = given
-        if out.handle.exact and not cached:  # the host has waited already: surface a bad id now
+            h.given_topk_idx = given
+        if h.exact and not cached:  # the host has waited already: surface a bad id now
             self._raise_pending()
         rows = (rx, out.scales) if scales is not None else rx
         if out.event is not None:
             out.event._check = self.check_finished
         if alignment is not None:
-            return ExpertDispatchResult(x=rows, topk_weights=rw, handle=out.handle, event=out.event)
-        return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=out.handle, event=out.event)
+            return ExpertDispatchResult(x=rows, topk_weights=rw, handle=h, event=out.event)
+        return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=h, event=out.event)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
                 async_op: Optional[bool] = None, weights_local_only: bool = True):
@@ -87,13 +84,11 @@ class HighThroughputCalls:
         sum(handle.recv_counts): that host count is read, waiting for its pinned copy only)."""
         self._raise_pending()
         expert = self._checks.combine(x, handle, topk_weights)
-        is_async = self._async(async_op)
+        is_async = self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
         if torch.is_grad_enabled() and x.requires_grad:
             y, event = CombineFn.apply(self._backend, x, handle, is_async)
-        else:
-            with torch.no_grad():
-                combine = self._backend.combine_expert if expert else self._backend.combine
-                y, event = combine(x, handle, is_async)
+        else:  # as in dispatch: no torch.no_grad() needed when nothing requires grad
+            y, event = (self._backend.combine_expert if expert else self._backend.combine)(x, handle, is_async)
         out = (y,)
         if topk_weights is not None:
             if event is not None:  # the weights' exchange goes after the rows', as on one stream

@@ -135,8 +135,7 @@ class PinnedRing:
         if prev is not None:
             prev.materialize()
         self._owners[i] = weakref.ref(owner)
-        pinned, event = self._slots[i]
-        return dict(pinned), event
+        return self._slots[i]  # shared, not copied: a HostCounts rebinds its dict, never changes it
 
 
 class BackendState:

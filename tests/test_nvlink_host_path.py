@@ -440,6 +440,42 @@ def test_backend_refuses_before_any_launch(gpu):
     buf.close()
 
 
+def test_a_passed_form_lets_no_other_form_through(gpu):
+    """The checks of a repeated call form are one lookup (checks.calls.fresh); each argument that differs
+    from a form that passed is still refused, before any launch, with the full check's error."""
+    log, _, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    xf8 = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128))
+    buf.dispatch(x, idx, w)
+    buf.dispatch(xf8, idx, w)
+    buf.dispatch(x, idx)
+    log.clear()
+    bad = [((x.double(), idx, w), {}, TypeError, "float32, bfloat16 or float16"),
+           ((x.t().contiguous().t(), idx, w), {}, ValueError, "x must be contiguous"),
+           ((x[:, :H // 2], idx, w), {}, ValueError, "shape"),
+           ((x, idx.int(), w), {}, TypeError, "int64"),
+           ((x, idx, w.double()), {}, TypeError, "float32"),
+           ((x, idx, w[:, :2]), {}, ValueError, "topk_weights must have topk_idx's shape"),
+           ((x, idx[:4], w[:4]), {}, ValueError, "topk_idx must have shape"),
+           ((x, idx.t().contiguous().t(), w), {}, ValueError, "contiguous"),
+           (((xf8[0], xf8[1][:, :1]), idx, w), {}, ValueError, "FP8 scales"),
+           (((xf8[0], xf8[1].double()), idx, w), {}, TypeError, "FP8 scales"),
+           ((x, idx, w), {"layout": "experts"}, ValueError, "layout must be one of"),
+           ((x, idx, w), {"layout": "expert", "expert_alignment": 0}, ValueError, "expert_alignment"),
+           ((x, idx, w), {"expert_alignment": 1.0}, ValueError, "expert_alignment"),
+           ((x, None, w), {}, ValueError, "topk_idx is required")]
+    for args, kw, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            buf.dispatch(*args, **kw)
+    assert log == []
+    for _ in range(2):  # and the forms that passed still pass
+        buf.dispatch(x, idx, w)
+        buf.dispatch(xf8, idx, w)
+    assert names(log).count("notify") == 4
+    buf.close()
+
+
 def test_bench_runs(solo, capsys):
     bench.main(["-n", "3", "--repeats", "1", "--tokens", "128", "--modes", "bf16", "bf16 async", "-v"])
     out = capsys.readouterr().out

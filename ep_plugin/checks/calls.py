@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ..types import FP8_BLOCK, FP8_DTYPES, ROW_DTYPES, Handle, padded
-from .core import ExpertIdCheck, Forms, call_form, dtype_names, need
+from .core import ExpertIdCheck, Forms, _cuda_device, call_form, dtype_names, need, tensor_form
 
 LAYOUTS = ("rank", "expert")
 
@@ -32,7 +32,7 @@ class CallChecks:
     def rows(self, x):
         """x (a tensor or an FP8 (data, scales) pair) -> (data, scales or None)."""
         if isinstance(x, torch.Tensor):
-            if ("rows", call_form(x)) in self.forms:
+            if ("rows", tensor_form(x)) in self.forms:
                 return x, None
         elif isinstance(x, (tuple, list)) and len(x) == 2 and ("rows", call_form(*x)) in self.forms:
             return x[0], x[1]
@@ -68,25 +68,44 @@ class CallChecks:
         need(data.shape[0] <= self.max_tokens, ValueError,
              f"x has {data.shape[0]} tokens, more than comm.max_tokens_per_rank={self.max_tokens} "
              "the buffer was sized for")
-        self.forms.add(("rows", call_form(data) if scales is None else call_form(data, scales)))
+        self.forms.add(("rows", tensor_form(data) if scales is None else call_form(data, scales)))
         return data, scales
 
     def layout(self, layout: Optional[str], expert_alignment, handle: Optional[Handle]):
         """-> the expert-major alignment, or None for a rank-major dispatch. A cached dispatch keeps its
         handle's layout."""
+        # `if not ...: raise` rather than need(): need's message is formatted on every call, passing or not
         if handle is not None:
             made = "expert" if handle.expert is not None else "rank"
-            need(layout in (None, made), ValueError,
-                 f"the handle comes from a {made}-major dispatch; a cached dispatch keeps its layout, "
-                 f"got layout={layout!r}")
+            if layout is not None and layout != made:
+                raise ValueError(f"the handle comes from a {made}-major dispatch; a cached dispatch keeps its "
+                                 f"layout, got layout={layout!r}")
             layout = made
         layout = layout or "rank"
-        need(layout in LAYOUTS, ValueError, f"layout must be one of {LAYOUTS}, got {layout!r}")
-        need(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
-             f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not (isinstance(expert_alignment, int) and expert_alignment >= 1):
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         if layout == "rank":
             return None
         return handle.expert.alignment if handle is not None else expert_alignment
+
+    def fresh(self, x, topk_idx, topk_weights, layout, expert_alignment):
+        """A fresh dispatch's arguments (rows, then layout, then routing, each as below) -> (data, scales,
+        alignment or None). A form that passed before costs one call_form and one lookup."""
+        key = _fresh_key(x, topk_idx, topk_weights, layout, expert_alignment)
+        if key is not None and key in self.forms:
+            if self.full_validation or not self.caps.checks_expert_ids:
+                self.expert_ids(topk_idx, self.caps.checks_expert_ids)
+            if isinstance(x, torch.Tensor):
+                return x, None, (None if layout in (None, "rank") else expert_alignment)
+            return x[0], x[1], (None if layout in (None, "rank") else expert_alignment)
+        data, scales = self.rows(x)
+        alignment = self.layout(layout, expert_alignment, None)
+        self.routing(data, topk_idx, topk_weights)
+        if key is not None:
+            self.forms.add(key)
+        return data, scales, alignment
 
     def routing(self, data, topk_idx, topk_weights) -> None:
         """A fresh dispatch's topk_idx [T, K] int64 and topk_weights [T, K] float32 (or None)."""
@@ -123,9 +142,9 @@ class CallChecks:
         """A cached dispatch (handle checked already): topk_idx omitted or that dispatch's own tensor,
         topk_weights [T, K] float32 (K the handle's) or None. -> the ids the backend takes."""
         own = handle.topk_idx
-        need(topk_idx is None or topk_idx is own or topk_idx is handle.given_topk_idx, ValueError,
-             "a cached dispatch (handle given) reuses its dispatch's routing: omit topk_idx, or pass that "
-             "dispatch's own topk_idx tensor, got another tensor")
+        if not (topk_idx is None or topk_idx is own or topk_idx is handle.given_topk_idx):
+            raise ValueError("a cached dispatch (handle given) reuses its dispatch's routing: omit topk_idx, or pass "
+                             "that dispatch's own topk_idx tensor, got another tensor")
         if topk_weights is not None:
             K = own.shape[1]
             key = ("cached", call_form(data, topk_weights), K, handle.is_token_in_rank.device)
@@ -156,22 +175,23 @@ class CallChecks:
             self.expert_ids_flag.record(topk_idx)
 
     def handle(self, handle, num_tokens=None) -> None:
-        need(isinstance(handle, Handle), TypeError, f"handle must be a Handle from dispatch, got {type(handle).__name__}")
-        need(handle.backend == self.backend, TypeError,
-             f"handle was made by the {handle.backend} backend, this buffer uses {self.backend}")
-        need(handle.num_experts == self.num_experts, ValueError,
-             "handle comes from a buffer with another expert count")
-        need(handle.buffer_id == self.buffer_id, ValueError,
-             "handle comes from another EPBuffer's dispatch: combine, and dispatch again with it, on the buffer "
-             "that dispatched")
-        if num_tokens is not None:
-            need(handle.num_tokens == num_tokens, ValueError,
-                 f"handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
+        # every call (values, not forms): `if not ...: raise`, so that no message is formatted on success
+        if not isinstance(handle, Handle):
+            raise TypeError(f"handle must be a Handle from dispatch, got {type(handle).__name__}")
+        if handle.backend != self.backend:
+            raise TypeError(f"handle was made by the {handle.backend} backend, this buffer uses {self.backend}")
+        if handle.num_experts != self.num_experts:
+            raise ValueError("handle comes from a buffer with another expert count")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError("handle comes from another EPBuffer's dispatch: combine, and dispatch again with it, "
+                             "on the buffer that dispatched")
+        if num_tokens is not None and handle.num_tokens != num_tokens:
+            raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
 
     # ---------------------------------------------------------------- combine
     def combine(self, x, handle, topk_weights) -> bool:
         """-> whether the handle is expert-major."""
-        key = ("combine", call_form(x))
+        key = ("combine", tensor_form(x))
         if key not in self.forms:
             need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
             need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -182,27 +202,62 @@ class CallChecks:
                  f"x must have shape [num_rows, {self.hidden}], got {tuple(x.shape)}")
             need(x.is_contiguous(), ValueError, "x must be contiguous")
             self.forms.add(key)
-        expert = handle.expert is not None if isinstance(handle, Handle) else False
         self.handle(handle)
-        if not expert and x.shape[0] != handle.num_recv:
+        expert = handle.expert is not None
+        rows = x.shape[0]
+        if not expert and rows != handle.num_recv:
             used = sum(handle.recv_counts) if not handle.exact else handle.num_recv
-            need(used <= x.shape[0] <= handle.num_recv, ValueError,
+            need(used <= rows <= handle.num_recv, ValueError,
                  f"x must have the {handle.num_recv} rows that dispatch delivered (or at least the {used} valid "
-                 f"ones), got {x.shape[0]}")
-        if expert and x.shape[0] != handle.expert.num_rows:
+                 f"ones), got {rows}")
+        if expert and rows != handle.expert.num_rows:
             # rows may be cut to the segments in use (a worst-case-sized dispatch): never fewer, as the
             # kernels read every segment row (the host counts: waits for their pinned copy only)
             used = sum(padded(handle.tokens_per_expert, handle.expert.alignment))
-            need(used <= x.shape[0] <= handle.expert.num_rows, ValueError,
+            need(used <= rows <= handle.expert.num_rows, ValueError,
                  f"x must have the {handle.expert.num_rows} expert-major rows that dispatch delivered (or at "
-                 f"least the {used} its expert segments use), got {x.shape[0]}")
-        need(handle.is_token_in_rank.device == x.device, ValueError,
-             f"x is on {x.device} but the handle's dispatch ran on {handle.is_token_in_rank.device}")
+                 f"least the {used} its expert segments use), got {rows}")
+        if handle.is_token_in_rank.device != x.device:
+            raise ValueError(f"x is on {x.device} but the handle's dispatch ran on {handle.is_token_in_rank.device}")
         if topk_weights is not None:
             need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
                  "combine's topk_weights must be a float32 tensor")
-            want = (x.shape[0],) if expert else (x.shape[0], handle.recv_topk_idx.shape[1])
+            want = (rows,) if expert else (rows, handle.recv_topk_idx.shape[1])
             need(tuple(topk_weights.shape) == want, ValueError,
                  f"combine's topk_weights must have shape {want}, got {tuple(topk_weights.shape)}")
             need(topk_weights.device == x.device, ValueError, "combine's topk_weights must be on x's device")
         return expert
+
+
+def _fresh_key(x, topk_idx, topk_weights, layout, expert_alignment):
+    """The form a fresh dispatch's verdict depends on, or None (an argument call_form cannot describe, a
+    layout that is not a str: then the checks run in full, and raise)."""
+    if (layout is not None and type(layout) is not str) or type(expert_alignment) is not int:
+        return None
+    Tensor = torch.Tensor
+    pair = type(x) in (tuple, list) and len(x) == 2
+    if type(topk_idx) is Tensor and (topk_weights is None or type(topk_weights) is Tensor):
+        # the common calls, flat: what call_form holds, without its loop and nested tuples (a few us of a
+        # cold call's host time on a busy core); the head tells the argument kinds apart (no weights: the
+        # ids' form stands in for theirs)
+        i, w = topk_idx, topk_weights if topk_weights is not None else topk_idx
+        head = (pair, topk_weights is None, layout, expert_alignment)
+        if type(x) is Tensor:
+            return "fresh", head + (_cuda_device() if x.is_cuda else None, x.dtype, x.shape, x.device,
+                                    x.is_contiguous(), i.dtype, i.shape, i.device, i.is_contiguous(), w.dtype,
+                                    w.shape, w.device, w.is_contiguous())
+        if pair and type(x[0]) is Tensor and type(x[1]) is Tensor:
+            d, sc = x
+            return "fresh", head + (_cuda_device() if d.is_cuda else None, d.dtype, d.shape, d.device,
+                                    d.is_contiguous(), sc.dtype, sc.shape, sc.device, sc.is_contiguous(), i.dtype,
+                                    i.shape, i.device, i.is_contiguous(), w.dtype, w.shape, w.device,
+                                    w.is_contiguous())
+    if isinstance(x, Tensor):
+        form = call_form(x, topk_idx, topk_weights)
+    elif pair:
+        form = call_form(x[0], x[1], topk_idx, topk_weights)
+    else:
+        return None
+    if form is None:
+        return None
+    return "fresh", (len(form), form, layout, expert_alignment)

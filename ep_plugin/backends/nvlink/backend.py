@@ -132,7 +132,8 @@ class NvlinkBackend(Backend):
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op
         self._cur: tuple = (None, None, None)  # (raw pointer, device, Stream) of the last current stream
-        self._spare: Optional[tuple] = None  # (T, device, current Stream, notify's tensors) for the next dispatch
+        # (T, device, current Stream, notify's tensors, their pointers) for the next dispatch
+        self._spare: Optional[tuple] = None
         self._last_tokens = -1  # T of the last dispatch (not cached)
         self._scratch_ints: dict = {}  # num_sms -> ints of expert_pull's scratch (a pybind call otherwise)
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
@@ -253,19 +254,17 @@ class NvlinkBackend(Backend):
         spare = self._spare
         if spare is not None and not capturing and spare[0] == T and spare[2] is cur and spare[1] == dev:
             self._spare = None
-            send_pos, is_in, recv_off, tpe = spare[3]
+            (send_pos, is_in, recv_off, tpe), ptrs = spare[3], spare[4]
         else:
-            send_pos, is_in, recv_off, tpe = self._notify_tensors(T, dev)
+            (send_pos, is_in, recv_off, tpe), ptrs = self._notify_tensors(T, dev)
         rt = self._rt
         worst = self.worst_case or capturing
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             counts = _DispatchCounts(is_in, capturing, self._ring)
-            rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
-                      tpe.data_ptr(), sp, *counts.host_ptrs())
+            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *counts.host_ptrs())
             counts.written(s)
         else:
-            rt.notify(topk_idx.data_ptr(), T, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(),
-                      tpe.data_ptr(), sp)
+            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp)
             self._notify_ev.record(s)
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
@@ -323,7 +322,7 @@ class NvlinkBackend(Backend):
         # spare for the next dispatch worth its allocation
         again, self._last_tokens = T == self._last_tokens, T
         if again and not capturing and cur is self._cur[2] and dev.index == self._cur[1]:
-            self._spare = (T, dev, cur, self._notify_tensors(T, dev))
+            self._spare = (T, dev, cur, *self._notify_tensors(T, dev))
         handle = Handle(backend=self.name, num_tokens=T, num_recv=R, num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=recv_off[W], num_tokens_per_expert=tpe, counts=counts,
@@ -337,11 +336,13 @@ class NvlinkBackend(Backend):
                               event=event)
 
     def _notify_tensors(self, T: int, dev):
-        """send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64."""
+        """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
+        and their pointers in notify's order (read here, so that a spare's cost nothing before notify)."""
         W = self.world
-        return (torch.empty(T, W, dtype=torch.int32, device=dev), torch.empty(T, W, dtype=torch.bool, device=dev),
-                torch.empty(W + 1, dtype=torch.int32, device=dev),
-                torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
+        t = (torch.empty(T, W, dtype=torch.int32, device=dev), torch.empty(T, W, dtype=torch.bool, device=dev),
+             torch.empty(W + 1, dtype=torch.int32, device=dev),
+             torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
+        return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
 
     def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool = False):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
