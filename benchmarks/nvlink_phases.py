@@ -90,7 +90,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     def pull_variant(slots, warps, diag):  # comm.combine_kernel pull with the Runtime.pull_* knobs set
         def call():
             old = rt.pull_stage_slots, rt.pull_stage_warps
-            rt.pull_stage_slots, rt.pull_stage_warps, rt.pull_diag = slots, warps, diag
+            rt.pull_stage_slots, rt.pull_diag = slots, diag
+            if warps:  # with a bulk stager (slots > 0) the warp count does not apply
+                rt.pull_stage_warps = warps
             try:
                 mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
             finally:

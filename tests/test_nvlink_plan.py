@@ -20,6 +20,10 @@ def test_num_sms_auto_by_world_and_batch():
     assert plan_num_sms(17, 132) == 17 and plan_num_sms(500, 132) == 132  # an int: as given, clamped
 
 
+def test_combine_auto_pull_needs_sms():
+    assert plan_combine_kernel("auto", 4096, 2, 48) == "pull" and plan_combine_kernel("auto", 4096, 2, 24) == "pipelined"
+
+
 @pytest.mark.parametrize("world,tokens,want", [(2, 4096, "pull"), (4, 4096, "fused"), (8, 4096, "fused"),
                                                (2, AUTO_COMBINE_MIN_TOKENS - 1, "split"), (4, 128, "split")])
 def test_combine_kernel_auto(world, tokens, want):

@@ -15,7 +15,7 @@
 //     into a slot of the load ring (its own row from x, likewise) and hands the token to a reduce warp
 //     (a descriptor in shared memory).
 //   the stage, one of two ways (Runtime.pull_stage_slots / pull_stage_warps): sub-chunks of kCombineSub
-//     positions of one owner (up to 4 consecutive rows, contiguous in x and in this rank's area at slot
+//     positions of one owner (up to 16 consecutive rows, contiguous in x and in this rank's area at slot
 //     [owner][position]), interleaved over the owners (rotated by rank) and strided over the grid's
 //     stagers, so every owner's early positions go first; once a sub-chunk is written, a system fence and
 //     a release of COMBINE_READY[me][sub] = ce in the owner's buffer.
@@ -29,7 +29,9 @@
 // from HBM (first version) held the slots through those reads: 758 us. With the own row in the ring and
 // a bulk stager of 5 of 15 slots, 631 (loads alone 600, stage alone 330); register stage warps (6) with
 // 16 load slots, 654 (loads alone 554, stage alone 294): the register copies slow the loads down more
-// than they free slots for them. At EP2 245 against 268.
+// than they free slots for them. At EP2 245 against 268. Sub-chunks of 4 positions instead of 16 (more
+// fences and flags per stager) read 894 us queued at EP4, 24 SMs, on 4x H100 (fused 663, DeepEP 604):
+// 16 again, as in the 631 us layout.
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's

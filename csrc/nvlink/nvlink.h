@@ -44,7 +44,7 @@ constexpr const char* kKernelNames[K_NUM] = {"", "notify", "stage", "pull", "com
 enum CombineMode { kCombineSplit = 0, kCombineFused = 1, kCombinePipelined = 2, kCombinePull = 3 };  // Runtime::combine
 constexpr int kChunk = 8;  // tokens per arrival counter of the fused combine
 constexpr int kStageSub = 16;  // tokens per STAGE_READY flag (a staged sub-chunk)
-constexpr int kCombineSub = 4;  // positions per COMBINE_READY flag of the pull combine (a staged sub-chunk)
+constexpr int kCombineSub = 16;  // positions per COMBINE_READY flag of the pull combine (a staged sub-chunk)
 
 // Host-mapped (pinned) results and error state, written by the kernels, read by the host.
 struct HostInfo {

@@ -413,7 +413,7 @@ class NvlinkBackend(Backend):
         y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
                          y.data_ptr(), T, self.num_sms,
-                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world)], sp)
+                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp)
         return y, (self._finish(s, (x, y)) if async_op else None)
 
     # ---------------------------------------------------------------- teardown

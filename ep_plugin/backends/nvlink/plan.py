@@ -31,18 +31,25 @@ COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
-def plan_combine_kernel(requested: str, tokens: int, world: int) -> str:
+AUTO_PULL_MIN_SMS = 32  # the pull combine wins at EP2 with 48 SMs on H200 and H100; at 24 it has lost once (H100)
+
+
+def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 48) -> str:
     """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks: as given, or for `auto`
     what measured fastest (benchmarks/results/bench_kernels_ep*_2026-11-26*.json, 4096 tokens, hidden 7168,
-    cold call): at EP2 the pull kernel (24 / 48 SMs: 273 / 242 us cold, 246 / 238 queued, against the
-    pipelined one's 340 / 302 and 317 / 277; ..._pull_v2_..._s2call2), above EP2 the fused one (EP4, 16 /
-    24 / 48 SMs: 781 / 714 / 681 us against split's 1005 / 751 / 757 and pipelined's 915 / 818 / 707);
-    split below AUTO_COMBINE_MIN_TOKENS."""
+    cold call): at EP2 with AUTO_PULL_MIN_SMS or more (48: `num_sms: auto` from 1024 tokens) the pull
+    kernel (48 SMs: 242 us cold against the pipelined one's 302 on 4x H200, ..._pull_v2_..._s2call2; 278
+    against 307 on 4x H100, ..._s2call5), else the pipelined one (24 SMs on H100: pull 392 against 334;
+    on H200 the pull won, 273 against 340); above EP2 the fused one (EP4, 16 / 24 / 48 SMs: 781 / 714 /
+    681 us against split's 1005 / 751 / 757 and pipelined's 915 / 818 / 707); split below
+    AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
     if tokens < AUTO_COMBINE_MIN_TOKENS:
         return "split"
-    return "pull" if world <= 2 else "fused"
+    if world <= 2:
+        return "pull" if num_sms >= AUTO_PULL_MIN_SMS else "pipelined"
+    return "fused"
 
 
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
