@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests._dist import spawn, spawn_parts
+from tests._dist import spawn
 
 pytest.importorskip("hypothesis")
 pytestmark = pytest.mark.gpu
@@ -37,36 +37,27 @@ def _count(out, what):
     return int(count)
 
 
-@pytest.fixture(scope="module", params=WORLDS)
-def nvlink_ll_parts(request, tmp_path_factory):
-    """The nvlink and the low-latency fuzz of a world in one spawn (one process start and NCCL init); the
-    internode one keeps its own processes (a second NVSHMEM job in a process is not what it tests)."""
+@pytest.mark.parametrize("world", WORLDS)
+def test_fuzz_nvlink(world, tmp_path):
+    _need(world)
     from tests.fuzz_cases import fuzz_body
 
-    world = request.param
-    _need(world)
-    root = tmp_path_factory.mktemp(f"fuzz{world}")
     # hidden a multiple of 128 in [256, 16384]; two buffers of 2W experts, for handles of another buffer
     shapes = [(256, 2 * world), (384, 2 * world), (512, world)]
-    parts = [("nvlink", fuzz_body, ("nvlink", shapes, "cuda", 8, EXAMPLES, str(root / "nvlink.count")))]
-    import ep_plugin._ext as ext
-    if ext.get_c().HAS_NVSHMEM:
-        parts.append(("low_latency", fuzz_body, ("auto", [(256, 2 * world)], "cuda", 8, EXAMPLES,
-                                                 str(root / "low_latency.count"), None, True)))
-    return world, root, spawn_parts(parts, world, str(root), backend="nccl", timeout=1200)
+    out = tmp_path / "count"
+    spawn(fuzz_body, world, "nvlink", shapes, "cuda", 8, EXAMPLES, str(out), backend="nccl", timeout=1200)
+    _count(out, f"nvlink fuzz, {world} GPUs")
 
 
-def test_fuzz_nvlink(nvlink_ll_parts):
-    world, root, parts = nvlink_ll_parts
-    parts["nvlink"].check()
-    _count(root / "nvlink.count", f"nvlink fuzz, {world} GPUs")
-
-
-def test_fuzz_low_latency(nvlink_ll_parts):
-    world, root, parts = nvlink_ll_parts
+@pytest.mark.parametrize("world", WORLDS)
+def test_fuzz_low_latency(world, tmp_path):
     _need(world, nvshmem=True)
-    parts["low_latency"].check()
-    _count(root / "low_latency.count", f"low-latency fuzz, {world} GPUs")
+    from tests.fuzz_cases import fuzz_body
+
+    out = tmp_path / "count"
+    spawn(fuzz_body, world, "auto", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out), None, True, backend="nccl",
+          timeout=1200)
+    _count(out, f"low-latency fuzz, {world} GPUs")
 
 
 @pytest.mark.parametrize("world", WORLDS)
