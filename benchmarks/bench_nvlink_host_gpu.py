@@ -12,8 +12,9 @@ tokens per rank, hidden 7168, top-8 of 256, BF16, comm.*_kernel auto. Protocols:
 - cold: protocols.py's cold call (L2 flush, device drained, dist.barrier, CUDA events around the call);
 - hidden: the same with the call queued behind a GPU sleep (its host time is then off the GPU's clock);
 - warm: calls back to back, the host never waiting for the GPU (what the host costs in a queued run).
-Per op and protocol: the slowest rank's median host us from entering the call to the return of each
-launch ("notify@", "stage@", ...; the first is what an idle GPU waits for), to the call's return
+Per op and protocol: the slowest rank's median host us from entering the call to the entry and the return
+of each launch ("notify>" / "notify@", "stage>" / "stage@", ...: ">" - previous "@" is Python, "@" - ">" the
+pybind call and the kernel launch; the first "@" is what an idle GPU waits for), to the call's return
 ("return@"), and the GPU us between the events ("gpu"). cold - hidden in "gpu" is the host's share of a
 cold call; a cold "notify@" well above the warm one is what an idle host pays on top (caches, clocks).
 """
@@ -48,8 +49,9 @@ clock = time.perf_counter_ns
 
 def _stamping(fn, name, stamps):
     def call(*args):
+        stamps.append((name + ">", clock()))  # entering the launch: Python before it, the launch after
         out = fn(*args)
-        stamps.append((name, clock()))
+        stamps.append((name + "@", clock()))
         return out
     return call
 
@@ -91,7 +93,7 @@ def timeline(fn, stamps, mode, warmup, iters, flush):
         t1 = clock()
         b.record()
         if i >= warmup:
-            host.append([(f"{n}@", (t - t0) / 1e3) for n, t in stamps] + [("return@", (t1 - t0) / 1e3)])
+            host.append([(n, (t - t0) / 1e3) for n, t in stamps] + [("return@", (t1 - t0) / 1e3)])
     torch.cuda.synchronize()
     out = {}
     for pos in range(min(len(h) for h in host)):

@@ -46,16 +46,18 @@ class HighThroughputCalls:
                 given = topk_idx
                 topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
         async_op = self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
-        if torch.is_grad_enabled() and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
+        grad_on = torch.is_grad_enabled()
+        if grad_on and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
             need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
             rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op, alignment)
         else:
-            # no torch.no_grad(): nothing here requires grad, so nothing is recorded either way (its
-            # context costs a few us before the first kernel)
-            if alignment is None:
-                out = self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
+            # torch.no_grad() only where an input would be recorded (FP8 scales that require grad): with
+            # nothing requiring grad nothing is recorded, and its context costs a few us before notify
+            if grad_on and scales is not None and scales.requires_grad:
+                with torch.no_grad():
+                    out = self._backend_dispatch(data, scales, topk_idx, topk_weights, handle, async_op, alignment)
             else:
-                out = self._backend.dispatch_expert(data, scales, topk_idx, topk_weights, handle, async_op, alignment)
+                out = self._backend_dispatch(data, scales, topk_idx, topk_weights, handle, async_op, alignment)
             rx, rw = out.x, out.topk_weights
         h = out.handle
         h.buffer_id = self._id
@@ -69,6 +71,11 @@ class HighThroughputCalls:
         if alignment is not None:
             return ExpertDispatchResult(x=rows, topk_weights=rw, handle=h, event=out.event)
         return DispatchResult(x=rows, topk_idx=out.topk_idx, topk_weights=rw, handle=h, event=out.event)
+
+    def _backend_dispatch(self, data, scales, topk_idx, topk_weights, handle, async_op, alignment):
+        if alignment is None:
+            return self._backend.dispatch(data, scales, topk_idx, topk_weights, handle, async_op)
+        return self._backend.dispatch_expert(data, scales, topk_idx, topk_weights, handle, async_op, alignment)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None, *,
                 async_op: Optional[bool] = None, weights_local_only: bool = True):
