@@ -13,17 +13,43 @@ import torch.distributed as dist
 import ep_plugin
 from benchmarks import bench_ll_host as bench
 from ep_plugin.backends.nvshmem.heap_views import heap_tensor
-from ep_plugin.backends.nvshmem.low_latency import RECV, SEND, SEND_RECV, OutputsStillHeldError
+from ep_plugin.backends.nvshmem.low_latency import (KERNEL_FLAGS_DEFAULT, RECV, SEND, SEND_RECV,
+                                                    OutputsStillHeldError)
 
 E_L, M, H, K = 4, 8, 256, 3
 
 
 @pytest.fixture
 def calls(solo):
-    """The fake runtime's launches: ("dispatch" | "combine", phases, pointer and size arguments)."""
-    log = []
+    """The fake runtime's launches: ("dispatch" | "combine", phases, pointer and size arguments), the
+    phases without the engine's variant bits (kernel_flags: test_default_variant_bits_reach_the_dispatch)."""
+    log = _PhaseLog()
     with bench.fake_gpu("cpu", log):
         yield log
+
+
+class _PhaseLog(list):
+    """A launch log keeping each launch's phase bits (SEND, RECV) apart from its variant bits, which are in
+    `.variant_bits` in launch order."""
+
+    def __init__(self):
+        super().__init__()
+        self.variant_bits = []
+
+    def append(self, call):
+        kind, phases, args = call
+        self.variant_bits.append(phases & ~SEND_RECV)
+        super().append((kind, phases & SEND_RECV, args))
+
+
+def test_default_variant_bits_reach_the_dispatch(calls):
+    """The engine's default kernel_flags (64: epoch-tagged count words) go to every dispatch launch of the
+    direct (heap-set) path; the combine kernels ignore the dispatch's bits."""
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, w = inputs()
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx)
+    assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT == 64
+    assert [c[0] for c in calls] == ["dispatch"] and calls.variant_bits == [KERNEL_FLAGS_DEFAULT]
 
 
 def cfg(output_buffers=0):
@@ -160,7 +186,7 @@ def test_output_layouts_and_ring(calls):
 @pytest.fixture
 def heap_calls(solo):
     """As `calls`, with output sets in the fake runtime: (launches, each dispatch launch's set)."""
-    log, sets = [], []
+    log, sets = _PhaseLog(), []
     with bench.fake_gpu("cpu", log, sets):
         yield log, sets
 

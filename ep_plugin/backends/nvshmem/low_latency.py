@@ -73,6 +73,9 @@ MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # a storage's references: a caller's views raise it
 
 
+# csrc/nvshmem/ll_device.cuh's kCountWords: the direct dispatch's epoch-tagged count words
+KERNEL_FLAGS_DEFAULT = 64
+
 class OutputsStillHeldError(RuntimeError):
     """A low-latency dispatch reused an output set whose tensors a caller still holds (module docstring,
     "Held outputs"); raised after the call was launched, so that every rank stays in step."""
@@ -145,7 +148,12 @@ class NvshmemLowLatency(ReportsFaults):
         # 8 row-major FP8 scales, 16 token + slot in one store, 32 16-byte FP8 stores, 64 epoch-tagged counts,
         # 128 row loads before the count wait.
         # Every rank must set the same bits (the senders' and receivers' layouts must agree).
-        self.kernel_flags = 0
+        # Default 64 (epoch-tagged counts: each row waits only for its own expert's counts), the one bit
+        # that won alone in every cell of the A/B on 4x H100 (2026-11-26, results/ll_pair_h100x4_..._s2call6):
+        # EP2 BF16 graph cold / queued 95.5 / 82.6 us against 104.0 / 92.5 without it, FP8 91.4 / 79.2
+        # against 124.6 / 84.8; EP4 BF16 133.0 / 106.2 against 146.5 / 117.0. All five bits together (248)
+        # were slower than 64 alone (EP2 BF16 109.7 / 88.6).
+        self.kernel_flags = KERNEL_FLAGS_DEFAULT
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
