@@ -12,8 +12,10 @@ when the outputs exist before the counts (no host sync, or a cached dispatch), s
 rank-major pull are one kernel, csrc/nvlink/stage_pull_tma.cu: each 16-token sub-chunk is pulled as
 soon as its source has staged it. Combine = every rank writes its rows back into the source's combine area at
 [its rank, position]; the source sums per token in float and writes BF16. `comm.combine_kernel`
-picks a send kernel then a reduce kernel ("split", the default) or one fused kernel in which the
-source reduces each 8-token chunk as soon as its rows have arrived. On 4x H200 (2026-11-22) split
+picks a send kernel then a reduce kernel ("split"), one fused kernel in which the source reduces each
+8-token chunk as soon as its rows have arrived ("fused", "pipelined"), or turns the combine around
+("pull": every rank stages its rows in its own area and the sources read and sum them,
+csrc/nvlink/combine_pull_tma.cu); "auto" by EP size, SMs and tokens (plan.py). On 4x H200 (2026-11-22) split
 was 2.5-3.5x faster in the 128-token case and equal within 4% at 4096 tokens.
 
 Modes
