@@ -37,8 +37,8 @@ def test_kernels_as_given_win():
     assert plan_dispatch_kernel("split", 2, 24) == "split" and plan_dispatch_kernel("fused", 4, 48) == "fused"
 
 
-@pytest.mark.parametrize("world,sms,want", [(2, 24, "fused"), (2, 48, "fused"), (4, 16, "fused"), (4, 24, "split"),
-                                            (8, 48, "split")])
+@pytest.mark.parametrize("world,sms,want", [(2, 24, "fused"), (2, 48, "fused"), (4, 16, "fused"), (4, 24, "fused"),
+                                            (4, 32, "split"), (8, 48, "split")])
 def test_dispatch_kernel_auto(world, sms, want):
     assert plan_dispatch_kernel("auto", world, sms) == want
 

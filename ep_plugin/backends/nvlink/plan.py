@@ -53,9 +53,11 @@ def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 
 
 
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
-    """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at EP2 and at 16 SMs or fewer,
-    stage then pull ("split") otherwise (same runs: EP2 24 / 48 SMs fused 319 / 315 us against split's
-    349 / 325; EP4 16 SMs 722 against 765, 24 SMs a tie, 48 SMs split 698 against 752)."""
+    """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at EP2 and at 24 SMs or fewer,
+    stage then pull ("split") otherwise (first runs: EP2 24 / 48 SMs fused 319 / 315 us against split's
+    349 / 325; EP4 16 SMs 722 against 765, 48 SMs split 698 against 752. EP4 24 SMs, cold / queued, in
+    three calls of 2026-11-26 session 2: fused 747 / 603, 679 / 603 (4x H200), 717 / 606 (4x H100) against
+    split's 757 / 610, 735-742 / 608, 746 / 622)."""
     if requested != "auto":
         return requested
-    return "fused" if world <= 2 or num_sms <= 16 else "split"
+    return "fused" if world <= 2 or num_sms <= 24 else "split"
