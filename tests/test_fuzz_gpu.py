@@ -45,7 +45,7 @@ def test_fuzz_nvlink(world, tmp_path):
     # hidden a multiple of 128 in [256, 16384]; two buffers of 2W experts, for handles of another buffer
     shapes = [(256, 2 * world), (384, 2 * world), (512, world)]
     out = tmp_path / "count"
-    spawn(fuzz_body, world, "nvlink", shapes, "cuda", 8, EXAMPLES, str(out), backend="nccl", timeout=1200)
+    spawn(fuzz_body, world, "nvlink", shapes, "cuda", 8, EXAMPLES, str(out), backend="nccl", timeout=300)
     _count(out, f"nvlink fuzz, {world} GPUs")
 
 
@@ -56,7 +56,7 @@ def test_fuzz_low_latency(world, tmp_path):
 
     out = tmp_path / "count"
     spawn(fuzz_body, world, "auto", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out), None, True, backend="nccl",
-          timeout=1200)
+          timeout=300)
     _count(out, f"low-latency fuzz, {world} GPUs")
 
 
@@ -67,5 +67,5 @@ def test_fuzz_internode(world, tmp_path):
 
     out = tmp_path / "count"
     spawn(fuzz_body, world, "nvshmem", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out),
-          {"ranks_per_node": world // 2}, backend="nccl", timeout=1200)
+          {"ranks_per_node": world // 2}, backend="nccl", timeout=300)
     _count(out, f"internode (nvshmem, {world // 2} GPUs per virtual node) fuzz, {world} GPUs")
