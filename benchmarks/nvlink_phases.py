@@ -87,16 +87,14 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)
 
-    def pull_variant(slots, warps, diag):  # comm.combine_kernel pull with the Runtime.pull_* knobs set
+    def pull_variant(slots, diag):  # comm.combine_kernel pull with Runtime.pull_stage_slots / pull_diag set
         def call():
-            old = rt.pull_stage_slots, rt.pull_stage_warps
+            old = rt.pull_stage_slots
             rt.pull_stage_slots, rt.pull_diag = slots, diag
-            if warps:  # with a bulk stager (slots > 0) the warp count does not apply
-                rt.pull_stage_warps = warps
             try:
                 mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
             finally:
-                (rt.pull_stage_slots, rt.pull_stage_warps), rt.pull_diag = old, 0
+                rt.pull_stage_slots, rt.pull_diag = old, 0
         return call
 
     cases = {
@@ -109,10 +107,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         **{f"combine BF16, {k}": mode("combine_mode", k, lambda: buf.combine(first.x, first.handle))
            for k in ("split", "fused", "pipelined", "pull")},
         # the pull combine's halves alone (y is wrong in these rows) and its shared-memory split
-        **{f"combine pull, {name}": pull_variant(slots, warps, diag)
-           for name, slots, warps, diag in (("stage only", 5, 0, 1), ("loads only", 5, 0, 2), ("4 bulk slots", 4, 0, 0),
-                                            ("6 bulk slots", 6, 0, 0), ("6 stage warps", 0, 6, 0),
-                                            ("9 stage warps", 0, 9, 0))},
+        **{f"combine pull, {name}": pull_variant(slots, diag)
+           for name, slots, diag in (("stage only", 5, 1), ("loads only", 5, 2), ("4 stage slots", 4, 0),
+                                     ("6 stage slots", 6, 0))},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }

@@ -27,18 +27,19 @@ def fuzz_parts(tmp_path_factory):
     return root, n_ll, spawn_parts(parts, 2, str(root), timeout=1200)
 
 
-def test_fuzz_torch_backend(fuzz_parts):
+def _cases_run(fuzz_parts, part, count_file, what):
+    """The part's result checked, then the number of cases its fuzzer ran (printed with its time)."""
     root, _, parts = fuzz_parts
-    parts["torch"].check()
-    count, seconds = (root / "torch.count").read_text().split()
-    print(f"torch backend fuzz: {count} cases in {seconds} s")
-    assert int(count) >= EXAMPLES
+    parts[part].check()
+    count, seconds = (root / count_file).read_text().split()
+    print(f"{what}: {count} cases in {seconds} s")
+    return int(count)
+
+
+def test_fuzz_torch_backend(fuzz_parts):
+    assert _cases_run(fuzz_parts, "torch", "torch.count", "torch backend fuzz") >= EXAMPLES
 
 
 def test_fuzz_low_latency_torch_engine(fuzz_parts):
     """The low-latency calls' fuzzer on the torch engine (gloo): the same protocol, fewer cases (CI time)."""
-    root, n, parts = fuzz_parts
-    parts["low_latency"].check()
-    count, seconds = (root / "ll.count").read_text().split()
-    print(f"low-latency torch engine fuzz: {count} cases in {seconds} s")
-    assert int(count) >= n
+    assert _cases_run(fuzz_parts, "low_latency", "ll.count", "low-latency torch engine fuzz") >= fuzz_parts[1]

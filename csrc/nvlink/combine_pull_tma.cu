@@ -14,22 +14,20 @@
 //     COMBINE_READY[r][sub] >= ce in its own buffer (a local poll), then bulk-loads the row from r's area
 //     into a slot of the load ring (its own row from x, likewise) and hands the token to a reduce warp
 //     (a descriptor in shared memory).
-//   the stage, one of two ways (Runtime.pull_stage_slots / pull_stage_warps): sub-chunks of kCombineSub
-//     positions of one owner (up to 16 consecutive rows, contiguous in x and in this rank's area at slot
-//     [owner][position]), interleaved over the owners (rotated by rank) and strided over the grid's
-//     stagers, so every owner's early positions go first; once a sub-chunk is written, a system fence and
-//     a release of COMBINE_READY[me][sub] = ce in the owner's buffer.
-//     - bulk (the default, 5 slots): warp 1's lane 0 streams rows x -> shared -> area through a BulkRing
-//       of its own in front of the load ring (S = 1 below);
-//     - registers: warps 1..S copy with 16-byte loads and stores, and the load ring has all the shared
-//       memory.
-//   warps S+1..15, the reducers: descriptor d goes to reducer d % (15 - S); a warp waits for the token's
-//     slots, sums them in rank order, writes y in BF16 and frees the slots and the descriptor.
+//   warp 1, lane 0, the stager: sub-chunks of kCombineSub positions of one owner (up to 16 consecutive
+//     rows, contiguous in x and in this rank's area at slot [owner][position]), interleaved over the
+//     owners (rotated by rank) and strided over blocks, so every owner's early positions go first; rows
+//     stream x -> shared -> area through a BulkRing of Runtime.pull_stage_slots slots in front of the load
+//     ring; once a sub-chunk is written, a system fence and a release of COMBINE_READY[me][sub] = ce in the
+//     owner's buffer.
+//   warps 2..15, the reducers: descriptor d goes to warp 2 + d % 14; a warp waits for the token's slots,
+//     sums them in rank order (combine_sum.cuh's sum_rows_bf16), writes y in BF16 and frees the slots and
+//     the descriptor.
 // Measured on 4x H200 (2026-11-26, EP4, 24 SMs, queued; nvlink_phases.py): reducers reading the own row
 // from HBM (first version) held the slots through those reads: 758 us. With the own row in the ring and
 // a bulk stager of 5 of 15 slots, 631 (loads alone 600, stage alone 330); register stage warps (6) with
 // 16 load slots, 654 (loads alone 554, stage alone 294): the register copies slow the loads down more
-// than they free slots for them. At EP2 245 against 268. Sub-chunks of 4 positions instead of 16 (more
+// than they free slots for them (at EP2 245 against 268), so they went. Sub-chunks of 4 positions instead of 16 (more
 // fences and flags per stager) read 894 us queued at EP4, 24 SMs, on 4x H100 (fused 663, DeepEP 604):
 // 16 again, as in the 631 us layout.
 //
@@ -55,9 +53,8 @@ namespace {
 constexpr int kPullRingBytes = 224 * 1024;  // the load ring; the static shared memory fits beside it
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
-constexpr int kStageU = 16;                 // 16-byte vectors in flight per lane of a stage warp
 constexpr int kStoreLag = 4;                // bulk stager: store groups in flight
-constexpr int kPend = 16;                   // bulk stager: ring items between loaded and published
+constexpr int kPend = 16;                   // stager: ring items between loaded and published
 
 struct TokenDesc {
   int t;        // token
@@ -75,10 +72,10 @@ template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
-                        int nstage, int nload, int diag) {
+                        int nload, int diag) {
   extern __shared__ __align__(128) char s_mem[];
   __shared__ uint64_t s_lbar[kLoadMaxSlots], s_sbar[kPullStageMaxSlots];
-  __shared__ int s_pend[kPend];           // bulk stager: (owner, sub) + 1 of a unit's last item, else 0
+  __shared__ int s_pend[kPend];           // stager: (owner, sub) + 1 of a unit's last item, else 0
   __shared__ int s_freed[kLoadMaxSlots];  // uses of a load slot consumed
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
   __shared__ TokenDesc s_desc[kDesc];
@@ -91,14 +88,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   const int row_bytes = c.hidden * 2;
-  // nslot_stage > 0: one bulk-copy stager (warp 1, lane 0) with that many slots ahead of the load ring;
-  // else nstage register stage warps (1..nstage)
-  const bool bulk_stage = nslot_stage > 0;
-  if (bulk_stage) nstage = 1;
   char* const load_buf = s_mem + static_cast<size_t>(nslot_stage) * row_bytes;
   BulkRing<kRingLag> ring{s_mem, s_sbar, nslot_stage, row_bytes};
   if (tid == 0) {
-    if (bulk_stage) ring.init();
+    ring.init();
     for (int s = 0; s < nload; ++s) mbar_init(&s_lbar[s], 1);
     fence_mbar_init();
     s_nd = 0;
@@ -110,7 +103,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
-  if (warp == 1 && bulk_stage) {  // ---- the bulk-copy stager
+  if (warp == 1) {  // ---- the stager
     if (lane == 0) {
       char* area = c.peers[me] + c.off_combine;
       const int npeers = W - 1;
@@ -162,40 +155,6 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       while (!ring.empty()) store_oldest();
       tma_store_wait_all();
       publish(ring.tail);
-    }
-  } else if (warp >= 1 && warp <= nstage) {  // ---- a register stager
-    char* area = c.peers[me] + c.off_combine;
-    const int npeers = W - 1;
-    int max_subs = 0;
-    for (int o = 0; o < W; ++o)
-      if (o != me) max_subs = max(max_subs, (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub);
-    const int nunits = max_subs * npeers;
-    const int gs = blockIdx.x * nstage + (warp - 1), NS = gridDim.x * nstage;
-    for (int u = gs; u < nunits; u += NS) {
-      const int o = (me + 1 + u % npeers) % W;
-      const int sub = u / npeers, q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
-      if (q0 >= cnt) continue;
-      if (!(diag & 2)) {  // diag 2 (benchmarks): the loads alone
-        const int nvec = min(kCombineSub, cnt - q0) * (row_bytes / 16);
-        int4* dst = reinterpret_cast<int4*>(area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes);
-        const int4* src = reinterpret_cast<const int4*>(x + static_cast<size_t>(s_off[o] + q0) * row_bytes);
-        for (int base = 0; base < nvec; base += 32 * kStageU) {
-          int4 v[kStageU];
-#pragma unroll
-          for (int u2 = 0; u2 < kStageU; ++u2) {
-            const int j = base + u2 * 32 + lane;
-            if (j < nvec) v[u2] = ld_nc_v4(src + j);
-          }
-#pragma unroll
-          for (int u2 = 0; u2 < kStageU; ++u2) {
-            const int j = base + u2 * 32 + lane;
-            if (j < nvec) st_na_v4(dst + j, v[u2]);
-          }
-        }
-        __threadfence_system();  // every lane's rows before the owner can see the flag
-      }
-      __syncwarp();
-      if (lane == 0) st_release_sys(ready_at(c, o, me, sub), ce);
     }
   } else if (warp == 0) {  // ---- the loader
     const int nchunks = (T + kChunk - 1) / kChunk;
@@ -269,8 +228,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     }
     if (lane == 0) st_release_cta_shared(&s_end, 1);
   } else {  // ---- the reducers
-    const int n16 = row_bytes / 16, nred = kThreads / 32 - 1 - nstage;
-    for (int d = warp - 1 - nstage;; d += nred) {
+    const int n16 = row_bytes / 16, nred = kThreads / 32 - 2;
+    for (int d = warp - 2;; d += nred) {
       int ready = 0;
       while (true) {  // descriptor d published, or the loader done without it
         if (ld_acquire_cta_shared(&s_nd) > d) {
@@ -298,32 +257,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           ++item;
         }
       }
-      int4* yrow = reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16;
-      // U vectors per lane per round, all from shared memory
-      for (int base = 0; base < n16; base += 32 * U) {
-        int4 v[MAXW][U];
-#pragma unroll
-        for (int r = 0; r < MAXW; ++r)
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int j = base + u * 32 + lane;
-            if (src[r] && j < n16) v[r][u] = src[r][j];
-          }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int j = base + u * 32 + lane;
-          if (j >= n16) continue;
-          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int r = 0; r < MAXW; ++r)
-            if (src[r]) add_bf16x8(acc, v[r][u]);
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-          yrow[j] = o;
-        }
-      }
+      sum_rows_bf16<MAXW, U>(src, reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16, n16, lane,
+                             [](const int4* p) { return *p; });
       __syncwarp();  // every lane has read the slots before they are handed back
       if (lane == 0) {
         for (int n = td.item0; n < item; ++n) st_release_cta_shared(&s_freed[n % nload], n / nload + 1);
@@ -345,20 +280,18 @@ __host__ __device__ inline int load_slots(int row_bytes, int stage_slots) {
 }  // namespace
 
 // A token needs one load slot per rank holding a row of it (its own included), all at once: the ring
-// must hold a whole token's rows or the loader would wait on itself. At least one warp stages and one
-// reduces; a bulk stager's ring needs more slots than its lag.
-bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots, int stage_warps) {
+// must hold a whole token's rows or the loader would wait on itself. The stager's ring needs more
+// slots than its lag.
+bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
   const int n = load_slots(row_bytes, stage_slots);
-  const bool stager = stage_slots > 0 ? stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots
-                                      : stage_warps >= 1 && stage_warps <= kPullStageMaxWarps;
-  return stager && n >= world && n >= 2 && tma_supported();
+  return stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots && n >= world && n >= 2 && tma_supported();
 }
 
 namespace {
 
 template <int MAXW, int U>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                 __nv_bfloat16* y, int T, int nslot_stage, int nstage, int diag, cudaStream_t stream) {
+                 __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
   const size_t smem = static_cast<size_t>(nslot_stage + nload) * row_bytes;
   static bool smem_set[64] = {};
@@ -370,21 +303,21 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
   combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, nslot_stage,
-                                                                        nstage, nload, diag);
+                                                                        nload, diag);
 }
 
 }  // namespace
 
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_slots, int stage_warps, int diag, cudaStream_t stream) {
+                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   if (c.world <= 2)
-    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
+    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   else if (c.world <= 4)
-    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
+    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   else
-    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, stage_warps, diag, stream);
+    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -17,27 +17,13 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   }
 }
 
-// Sum of one token's slots (own rows read in place from x, or from this rank's own slot of the
-// combine area when self_in_area), float accumulation, BF16 out. For each
-// chunk of 32*U vectors the loads of all (up to MAXW) slots are issued before any is summed, so one
-// chunk costs one memory round trip. The caller has acquired every slot's arrival.
-template <int MAXW, int U>
-__device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
-                                             const int* __restrict__ send_pos, int self_lo,
-                                             int4* __restrict__ y, int t, int lane, bool self_in_area) {
-  const int W = c.world, me = c.rank;
-  const int n16 = c.hidden * 2 / 16;
-  const size_t row16 = static_cast<size_t>(n16);
-  const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
-  const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
-  const int4* srcp[MAXW];
-#pragma unroll
-  for (int r = 0; r < MAXW; ++r) {
-    const int p = __shfl_sync(kFull, mypos, r);
-    srcp[r] = (r < W && p >= 0) ? (r == me && !self_in_area ? x + static_cast<size_t>(self_lo + p) * row16
-                                          : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
-                                : nullptr;
-  }
+// The sum of one token's rows srcp[0..MAXW) (null where a rank holds none), in rank order, float
+// accumulation, written to yrow in BF16. For each chunk of 32*U vectors the loads of all rows
+// (load(p): one 16-byte vector) are issued before any is summed, so one chunk costs one memory round
+// trip. Shared by the push combines' reduce (global rows) and the pull combine (rows in shared memory).
+template <int MAXW, int U, typename Load>
+__device__ __forceinline__ void sum_rows_bf16(const int4* const (&srcp)[MAXW], int4* __restrict__ yrow, int n16,
+                                              int lane, Load load) {
   for (int base = 0; base < n16; base += 32 * U) {
     int4 v[MAXW][U];
 #pragma unroll
@@ -45,7 +31,7 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int j = base + u * 32 + lane;
-        if (srcp[r] && j < n16) v[r][u] = ld_nc_v4(srcp[r] + j);
+        if (srcp[r] && j < n16) v[r][u] = load(srcp[r] + j);
       }
     float acc[U][8];
 #pragma unroll
@@ -67,10 +53,33 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
         __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
         for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-        y[static_cast<size_t>(t) * row16 + j] = o;
+        yrow[j] = o;
       }
     }
   }
+}
+
+// Sum of one token's slots (own rows read in place from x, or from this rank's own slot of the
+// combine area when self_in_area), through sum_rows_bf16. The caller has acquired every slot's arrival.
+template <int MAXW, int U>
+__device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
+                                             const int* __restrict__ send_pos, int self_lo,
+                                             int4* __restrict__ y, int t, int lane, bool self_in_area) {
+  const int W = c.world, me = c.rank;
+  const int n16 = c.hidden * 2 / 16;
+  const size_t row16 = static_cast<size_t>(n16);
+  const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
+  const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
+  const int4* srcp[MAXW];
+#pragma unroll
+  for (int r = 0; r < MAXW; ++r) {
+    const int p = __shfl_sync(kFull, mypos, r);
+    srcp[r] = (r < W && p >= 0) ? (r == me && !self_in_area ? x + static_cast<size_t>(self_lo + p) * row16
+                                          : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
+                                : nullptr;
+  }
+  sum_rows_bf16<MAXW, U>(srcp, y + static_cast<size_t>(t) * row16, n16, lane,
+                         [](const int4* p) { return ld_nc_v4(p); });
 }
 
 // A reduce unit of the combines that overlap the reduce with the sends (fused, pipelined): waits until

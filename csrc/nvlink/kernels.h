@@ -73,14 +73,11 @@ void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int*
                              const int* recv_src, int4* y, int T, cudaStream_t stream);
 // combine_pull_tma.cu: the owners read their rows from the ranks that staged them (remote loads);
 // where its two shared-memory rings hold a token's rows, on sm_90+ (combine_pull_tma_fits).
-// stage_slots > 0: one bulk-copy stager thread with that many shared-memory rows (the loads get the
-// rest); 0: stage_warps register-copy stage warps per block (the rest of warps 1..15 reduce); diag: see
-// Runtime::pull_diag.
+// stage_slots: the stager's shared-memory rows (the loads get the rest); diag: see Runtime::pull_diag.
 constexpr int kPullStageMaxSlots = 12;
-constexpr int kPullStageMaxWarps = 13;
-bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots, int stage_warps);
+bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots);
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_slots, int stage_warps, int diag, cudaStream_t stream);
+                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream);
 
 }  // namespace nvl
 }  // namespace ep

@@ -242,10 +242,9 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePull, "combine mode must be 0 (split), 1 (fused), "
                "2 (pipelined) or 3 (pull), got %d", mode);
   const int blocks = grid_for(num_sms);
-  if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_, pull_stage_warps_)) {
+  if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_)) {
     launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                            ptr<int4>(y), T, pull_stage_slots_, pull_stage_warps_, pull_diag_,
-                            stream_of(stream));
+                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_, stream_of(stream));
     return;
   }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
@@ -264,14 +263,8 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
 }
 
 void Runtime::set_pull_stage_slots(int n) {
-  EP_CHECK_ARG(n == 0 || (n >= 3 && n <= kPullStageMaxSlots), "pull_stage_slots must be 0 or in [3, %d], got %d",
-               kPullStageMaxSlots, n);
+  EP_CHECK_ARG(n >= 3 && n <= kPullStageMaxSlots, "pull_stage_slots must be in [3, %d], got %d", kPullStageMaxSlots, n);
   pull_stage_slots_ = n;
-}
-
-void Runtime::set_pull_stage_warps(int n) {
-  EP_CHECK_ARG(n >= 1 && n <= kPullStageMaxWarps, "pull_stage_warps must be in [1, %d], got %d", kPullStageMaxWarps, n);
-  pull_stage_warps_ = n;
 }
 
 size_t Runtime::expert_scratch_ints(int num_sms) const {

@@ -48,15 +48,11 @@ class Runtime {
   bool tma() const { return tma_; }
   void set_tma(bool on) { tma_ = on; }
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
-  // How the pull combine stages: pull_stage_slots > 0, one bulk-copy thread per block with that many
-  // shared-memory rows (the loads get the rest); 0, pull_stage_warps register-copy warps per block (the
-  // others of 1..15 reduce; warp 0 loads). For benchmarks/nvlink_phases.py only, pull_diag times one
-  // half alone (1: stage only, remote rows not read; 2: no stage, sub-chunks flagged at once): y is
-  // wrong unless it is 0.
+  // The pull combine's stager ring: its shared-memory rows (the loads get the rest). For
+  // benchmarks/nvlink_phases.py only, pull_diag times one half alone (1: stage only, remote rows not
+  // read; 2: no stage, sub-chunks flagged at once): y is wrong unless it is 0.
   int pull_stage_slots() const { return pull_stage_slots_; }
   void set_pull_stage_slots(int n);
-  int pull_stage_warps() const { return pull_stage_warps_; }
-  void set_pull_stage_warps(int n);
   int pull_diag() const { return pull_diag_; }
   void set_pull_diag(int d) { pull_diag_ = d; }
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.
@@ -105,7 +101,7 @@ class Runtime {
   HostInfo* host_dev_ = nullptr;
   bool opened_ = false;
   bool tma_ = true;
-  int pull_stage_slots_ = 5, pull_stage_warps_ = 6, pull_diag_ = 0;
+  int pull_stage_slots_ = 5, pull_diag_ = 0;
   Ctx ctx_{};
 };
 

@@ -38,9 +38,7 @@ void bind_nvlink(py::module_& m) {
       .def_property_readonly("tma_supported", &Runtime::tma_supported,
                              "whether this build (EP_PLUGIN_CUDA_ARCH >= 90) and this GPU run the bulk-copy pulls")
       .def_property("pull_stage_slots", &Runtime::pull_stage_slots, &Runtime::set_pull_stage_slots,
-                    "the pull combine's bulk-copy stager: its shared-memory rows (3..12; 0: register stage warps)")
-      .def_property("pull_stage_warps", &Runtime::pull_stage_warps, &Runtime::set_pull_stage_warps,
-                    "with pull_stage_slots 0: the pull combine's staging warps per block (1..13)")
+                    "the pull combine's stager ring: its shared-memory rows (3..12; the loads get the rest)")
       .def_property("pull_diag", &Runtime::pull_diag, &Runtime::set_pull_diag,
                     "benchmarks only: 1 times the pull combine's stage alone, 2 its loads alone (y is wrong)")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
