@@ -35,28 +35,32 @@ def first_picks(idx):
 
 
 def reference_dispatch(xs, idxs, rank, E_l):
-    """Per local expert of `rank`: (rows BF16, source tokens int32) in the contract's order (source rank,
-    then token); recv_count [E_l] int32; layout_range [E_l, W] int64 (begin << 32 | count)."""
+    """Every row `rank` receives, in the contract's order (per local expert: source rank, then token), as
+    flat tensors on the GPU: (local expert, slot, source token int32, row BF16); recv_count [E_l] int32;
+    layout_range [E_l, W] int64 (begin << 32 | count)."""
     W = len(xs)
-    rows, src = [[] for _ in range(E_l)], [[] for _ in range(E_l)]
-    layout = torch.zeros(E_l, W, dtype=torch.int64)
+    counts = torch.zeros(W, E_l, dtype=torch.int64)
+    picked = []
     for s in range(W):
         T, K = idxs[s].shape
-        flat, pos = first_picks(idxs[s]).flatten().cuda(), torch.arange(T * K, device="cuda")
+        flat, pos = first_picks(idxs[s]).flatten(), torch.arange(T * K)
         mine = (flat >= rank * E_l) & (flat < (rank + 1) * E_l)
         local, at = flat[mine] - rank * E_l, pos[mine]
         order = torch.argsort(local * (T * K) + at)
         local, token = local[order], at[order] // K
-        counts = torch.bincount(local, minlength=E_l).tolist()
-        x, first = xs[s].cuda(), 0
-        for el in range(E_l):
-            begin = sum(len(t) for t in src[el])
-            rows[el].append(x[token[first:first + counts[el]]])
-            src[el].append(token[first:first + counts[el]].int())
-            layout[el, s] = (begin << 32) | counts[el]
-            first += counts[el]
-    count = torch.tensor([sum(len(t) for t in src[el]) for el in range(E_l)], dtype=torch.int32)
-    return [(torch.cat(r), torch.cat(t)) for r, t in zip(rows, src)], count, layout
+        counts[s] = torch.bincount(local, minlength=E_l)
+        picked.append((local, token))
+    begin = counts.cumsum(0) - counts  # rows of lower source ranks before source s in expert e
+    els, slots, tokens, rows = [], [], [], []
+    for s, (local, token) in enumerate(picked):
+        first_of_expert = counts[s].cumsum(0) - counts[s]  # where expert e's run starts in this source's list
+        els.append(local)
+        slots.append(begin[s, local] + torch.arange(local.numel()) - first_of_expert[local])
+        tokens.append(token)
+        rows.append(xs[s][token])
+    flat = [torch.cat(t).cuda() for t in (els, slots, tokens, rows)]
+    flat[2] = flat[2].int()
+    return flat, counts.sum(0).int(), ((begin << 32) | counts).t().contiguous()
 
 
 def expert_output(recv_x, count, rank, E_l):
@@ -80,18 +84,16 @@ def reference_combine(x, idx, w):
 def compare(got, xs, idxs, ws, rank, E_l, fp8, ctx):
     from tests.reference import reference_cast_fp8 as cast_fp8  # DESIGN.md's cast, not the library's
     recv_x, count, handle, y = got
-    want, want_count, want_layout = reference_dispatch(xs, idxs, rank, E_l)
+    (el, slot, tokens, rows), want_count, want_layout = reference_dispatch(xs, idxs, rank, E_l)
     assert torch.equal(count.cpu(), want_count), (ctx, count.tolist(), want_count.tolist())
     assert torch.equal(handle.layout_range.cpu(), want_layout), ctx
-    for el, (rows, tokens) in enumerate(want):
-        n = rows.shape[0]
-        assert torch.equal(handle.src_info[el, :n], tokens), (ctx, el)
-        if not fp8:
-            assert torch.equal(recv_x[el, :n], rows), (ctx, el)
-        elif n:
-            data, scales = cast_fp8(rows, False)
-            assert torch.equal(recv_x[0][el, :n].view(torch.uint8), data.view(torch.uint8)), (ctx, el)
-            assert torch.equal(recv_x[1][el, :n], scales), (ctx, el)
+    assert torch.equal(handle.src_info[el, slot], tokens), ctx
+    if not fp8:
+        assert torch.equal(recv_x[el, slot], rows), ctx
+    elif rows.numel():
+        data, scales = cast_fp8(rows, False)
+        assert torch.equal(recv_x[0][el, slot].view(torch.uint8), data.view(torch.uint8)), ctx
+        assert torch.equal(recv_x[1][el, slot], scales), ctx
     if y is not None:
         torch.testing.assert_close(y, reference_combine(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()),
                                    atol=0, rtol=0, msg=ctx)

@@ -2,7 +2,6 @@
 (NvshmemLowLatency, driven directly) against a brute-force expectation built from every rank's
 inputs. tests/test_low_latency_gpu.py checks the same engine through EPBuffer against the torch
 reference engine."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,9 +19,10 @@ def _need_nvshmem(world=2):
 
 
 def _cfg(M, K, timeout_s=20.0, output_buffers=0):
-    ll = SimpleNamespace(max_tokens_per_rank=M, output_buffers=output_buffers)
-    return SimpleNamespace(comm=SimpleNamespace(low_latency=ll, timeout_s=timeout_s, rdma=None),
-                           moe=SimpleNamespace(topk=K))
+    """The validated config (a stand-in namespace would miss keys the engine reads, e.g. heap_outputs)."""
+    from ep_plugin.config import load_config
+    return load_config(None, overrides={"moe": {"topk": K}, "comm": {"timeout_s": timeout_s, "low_latency": {
+        "max_tokens_per_rank": M, "output_buffers": output_buffers}}})
 
 
 def _gather(t, world):

@@ -437,7 +437,7 @@ def body_timeout(rank, world, out_dir):
     _setup(world)
     hidden, E, M, K = 7168, 16, 256, 4
     eng, ref = _engines(hidden, E, M, K, False, timeout_s=TIMEOUT_S)
-    check_case(eng, ref, rank, M, hidden, E, K, False, [M, M], "random", 1)  # a healthy round
+    check_case(eng, ref, rank, M, hidden, E, K, False, [M] * world, "random", 1)  # a healthy round
     dist.barrier()
     if rank == 0:
         x, _, idx, w = _inputs(rank, M, hidden, E, K, False, 2, "random")
