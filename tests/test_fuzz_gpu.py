@@ -16,6 +16,7 @@ pytest.importorskip("hypothesis")
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("EP_FUZZ_EXAMPLES", 1000))
+TIMEOUT = float(os.environ.get("EP_FUZZ_TIMEOUT", 300))  # a hung spawn fails after this
 WORLDS = [2, 4]
 
 
@@ -45,7 +46,7 @@ def test_fuzz_nvlink(world, tmp_path):
     # hidden a multiple of 128 in [256, 16384]; two buffers of 2W experts, for handles of another buffer
     shapes = [(256, 2 * world), (384, 2 * world), (512, world)]
     out = tmp_path / "count"
-    spawn(fuzz_body, world, "nvlink", shapes, "cuda", 8, EXAMPLES, str(out), backend="nccl", timeout=300)
+    spawn(fuzz_body, world, "nvlink", shapes, "cuda", 8, EXAMPLES, str(out), backend="nccl", timeout=TIMEOUT)
     _count(out, f"nvlink fuzz, {world} GPUs")
 
 
@@ -56,7 +57,7 @@ def test_fuzz_low_latency(world, tmp_path):
 
     out = tmp_path / "count"
     spawn(fuzz_body, world, "auto", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out), None, True, backend="nccl",
-          timeout=300)
+          timeout=TIMEOUT)
     _count(out, f"low-latency fuzz, {world} GPUs")
 
 
@@ -67,5 +68,5 @@ def test_fuzz_internode(world, tmp_path):
 
     out = tmp_path / "count"
     spawn(fuzz_body, world, "nvshmem", [(256, 2 * world)], "cuda", 8, EXAMPLES, str(out),
-          {"ranks_per_node": world // 2}, backend="nccl", timeout=300)
+          {"ranks_per_node": world // 2}, backend="nccl", timeout=TIMEOUT)
     _count(out, f"internode (nvshmem, {world // 2} GPUs per virtual node) fuzz, {world} GPUs")
