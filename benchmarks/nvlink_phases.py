@@ -108,7 +108,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
            for k in ("split", "fused", "pipelined", "pull")},
         # the pull combine's halves alone (y is wrong in these rows) and its shared-memory split
         **{f"combine pull, {name}": pull_variant(slots, diag)
-           for name, slots, diag in (("stage only", 5, 1), ("loads only", 5, 2), ("4 stage slots", 4, 0),
+           for name, slots, diag in (("stage only", 5, 1), ("loads only", 5, 2), ("loads only, 3 stage slots", 3, 2),
+                                     ("3 stage slots", 3, 0), ("4 stage slots", 4, 0),
                                      ("6 stage slots", 6, 0))},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
