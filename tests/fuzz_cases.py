@@ -86,6 +86,8 @@ def _expect(call, exc, word: str, buf=None):
     try:
         call()
         if buf is not None:
+            if torch.cuda.is_available():  # the documented rule: raised at the first check after the device ran
+                torch.cuda.synchronize()  # (an async_op dispatch may still be queued on the comm stream)
             buf.check()
     except (ValueError, TypeError) as e:
         if not isinstance(e, exc) or word not in str(e):
@@ -315,7 +317,10 @@ def fuzz_body(rank, world, backend, shapes, device, max_tokens, examples, out, c
     cases = ll if low_latency else sys.modules[__name__]
     set_device(rank, device)
     bufs = cases.build_buffers(backend, shapes, max_tokens, comm)
-    lead_or_follow(rank, world, cases.case_strategy(len(shapes), max_tokens),
-                   lambda case: run_case(cases.run, case, rank, world, bufs, shapes, device, max_tokens), examples, out)
-    for b in bufs:
-        b.close()
+    try:
+        lead_or_follow(rank, world, cases.case_strategy(len(shapes), max_tokens),
+                       lambda case: run_case(cases.run, case, rank, world, bufs, shapes, device, max_tokens), examples,
+                       out)
+    finally:  # rank 0 raises when a case failed: it too must reach close()'s collective, or the others hang there
+        for b in bufs:
+            b.close()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from ep_plugin.backends.nvlink.plan import (AUTO_COMBINE_MIN_TOKENS, AUTO_SMS, COMBINE_MODES, plan_combine_kernel,
-                                            plan_dispatch_kernel, plan_num_sms)
+                                            plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots)
 from ep_plugin.config import load_config
 from ep_plugin.integrations.megatron.config import resolve_config
 
@@ -22,9 +22,15 @@ def test_num_sms_auto_by_world_and_batch():
 
 def test_combine_auto_pull_needs_sms():
     assert plan_combine_kernel("auto", 4096, 2, 48) == "pull" and plan_combine_kernel("auto", 4096, 2, 24) == "pipelined"
+    assert plan_combine_kernel("auto", 4096, 4, 24) == "pull" and plan_combine_kernel("auto", 4096, 4, 16) == "fused"
+    assert plan_combine_kernel("auto", 4096, 8, 48) == "fused"  # unmeasured at EP8
 
 
-@pytest.mark.parametrize("world,tokens,want", [(2, 4096, "pull"), (4, 4096, "fused"), (8, 4096, "fused"),
+def test_pull_stage_slots_by_world():
+    assert plan_pull_stage_slots(2) == 5 and plan_pull_stage_slots(4) == 4 and plan_pull_stage_slots(8) == 5
+
+
+@pytest.mark.parametrize("world,tokens,want", [(2, 4096, "pull"), (4, 4096, "pull"), (8, 4096, "fused"),
                                                (2, AUTO_COMBINE_MIN_TOKENS - 1, "split"), (4, 128, "split")])
 def test_combine_kernel_auto(world, tokens, want):
     assert plan_combine_kernel("auto", tokens, world) == want

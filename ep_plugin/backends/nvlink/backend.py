@@ -60,7 +60,7 @@ from ... import expert_major
 from ...types import FP8_DTYPES, DispatchOutput, ExpertLayout, Handle, PinnedRing, counts_from_lists
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
-from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms
+from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots
 from .state import NvlinkState, _DispatchCounts
 
 _live = weakref.WeakSet()
@@ -130,6 +130,7 @@ class NvlinkBackend(Backend):
             raise BackendUnavailableError(
                 f"the nvlink backend could not map a peer's buffer through CUDA IPC ({exc}); all ranks must "
                 "share one node with peer access: use comm.backend: torch or auto") from exc
+        self._rt.pull_stage_slots = plan_pull_stage_slots(self.world)
         dist.barrier(group=group)  # every rank's flags are zeroed and its peers mapped
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op

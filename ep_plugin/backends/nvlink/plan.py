@@ -31,25 +31,36 @@ COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
-AUTO_PULL_MIN_SMS = 32  # the pull combine wins at EP2 with 48 SMs on H200 and H100; at 24 it has lost once (H100)
+# The fewest SMs at which `auto` picks the pull combine, per EP size (EP2: it won with 48 SMs on H200 and H100,
+# lost once at 24 on H100; EP4: it won at 24 and 48 on 4x H100, 2026-11-26 session 3). Other sizes: unmeasured.
+AUTO_PULL_MIN_SMS = {2: 32, 4: 24}
+# The pull combine's stager slots (the rest of its 224 KB ring loads rows): at EP4 a token holds up to four
+# load slots, so one more load slot pays (24 SMs, queued, 4x H100: 4 stage slots 587 us, 5 618, 6 669, 3 702);
+# at EP2 5 measured best (3 / 8: 292 / 305 against 244 on 4x H200).
+PULL_STAGE_SLOTS = {2: 5, 4: 4}
 
 
 def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 48) -> str:
     """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks: as given, or for `auto`
     what measured fastest (benchmarks/results/bench_kernels_ep*_2026-11-26*.json, 4096 tokens, hidden 7168,
-    cold call): at EP2 with AUTO_PULL_MIN_SMS or more (48: `num_sms: auto` from 1024 tokens) the pull
-    kernel (48 SMs: 242 us cold against the pipelined one's 302 on 4x H200, ..._pull_v2_..._s2call2; 278
-    against 307 on 4x H100, ..._s2call5), else the pipelined one (24 SMs on H100: pull 392 against 334;
-    on H200 the pull won, 273 against 340); above EP2 the fused one (EP4, 16 / 24 / 48 SMs: 781 / 714 /
-    681 us against split's 1005 / 751 / 757 and pipelined's 915 / 818 / 707); split below
-    AUTO_COMBINE_MIN_TOKENS."""
+    cold call): the pull kernel where AUTO_PULL_MIN_SMS says (EP2, 48 SMs: 242 us cold against the
+    pipelined one's 302 on 4x H200, ..._pull_v2_..._s2call2, 278 against 307 on 4x H100, ..._s2call5; EP4 on
+    4x H100, ..._s3call2: 24 SMs 635 against fused 669-686, 48 SMs 604 against 624), else the pipelined one
+    at EP2 (24 SMs on H100: pull 392 against 334; on H200 the pull won, 273 against 340) and the fused one
+    above (EP4, 16 / 24 / 48 SMs: 781 / 714 / 681 us against split's 1005 / 751 / 757 and pipelined's 915 /
+    818 / 707); split below AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
     if tokens < AUTO_COMBINE_MIN_TOKENS:
         return "split"
-    if world <= 2:
-        return "pull" if num_sms >= AUTO_PULL_MIN_SMS else "pipelined"
-    return "fused"
+    if num_sms >= AUTO_PULL_MIN_SMS.get(world, 1 << 30):
+        return "pull"
+    return "pipelined" if world <= 2 else "fused"
+
+
+def plan_pull_stage_slots(world: int) -> int:
+    """Runtime.pull_stage_slots for `world` ranks (PULL_STAGE_SLOTS; the EP2 count where unmeasured)."""
+    return PULL_STAGE_SLOTS.get(world, PULL_STAGE_SLOTS[2])
 
 
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
