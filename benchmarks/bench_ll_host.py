@@ -3,6 +3,7 @@
     python3 benchmarks/bench_ll_host.py                   # every layer, BF16/FP8, output_buffers 0 and 2
     python3 benchmarks/bench_ll_host.py --profile deep_ep  # cProfile of one layer's dispatch+combine pairs
     python3 benchmarks/bench_ll_host.py --fused off        # the send and receive halves as two launches
+    python3 benchmarks/bench_ll_host.py --hook --layers shim --held  # per half, as DeepEP's test_low_latency
 
 What runs: the NVSHMEM engine's Python (ep_plugin/backends/nvshmem/low_latency.py), EPBuffer's
 low-latency calls and the deep_ep compat layer, exactly as shipped, over stand-ins for what needs a GPU:
@@ -23,6 +24,13 @@ Layers:
   EPBuffer EPBuffer.low_latency_dispatch/combine
   deep_ep  ep_plugin.deep_ep.Buffer.low_latency_dispatch/combine as DeepEP's test bench calls them
            (use_fp8, cumulative stats, async_finish=False, return_recv_hook=False)
+  shim     the same with no ep_config (what `import deep_ep` users get: output sets of torch tensors,
+           comm.low_latency.heap_outputs false; --output-buffers does not apply, the default 2 does)
+
+--hook: return_recv_hook=True, and each half timed on its own: the dispatch call (send), its hook()
+(receive), the combine call, its hook() -- the four halves DeepEP's test_low_latency profiles.
+--held: one dispatch's outputs stay bound through the timing, as DeepEP's test_low_latency keeps its
+check loop's names through its bench (a set of torch tensors then gives way to the other one).
 """
 from __future__ import annotations
 
@@ -169,40 +177,59 @@ def inputs(device: str, T: int = M) -> SimpleNamespace:
         rows=torch.empty((E_L, M, H), dtype=torch.bfloat16, device=device))
 
 
-def layer_calls(layer: str, output_buffers: int, fp8: bool, device: str, fused: Optional[bool]):
-    """(dispatch(), combine(handle), close(), engine) of one layer; dispatch returns the handle combine takes."""
+def layer_calls(layer: str, output_buffers: int, fp8: bool, device: str, fused: Optional[bool], hook: bool = False,
+                held: Optional[list] = None):
+    """(dispatch(), combine(handle), close(), engine) of one layer; dispatch returns the handle combine takes
+    (with `hook`: dispatch returns (handle, hook) and combine the hook, which the caller runs). `held`: a
+    list that gets the first dispatch's outputs (kept by the caller, as DeepEP's test keeps them)."""
     inp = inputs(device)
-    if layer == "deep_ep":
+    if layer in ("deep_ep", "shim"):
         from ep_plugin.deep_ep import Buffer
-        dbuf = Buffer(dist.group.WORLD, low_latency_mode=True, ep_config=config(output_buffers))
+        dbuf = Buffer(dist.group.WORLD, low_latency_mode=True,
+                      ep_config=config(output_buffers) if layer == "deep_ep" else None)
 
         def dispatch():
-            return dbuf.low_latency_dispatch(inp.x, inp.idx, M, E_L, cumulative_local_expert_recv_stats=inp.stats,
-                                             use_fp8=fp8, async_finish=False, return_recv_hook=False)[2]
+            out = dbuf.low_latency_dispatch(inp.x, inp.idx, M, E_L, cumulative_local_expert_recv_stats=inp.stats,
+                                            use_fp8=fp8, async_finish=False, return_recv_hook=hook)
+            return (out[2], out[4]) if hook else out[2]
 
         def combine(handle):
-            dbuf.low_latency_combine(inp.rows, inp.idx, inp.w, handle, async_finish=False, return_recv_hook=False)
+            return dbuf.low_latency_combine(inp.rows, inp.idx, inp.w, handle, async_finish=False,
+                                            return_recv_hook=hook)[2]
 
-        dispatch()  # builds the EPBuffer and its engine
+        first = dbuf.low_latency_dispatch(inp.x, inp.idx, M, E_L, cumulative_local_expert_recv_stats=inp.stats,
+                                          use_fp8=fp8, return_recv_hook=hook)  # builds the EPBuffer and its engine
+        if hook:
+            first[4]()
+        if held is not None:
+            held.extend(first[:3])
+        del first
         eng = next(iter(dbuf._ll_buffers.values()))._low_latency
         _set_fused(eng, fused)
         return dispatch, combine, dbuf.destroy, eng
     buf = ep_plugin.EPBuffer(None, config(output_buffers), hidden=H)
-    buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats)  # builds the engine
+    first = buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats, return_recv_hook=hook)
+    if hook:
+        first[4]()
+    if held is not None:
+        held.extend(first[:3])
+    del first
     eng = buf._low_latency
     _set_fused(eng, fused)
     if layer == "engine":
         def dispatch():
-            return eng.dispatch(inp.x, inp.idx, use_fp8=fp8, round_scale=False, recv_stats=inp.stats, hook=False)[2]
+            out = eng.dispatch(inp.x, inp.idx, use_fp8=fp8, round_scale=False, recv_stats=inp.stats, hook=hook)
+            return (out[2], out[3]) if hook else out[2]
 
         def combine(handle):
-            eng.combine(inp.rows, inp.idx, inp.w, handle, out=None, hook=False)
+            return eng.combine(inp.rows, inp.idx, inp.w, handle, out=None, hook=hook)[1]
     else:
         def dispatch():
-            return buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats)[2]
+            out = buf.low_latency_dispatch(inp.x, inp.idx, use_fp8=fp8, recv_stats=inp.stats, return_recv_hook=hook)
+            return (out[2], out[4]) if hook else out[2]
 
         def combine(handle):
-            buf.low_latency_combine(inp.rows, inp.idx, inp.w, handle)
+            return buf.low_latency_combine(inp.rows, inp.idx, inp.w, handle, return_recv_hook=hook)[2]
     return dispatch, combine, buf.close, eng
 
 
@@ -224,9 +251,50 @@ def time_pairs(dispatch: Callable, combine: Callable, n: int, warmup: int = 200)
         t1 = clock()
         combine(h)
         t2 = clock()
+        del h  # a call's outputs go before the next call (as in DeepEP's test_func), not while it runs
         td.append(t1 - t0)
         tc.append(t2 - t1)
     return statistics.median(td) / 1e3, statistics.median(tc) / 1e3
+
+
+def time_halves(dispatch: Callable, combine: Callable, n: int, warmup: int = 200):
+    """With receive hooks: median us of the dispatch call, its hook(), the combine call, its hook()."""
+    clock = time.perf_counter_ns
+    for _ in range(warmup):
+        h, recv = dispatch()
+        recv()
+        combine(h)()
+    ts: List[List[int]] = [[], [], [], []]
+    for _ in range(n):
+        t0 = clock()
+        h, recv = dispatch()
+        t1 = clock()
+        recv()
+        t2 = clock()
+        crecv = combine(h)
+        t3 = clock()
+        crecv()
+        t4 = clock()
+        del h, recv, crecv
+        for lst, a, b in zip(ts, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+            lst.append(b - a)
+    return tuple(statistics.median(t) / 1e3 for t in ts)
+
+
+def run_halves(args) -> None:
+    fused = {"on": True, "off": False, "default": None}[args.fused]
+    print(f"{'layer':8} {'rows':5} {'output_buffers':>14} {'held':>4} {'d send':>7} {'d hook':>7} {'c send':>7} "
+          f"{'c hook':>7} {'pair us':>8}")
+    for layer in args.layers:
+        for ob in (args.output_buffers if layer != "shim" else [2]):
+            for fp8 in (False, True):
+                held = [] if args.held else None
+                d, c, close, eng = layer_calls(layer, ob, fp8, args.device, fused, hook=True, held=held)
+                best = min((time_halves(d, c, args.n) for _ in range(args.repeats)), key=sum)
+                del held
+                close()
+                print(f"{layer:8} {'fp8' if fp8 else 'bf16':5} {ob:>14} {'yes' if args.held else 'no':>4} "
+                      + " ".join(f"{v:7.2f}" for v in best) + f" {sum(best):8.2f}", flush=True)
 
 
 def run_table(args) -> None:
@@ -234,14 +302,19 @@ def run_table(args) -> None:
     print(f"HOST OVERHEAD ONLY (Python on {cpu_name()}, torch {torch.__version__}; fake runtime, "
           f"{args.device} tensors; no launch, no CUDA allocator). E_l {E_L}, M {M}, H {H}, top-{K}; "
           f"median of {args.n} calls, best of {args.repeats}.")
+    if args.hook:
+        run_halves(args)
+        return
     print(f"{'layer':8} {'rows':5} {'output_buffers':>14} {'fused':>5} {'dispatch us':>12} {'combine us':>11} "
           f"{'pair us':>8}")
     fused = {"on": True, "off": False, "default": None}[args.fused]
     for layer in args.layers:
-        for ob in args.output_buffers:
+        for ob in (args.output_buffers if layer != "shim" else [2]):
             for fp8 in (False, True):
-                d, c, close, eng = layer_calls(layer, ob, fp8, args.device, fused)
+                held = [] if args.held else None
+                d, c, close, eng = layer_calls(layer, ob, fp8, args.device, fused, held=held)
                 best = min((time_pairs(d, c, args.n) for _ in range(args.repeats)), key=sum)
+                del held
                 close()
                 f = {True: "on", False: "off"}.get(getattr(eng, "fused_launch", None), "n/a")
                 print(f"{layer:8} {'fp8' if fp8 else 'bf16':5} {ob:>14} {f:>5} {best[0]:12.2f} {best[1]:11.2f} "
@@ -267,13 +340,15 @@ def run_profile(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", nargs="+", default=["engine", "EPBuffer", "deep_ep"],
-                    choices=["engine", "EPBuffer", "deep_ep"])
+                    choices=["engine", "EPBuffer", "deep_ep", "shim"])
     ap.add_argument("--output-buffers", nargs="+", type=int, default=[0, 2])
     ap.add_argument("--fused", choices=["default", "on", "off"], default="default",
                     help="the engine's fused_launch (one SEND|RECV launch with output_buffers > 0)")
     ap.add_argument("-n", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile", choices=["engine", "EPBuffer", "deep_ep"])
+    ap.add_argument("--profile", choices=["engine", "EPBuffer", "deep_ep", "shim"])
+    ap.add_argument("--hook", action="store_true", help="return_recv_hook=True: time each half apart")
+    ap.add_argument("--held", action="store_true", help="keep the first dispatch's outputs, as DeepEP's test does")
     args = ap.parse_args(argv)
     args.device = "meta"  # CPU tensors of these sizes would cost ~30 us of page mapping per output
     made = one_rank_group()

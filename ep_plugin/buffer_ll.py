@@ -16,6 +16,8 @@ class _RecvHook:
     """The receive half of a low-latency call, handed to the caller: enqueues it on the current stream
     the first time it is called; a second call is an error (the engine's receive runs once)."""
 
+    __slots__ = ("_recv", "_what")
+
     def __init__(self, recv, what: str):
         self._recv, self._what = recv, what
 
@@ -88,8 +90,12 @@ class LowLatencyCalls:
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
-        return (recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None,
-                self._wrap_hook(recv, hook, "low_latency_dispatch"))
+        # the hook inline (no _wrap_hook call on the hot path): the engine's receive, guarded to run once
+        if hook:
+            recv = _RecvHook(recv, "low_latency_dispatch")
+        elif recv is not None:
+            self._wrap_hook(recv, hook, "low_latency_dispatch")  # raises: the engine broke its contract
+        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, async_op: bool = False,
@@ -124,7 +130,11 @@ class LowLatencyCalls:
                 y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        return y, self._low_latency_event(x) if async_op else None, self._wrap_hook(recv, hook, "low_latency_combine")
+        if hook:
+            recv = _RecvHook(recv, "low_latency_combine")
+        elif recv is not None:
+            self._wrap_hook(recv, hook, "low_latency_combine")  # raises
+        return y, self._low_latency_event(x) if async_op else None, recv
 
     def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the

@@ -310,7 +310,8 @@ class Buffer(LowLatencyMixin):
         self._buffers.clear()
         self._ll_buffers.clear()
         self._ll_staging.clear()
-        self._ll_dispatch_last, self._ll_combine_last = (None, None), None
+        self._ll_dispatch_forms.clear()
+        self._ll_combine_forms.clear()
 
 
 __all__ = ["Buffer"]

@@ -33,6 +33,21 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+class _Done(EventOverlap):
+    """The EventOverlap of a call that needs no waiting (no async_finish): one shared instance, read-only,
+    instead of a new object per call."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "event", None)
+        object.__setattr__(self, "extra_tensors", None)
+
+    def __setattr__(self, name, value) -> None:
+        raise AttributeError("this EventOverlap (of a call without async_finish) is shared: make your own")
+
+
+DONE = _Done()
+
+
 @dataclass
 class Config:
     """DeepEP's kernel tuning knobs. ep_plugin reads `num_sms` (the SMs its kernels use); the chunk

@@ -39,20 +39,18 @@ Not supported (NotImplementedError naming the argument): `dispatch_wait_recv_cos
 """
 from __future__ import annotations
 
-import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..buffer import EPBuffer
-from ..checks import call_form, need
+from ..checks import deep_ep_ll as checks
 from ..config import load_config
-from .events import EventOverlap
+from .events import DONE, EventOverlap
 from .handle import DeepEPLowLatencyHandle
 from .ll_support import (SIZE_HINT_TOPK, _pack_ue8m0, _ThenEvent, _ue8m0_target,  # noqa: F401 (re-exported)
                          low_latency_size_hint)
 
-_UNSUPPORTED = ("ep_plugin.deep_ep: {name} is not supported by ep_plugin's low-latency engine ({why})")
 _NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_mode=True (as DeepEP's "
                 "does); this one was made with low_latency_mode=False")
 
@@ -67,10 +65,10 @@ class LowLatencyMixin:
         self._ll_masked: Set[int] = set()
         self._ll_staging: Dict[Tuple[int, int, int], List[Optional[torch.Tensor]]] = {}
         self._ll_next: Dict[Tuple[int, int, int], int] = {}
-        # the form of the last calls that passed every check (see ep_plugin.checks.call_form), with the
-        # dispatch's (buffer, M, E) and the combine's buffer
-        self._ll_dispatch_last: Tuple = (None, None)
-        self._ll_combine_last: Tuple = (None, None)
+        # the forms of the calls that passed every check (ep_plugin.checks.deep_ep_ll): a dispatch's form ->
+        # (EPBuffer, M, E, the flags as bools); a combine's form -> its EPBuffer
+        self._ll_dispatch_forms = checks.FormMap()
+        self._ll_combine_forms = checks.FormMap()
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -79,10 +77,7 @@ class LowLatencyMixin:
             raise NotImplementedError(_NOT_LL_MODE.format(name=name))
 
     def _ll_shape(self, M, E) -> Tuple[int, int]:
-        M, E = _positive_int("num_max_dispatch_tokens_per_rank", M), _positive_int("num_experts", E)
-        need(E % self.group_size == 0, ValueError,
-              f"num_experts ({E}) must be divisible by the number of ranks ({self.group_size})")
-        return M, E
+        return checks.shape(M, E, self.group_size)
 
     # ------------------------------------------------------------------ buffers
     def _ll_buffer(self, hidden: int, num_experts: int, M: int, topk: int) -> EPBuffer:
@@ -137,91 +132,59 @@ class LowLatencyMixin:
         event: an EventOverlap (holds the work when async_finish). hook: None, or with
         return_recv_hook the receive half: the outputs are valid once it has run.
         """
-        name = "low_latency_dispatch"
         if self._destroyed or not self.low_latency_mode:
-            self._ll_mode(name)  # raises
+            self._ll_mode("low_latency_dispatch")  # raises
         stats = cumulative_local_expert_recv_stats
-        form = call_form(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
-                          num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        last_form, last = self._ll_dispatch_last
-        if form is not None and form == last_form:  # checked already, here and by the EPBuffer: straight to the engine
-            buf, M, E = last
-            return self._ll_dispatch_run(buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0,
-                                         async_finish, return_recv_hook, checked=True)
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError(_UNSUPPORTED.format(
-                name="dispatch_wait_recv_cost_stats", why="it has no per-rank wait timers"))
-        M, E = self._ll_shape(num_max_dispatch_tokens_per_rank, num_experts)
-        need(isinstance(x, torch.Tensor) and x.dim() == 2, ValueError,
-              f"x must be a [num_tokens, hidden] tensor, got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
-        T, H = x.shape
-        need(T <= M, ValueError, f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
-        need(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[0] == T,
-              ValueError, f"topk_idx must have shape [{T}, num_topk], got {tuple(getattr(topk_idx, 'shape', ()))}")
-        need(not (async_finish and return_recv_hook), ValueError,
-              "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
-              "current stream")
-        ue8m0 = bool(use_fp8 and use_ue8m0)
-        if ue8m0:
-            need(round_scale, ValueError, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two)")
-            need(H % 512 == 0, ValueError, f"use_ue8m0=True needs hidden divisible by 512, got {H}")
-        if stats is not None:
-            E_l = E // self.group_size
-            need(stats.dtype == torch.int32, TypeError,
-                  f"cumulative_local_expert_recv_stats must be torch.int, got {stats.dtype}")
-            need(stats.dim() == 1 and stats.shape[0] == E_l and stats.is_contiguous(), ValueError,
-                  f"cumulative_local_expert_recv_stats must be a contiguous [{E_l}] tensor, got {tuple(stats.shape)}")
-        buf = self._ll_buffer(H, E, M, topk_idx.shape[1])
-        out = self._ll_dispatch_run(buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
-                                    return_recv_hook)
-        self._ll_dispatch_last = (form, (buf, M, E))  # after a call that passed every check
+        key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        try:
+            known = self._ll_dispatch_forms.get(key)
+        except TypeError:  # an unhashable flag: no form, the checks run
+            known = key = None
+        if known is not None:  # checked already, here and by the EPBuffer: straight to its engine
+            buf = known[0]
+            buf._raise_pending_low_latency()
+            return self._ll_dispatch_run(known, buf._ll_dispatch_run(
+                buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
+        M, E = checks.dispatch_args(self.group_size, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
+                                    num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                    async_finish, return_recv_hook)
+        buf = self._ll_buffer(x.shape[1], E, M, topk_idx.shape[1])
+        known = (buf, M, E, bool(use_fp8), bool(round_scale), bool(use_fp8 and use_ue8m0), bool(async_finish),
+                 bool(return_recv_hook))
+        out = self._ll_dispatch_run(known, buf.low_latency_dispatch(
+            x, topk_idx, use_fp8=known[3], round_scale=known[4], async_op=known[6], return_recv_hook=known[7],
+            recv_stats=stats), x, topk_idx, stats)
+        self._ll_dispatch_forms.put(key, known)  # after a call that passed every check
         return out
 
-    def _ll_dispatch_run(self, buf, x, topk_idx, stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
-                         return_recv_hook, checked=False):
-        """The call on `buf`. checked: this call's form passed every check of this layer and of
-        buf.low_latency_dispatch before (this form covers every input those read: the tensors, the
-        flags, M and E, hence the buffer), so it goes past them to the engine (host time)."""
-        if checked:
-            buf._raise_pending_low_latency()
-            recv_x, recv_count, inner, event, hook = buf._ll_dispatch_run(
-                buf._low_latency, x, topk_idx, bool(use_fp8), bool(round_scale), bool(async_finish),
-                bool(return_recv_hook), stats)
-        else:
-            recv_x, recv_count, inner, event, hook = buf.low_latency_dispatch(
-                x, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale), async_op=bool(async_finish),
-                return_recv_hook=bool(return_recv_hook), recv_stats=stats)
-        if use_fp8 and use_ue8m0:
+    @staticmethod
+    def _ll_dispatch_run(known, result, x, topk_idx, stats):
+        """DeepEP's outputs of an EPBuffer dispatch `result` of the form `known` (_ll_dispatch_forms' values)."""
+        recv_x, recv_count, inner, event, hook = result
+        buf, M, E, _, _, ue8m0, async_finish, _ = known
+        if ue8m0:
             data, scales = recv_x
             packed = _ue8m0_target(scales)
             recv_x = (data, packed)
-
-            def pack(scales=scales, packed=packed):
-                _pack_ue8m0(scales, packed)
-
-            if hook is not None:  # the scales land in the receive half
-                def hook(recv=hook, pack=pack):
+            if hook is not None:  # the scales land in the receive half: packed after it, in the same hook
+                def hook(recv=hook, scales=scales, packed=packed):
                     recv()
-                    pack()
+                    _pack_ue8m0(scales, packed)
             else:  # the receive half is on the current stream already (the engine's contract)
-                pack()
+                _pack_ue8m0(scales, packed)
                 if event is not None:
                     event = _ThenEvent(event, scales.device)
         handle = DeepEPLowLatencyHandle(inner, buf, M, buf.hidden, E)
-        keep = None
-        if async_finish:
-            rows = recv_x if isinstance(recv_x, tuple) else (recv_x,)
-            keep = (x, topk_idx, *rows, recv_count, handle[0], handle[1], stats)
-        return recv_x, recv_count, handle, EventOverlap(event, keep), hook
+        if not async_finish:
+            return recv_x, recv_count, handle, DONE, hook
+        rows = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+        return recv_x, recv_count, handle, EventOverlap(
+            event, (x, topk_idx, *rows, recv_count, handle[0], handle[1], stats)), hook
 
     # ------------------------------------------------------------------ combine
     def _ll_handle(self, handle) -> DeepEPLowLatencyHandle:
-        if not isinstance(handle, DeepEPLowLatencyHandle):
-            raise TypeError("handle must come from this module's low_latency_dispatch, got "
-                            f"{type(handle).__name__}")
-        if handle.buffer not in self._ll_buffers.values():
-            raise ValueError("handle comes from another Buffer's low_latency_dispatch")
+        checks.handle(handle, DeepEPLowLatencyHandle, self._ll_buffers.values())
         return handle
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -236,70 +199,37 @@ class LowLatencyMixin:
         add nothing. out: written in place and returned. zero_copy: the rows are taken from the
         tensor get_next_low_latency_combine_buffer(handle) returned (x is only checked).
         """
-        name = "low_latency_combine"
         if self._destroyed or not self.low_latency_mode:
-            self._ll_mode(name)  # raises
-        form = call_form(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
-                          async_finish, return_recv_hook)
-        last_form, last_buf = self._ll_combine_last
-        if form is not None and form == last_form and type(handle) is DeepEPLowLatencyHandle:
+            self._ll_mode("low_latency_combine")  # raises
+        key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
+                                 async_finish, return_recv_hook)
+        try:
+            buf = self._ll_combine_forms.get(key)
+        except TypeError:  # an unhashable flag: no form, the checks run
+            buf = key = None
+        # the form fixes x's shape, hence the EPBuffer; the handle is checked on every call, as EPBuffer does
+        if buf is not None and type(handle) is DeepEPLowLatencyHandle and handle.buffer is buf:
             inner = handle.inner
             T, K = topk_idx.shape
-            # the form fixes x's shape, hence the buffer; the handle is checked on every call, as EPBuffer does
-            if handle.buffer is last_buf and inner.num_tokens == T and inner.topk == K:
-                return self._ll_combine_run(handle, x, topk_idx, topk_weights, zero_copy, async_finish,
-                                            return_recv_hook, out, checked=True)
-        if use_logfmt:
-            raise NotImplementedError(_UNSUPPORTED.format(
-                name="use_logfmt", why="combine sends BF16 rows; LogFMT-10 is DeepEP's own wire format"))
-        if combine_wait_recv_cost_stats is not None:
-            raise NotImplementedError(_UNSUPPORTED.format(
-                name="combine_wait_recv_cost_stats", why="it has no per-rank wait timers"))
-        h = self._ll_handle(handle)
-        _, _, M, H, E = h
-        E_l, W = E // self.group_size, self.group_size
-        shape = (E_l, W * M, H)
-        need(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, ValueError,
-              f"x must have shape {list(shape)} (num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, "
-              f"hidden), got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        need(x.dtype == torch.bfloat16, TypeError, f"x must be bfloat16, got {x.dtype}")
-        need(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32, TypeError,
-              f"topk_weights must be a float32 tensor, got {getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
-        need(isinstance(topk_idx, torch.Tensor) and topk_weights.shape == topk_idx.shape, ValueError,
-              f"topk_weights must have topk_idx's shape {tuple(getattr(topk_idx, 'shape', ()))}, "
-              f"got {tuple(topk_weights.shape)}")
-        need(topk_idx.dim() == 2 and topk_idx.shape[0] <= M, ValueError,
-              f"topk_idx must be [num_tokens <= {M}, num_topk], got {tuple(topk_idx.shape)}")
-        if out is not None:
-            T = topk_idx.shape[0]
-            need(isinstance(out, torch.Tensor) and tuple(out.shape) == (T, H) and out.dtype == torch.bfloat16
-                  and out.is_contiguous(), ValueError,
-                  f"out must be a contiguous bfloat16 [{T}, {H}] tensor, got "
-                  f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
-        need(not (async_finish and return_recv_hook), ValueError,
-              "async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
-              "current stream")
-        result = self._ll_combine_run(h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out)
-        self._ll_combine_last = (form, h.buffer)
-        return result
-
-    def _ll_combine_run(self, h, x, topk_idx, topk_weights, zero_copy, async_finish, return_recv_hook, out,
-                        checked=False):
-        """The call on h.buffer; checked: as for _ll_dispatch_run (the staging tensor of zero_copy has one
-        form per buffer)."""
-        _, _, M, H, E = h
-        rows = self._ll_take_staging((H, E, M)) if zero_copy else x
-        buf = h.buffer
-        if checked:
-            buf._raise_pending_low_latency()
-            y, event, hook = buf._ll_combine_run(buf._low_latency, rows, topk_idx, topk_weights, h.inner, out,
-                                                 bool(async_finish), bool(return_recv_hook))
-        else:
-            y, event, hook = buf.low_latency_combine(
-                rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
-                return_recv_hook=bool(return_recv_hook), out=out)
-        keep = (x, rows, topk_idx, topk_weights, h[0], h[1], y) if async_finish else None
-        return y, EventOverlap(event, keep), hook
+            if inner.num_tokens == T and inner.topk == K:
+                buf._raise_pending_low_latency()
+                rows = self._ll_take_staging(handle) if zero_copy else x
+                y, event, hook = buf._ll_combine_run(buf._low_latency, rows, topk_idx, topk_weights, inner, out,
+                                                     bool(async_finish), bool(return_recv_hook))
+                if event is None:
+                    return y, DONE, hook
+                return y, EventOverlap(event, (x, rows, topk_idx, topk_weights, handle[0], handle[1], y)), hook
+        checks.combine_args(self.group_size, handle, DeepEPLowLatencyHandle, self._ll_buffers.values(), x, topk_idx,
+                            topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, async_finish,
+                            return_recv_hook)
+        h = handle
+        rows = self._ll_take_staging(h) if zero_copy else x
+        y, event, hook = h.buffer.low_latency_combine(rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
+                                                      return_recv_hook=bool(return_recv_hook), out=out)
+        self._ll_combine_forms.put(key, h.buffer)
+        if event is None:
+            return y, DONE, hook
+        return y, EventOverlap(event, (x, rows, topk_idx, topk_weights, h[0], h[1], y)), hook
 
     # ------------------------------------------------------------------ zero copy
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
@@ -321,7 +251,8 @@ class LowLatencyMixin:
                                    device=h[0].device)
         return slots[i]
 
-    def _ll_take_staging(self, key) -> torch.Tensor:
+    def _ll_take_staging(self, h) -> torch.Tensor:
+        key = (h[3], h[4], h[2])  # (H, E, M)
         i = self._ll_next.get(key, 0)
         slots = self._ll_staging.get(key)
         if slots is None or slots[i] is None:
@@ -339,7 +270,7 @@ class LowLatencyMixin:
         dispatch/combine never write it), and the torch reference keeps no state between calls."""
         self._ll_mode("clean_low_latency_buffer")
         self._ll_shape(num_max_dispatch_tokens_per_rank, num_experts)
-        _positive_int("hidden", hidden)
+        checks.positive_int("hidden", hidden)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Leave out (mask=True) or take back (mask=False) a rank in the low-latency calls of this
@@ -347,8 +278,7 @@ class LowLatencyMixin:
         now and when later ones are built. A left-out rank neither receives from nor is waited for by
         the others, and rows routed to it count as routed nowhere."""
         self._ll_mode("low_latency_update_mask_buffer")
-        need(isinstance(rank_to_mask, int) and 0 <= rank_to_mask < self.group_size, ValueError,
-              f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        checks.mask_rank(rank_to_mask, self.group_size)
         if mask:
             self._ll_masked.add(rank_to_mask)
         else:
@@ -360,9 +290,7 @@ class LowLatencyMixin:
         after v1.2.1). Only ranks left out through low_latency_update_mask_buffer: ep_plugin does not
         leave out a rank that timed out by itself, it raises EPTimeoutError naming it at the next call."""
         self._ll_mode("low_latency_query_mask_buffer")
-        need(isinstance(mask_status, torch.Tensor) and mask_status.dtype == torch.int32
-              and tuple(mask_status.shape) == (self.group_size,), ValueError,
-              f"mask_status must be a [{self.group_size}] torch.int tensor")
+        checks.mask_status(mask_status, self.group_size)
         status = torch.zeros(self.group_size, dtype=torch.int32)
         for r in self._ll_masked:
             status[r] = 1
@@ -378,15 +306,6 @@ class LowLatencyMixin:
         ranks = sorted(self._ll_masked)
         for buf in _unique(self._ll_buffers.values()):
             buf.set_low_latency_mask(ranks)
-
-
-def _positive_int(name: str, v) -> int:
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
-    need(n > 0, ValueError, f"{name} must be positive, got {n}")
-    return n
 
 
 def _ll_tokens(buf: EPBuffer) -> Optional[int]:
