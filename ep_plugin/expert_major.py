@@ -12,6 +12,7 @@ merges the repeats first (merge_repeats), so the functions below see distinct ex
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -30,13 +31,41 @@ def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
 
 
 _EARLIER: dict = {}  # (K, device) -> [K, K] bool, True where slot j comes before slot k
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+@functools.lru_cache(maxsize=1)
+def _merge_kernel():
+    """_C.merge_repeats where the extension has it (a build older than the kernel does not), else None."""
+    from . import _ext
+
+    return getattr(_ext.get_c(), "merge_repeats", None) if _ext.has_c() else None
 
 
 def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     """A token naming one expert in several slots keeps the first slot, with the weights of all of them
     summed into it; the later slots become -1 (their weights no longer count: -1 routes nowhere).
-    Device ops only (five or six small kernels); differentiable in the weights. Inputs without
-    repeats come back with equal ids and exactly equal weights of the valid slots."""
+    On the GPU one kernel (csrc/layout/merge_repeats.cu) where no gradient is recorded, else five or six
+    small torch ops (differentiable in the weights). Inputs without repeats come back with equal ids and
+    exactly equal weights of the valid slots."""
+    T, K = topk_idx.shape
+    if K < 2 or T == 0:
+        return topk_idx, topk_weights
+    if (topk_idx.is_cuda and topk_idx.dtype == torch.int64 and topk_idx.is_contiguous() and _raw_stream is not None
+            and (topk_weights is None or (topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+                                          and not (topk_weights.requires_grad and torch.is_grad_enabled())))):
+        kernel = _merge_kernel()
+        if kernel is not None:
+            idx = torch.empty_like(topk_idx)
+            w = None if topk_weights is None else torch.empty_like(topk_weights)
+            kernel(topk_idx.data_ptr(), 0 if w is None else topk_weights.data_ptr(), idx.data_ptr(),
+                   0 if w is None else w.data_ptr(), T, K, _raw_stream(topk_idx.device.index))
+            return idx, w
+    return merge_repeats_torch(topk_idx, topk_weights)
+
+
+def merge_repeats_torch(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
+    """merge_repeats with torch ops: any device, differentiable in the weights; the kernel's reference."""
     T, K = topk_idx.shape
     if K < 2 or T == 0:
         return topk_idx, topk_weights

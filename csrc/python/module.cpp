@@ -1,9 +1,10 @@
-// ep_plugin._C: the module entry point and the layout kernel's binding (each file of pybind11
+// ep_plugin._C: the module entry point and the bindings of the layout kernels (each file of pybind11
 // bindings costs seconds of build time, so the small ones share this one).
 #include <cuda_runtime.h>
 
 #include "common/error.h"
 #include "layout/layout.h"
+#include "layout/merge_repeats.h"
 #include "python/bindings.h"
 
 namespace {
@@ -36,6 +37,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_experts"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"),
       py::arg("is_token_in_rank"), py::arg("stream"),
       "Count tokens per rank/expert and mark is_token_in_rank from int64 topk_idx (int32/bool outputs)");
+  m.def(
+      "merge_repeats",
+      [](uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t out_idx, uintptr_t out_weights, int num_tokens,
+         int num_topk, uintptr_t stream) {
+        ep::launch_merge_repeats(ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights), ptr<int64_t>(out_idx),
+                                 ptr<float>(out_weights), num_tokens, num_topk, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out_idx"), py::arg("out_weights"), py::arg("num_tokens"),
+      py::arg("num_topk"), py::arg("stream"),
+      "A later slot naming an earlier slot's expert -> -1; weights summed per expert (0 pointers: no weights)");
   ep::bind_nvlink(m);
   // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
 #ifdef EP_WITH_NVSHMEM
