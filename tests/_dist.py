@@ -82,6 +82,10 @@ def _use_forkserver(backend: str) -> bool:
     return backend == "gloo" and not torch.cuda.is_available() and os.environ.get("EP_TEST_START", "") != "spawn"
 
 
+def _nothing():
+    pass
+
+
 class _Forked:
     """What a spawned rank gets for free and a forked one must be handed: the parent's environment as it
     is now (the fork server's is that of its start), the test's stdout and stderr (pytest captures the
@@ -89,9 +93,16 @@ class _Forked:
     "terminate called" guard in conftest.py would not see it), and the interpreter's normal exit."""
 
     def __init__(self):
-        if not getattr(_Forked, "_preload_set", False):
-            mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-            _Forked._preload_set = True
+        if not getattr(_Forked, "_started", False):
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+            # Started, and its imports done, before spawn() picks a free port: the port is free when picked
+            # and taken when rank 0 binds it, and the server's imports (~7 s) would widen that window for
+            # another process (another xdist worker's) to take it (EADDRINUSE, seen).
+            warm = ctx.Process(target=_nothing)
+            warm.start()
+            warm.join()
+            _Forked._started = True
         self.env = dict(os.environ)
 
     def __reduce__(self):  # pickled while the rank's process is being launched: the fds go with it
