@@ -6,7 +6,7 @@
 #                                   0.19.2, deepspeed 0.19.8, transformers, ep_plugin (pure Python, torch
 #                                   backend). No NVSHMEM wheel, no _C compile, no triton, no pytest:
 #                                   nothing that a machine without a GPU could use.
-#   bash scripts/setup.sh           all of that, plus what the tests (and CI) check: pytest, the
+#   bash scripts/setup.sh           all of that, plus what the tests (and CI) check: pytest, pytest-xdist, the
 #                                   nvidia-nvshmem-cu<major> wheel and ep_plugin._C compiled with nvcc,
 #                                   NVSHMEM part included, when nvcc is found.
 #
@@ -67,8 +67,9 @@ if [ $LIGHT = 1 ]; then
   step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools" "35 s"
   EXTRA=()
 else
-  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest" "35 s"
-  EXTRA=("pybind11>=2.12" pytest)
+  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest, pytest-xdist" "35 s"
+  # pytest-xdist: on a machine without CUDA the suite runs in two workers (tests/_parallel.py says why)
+  EXTRA=("pybind11>=2.12" pytest pytest-xdist)
 fi
 # torch first and pinned: an unpinned torch would pull the CUDA build and GBs of CUDA packages.
 pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"

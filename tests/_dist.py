@@ -19,7 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_device):
+def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_device, forked=None):
+    if forked is not None:
+        forked.attach()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits.
@@ -60,6 +62,88 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
         # of interpreter exit, its gloo threads can abort the process ("terminate called without an
         # active exception"). Collect now, while the interpreter is whole.
         gc.collect()
+        if forked is not None:
+            forked.exit_like_spawn()
+
+
+# ---------------------------------------------------------------------------- ranks forked, not spawned
+# A spawned rank is a fresh interpreter that imports torch first (~2 s of CPU), and the CPU suite starts
+# dozens of spawns of 2 to 8 ranks (on the 2-core CI box, forking took the suite from 539 s to 421 s). On
+# a machine without CUDA the gloo ranks are forked instead, from multiprocessing's fork server, which has
+# imported torch and megatron-core once (tests/_forkserver_preload.py; ep_plugin, the test module and the
+# other frameworks are imported by each rank, fresh, as a spawned rank does). The fork server is a fresh interpreter of its own, never the pytest
+# process (whose gloo and OpenMP threads a fork would copy half-alive). GPU hosts keep "spawn": CUDA and
+# NCCL are never initialised after a fork there, and their suite runs as before. EP_TEST_START=spawn
+# spawns every rank here too (to compare, or to rule the fork out).
+FORKSERVER_PRELOAD = ["tests._forkserver_preload"]
+
+
+def _use_forkserver(backend: str) -> bool:
+    return backend == "gloo" and not torch.cuda.is_available() and os.environ.get("EP_TEST_START", "") != "spawn"
+
+
+def _nothing():
+    pass
+
+
+class _Forked:
+    """What a spawned rank gets for free and a forked one must be handed: the parent's environment as it
+    is now (the fork server's is that of its start), the test's stdout and stderr (pytest captures the
+    test's file descriptors; a forked rank would otherwise write into the fork server's, and the
+    "terminate called" guard in conftest.py would not see it), and the interpreter's normal exit."""
+
+    def __init__(self):
+        if not getattr(_Forked, "_started", False):
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+            # Started, and its imports done, before spawn() picks a free port: the port is free when picked
+            # and taken when rank 0 binds it, and the server's imports (~7 s) would widen that window for
+            # another process (another xdist worker's) to take it (EADDRINUSE, seen).
+            warm = ctx.Process(target=_nothing)
+            warm.start()
+            warm.join()
+            _Forked._started = True
+        self.env = dict(os.environ)
+
+    def __reduce__(self):  # pickled while the rank's process is being launched: the fds go with it
+        from multiprocessing import reduction
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return _Forked._child, (self.env, reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _child(env, out, err):
+        me = object.__new__(_Forked)
+        me.env, me.fds = env, (out.detach(), err.detach())
+        return me
+
+    def attach(self):
+        preloaded = sys.modules.get("tests._forkserver_preload")  # None: the server could not import it
+        server_env = preloaded.SERVER_ENV if preloaded else os.environ
+        added = {k: v for k, v in os.environ.items() if k not in server_env}
+        os.environ.clear()
+        os.environ.update(added)
+        os.environ.update(self.env)
+        for fd, passed in zip((1, 2), self.fds):
+            os.dup2(passed, fd)
+            os.close(passed)
+
+    @staticmethod
+    def exit_like_spawn():
+        """A forked rank ends with os._exit (multiprocessing's fork server calls it once the rank's function
+        returns), which skips the interpreter's shutdown, and with it the destructors that abort a process
+        still holding gloo threads ("terminate called without an active exception"). A spawned rank goes
+        through that shutdown, so this one does too: the fork server's os._exit(code) becomes SystemExit,
+        which unwinds to the top of the forked interpreter and exits it normally, with that code."""
+
+        real_exit = os._exit
+
+        def shutdown_exit(code):
+            os._exit = real_exit  # once: an os._exit during the shutdown (an atexit hook's) is the real one
+            raise SystemExit(code)
+
+        os._exit = shutdown_exit
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, abandon: bool = False,
@@ -72,11 +156,13 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     bind_device: NCCL only, bind each rank's GPU at init (eager communicators; torch then makes
     new groups by splitting the world's communicator).
     """
-    ctx = mp.get_context("spawn")
+    forked = _Forked() if _use_forkserver(backend) else None
+    ctx = mp.get_context("forkserver" if forked else "spawn")
     errq = ctx.SimpleQueue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if abandon else None
     port = store.port if abandon else free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq, abandon, bind_device))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq, abandon, bind_device,
+                                               forked))
              for r in range(world_size)]
     for p in procs:
         p.start()

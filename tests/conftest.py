@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._parallel import pytest_cmdline_main  # noqa: F401  (two xdist workers on a CPU box)
+
 
 def pytest_report_header(config):
     import ep_plugin._ext as ext
