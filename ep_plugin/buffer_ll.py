@@ -90,12 +90,8 @@ class LowLatencyCalls:
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
-        # the hook inline (no _wrap_hook call on the hot path): the engine's receive, guarded to run once
-        if hook:
-            recv = _RecvHook(recv, "low_latency_dispatch")
-        elif recv is not None:
-            self._wrap_hook(recv, hook, "low_latency_dispatch")  # raises: the engine broke its contract
-        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
+        return (recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None,
+                self._wrap_hook(recv, hook, "low_latency_dispatch"))
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, async_op: bool = False,
@@ -130,11 +126,7 @@ class LowLatencyCalls:
                 y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        if hook:
-            recv = _RecvHook(recv, "low_latency_combine")
-        elif recv is not None:
-            self._wrap_hook(recv, hook, "low_latency_combine")  # raises
-        return y, self._low_latency_event(x) if async_op else None, recv
+        return y, self._low_latency_event(x) if async_op else None, self._wrap_hook(recv, hook, "low_latency_combine")
 
     def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the

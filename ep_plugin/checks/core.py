@@ -53,6 +53,18 @@ class Forms(set):
             set.add(self, key)
 
 
+class FormMap(dict):
+    """Call form -> what the checks of that form decided (e.g. the buffer it runs on), bounded as Forms:
+    for callers that skip more than the checks on a repeated form (ep_plugin.deep_ep's low-latency calls)."""
+
+    LIMIT = Forms.LIMIT
+
+    def put(self, key, value) -> None:
+        """key None: a form the caller could not describe, not kept."""
+        if key is not None and len(self) < self.LIMIT:
+            self[key] = value
+
+
 class ExpertIdCheck:
     """Sticky per-buffer flag: did a call get an expert id outside [-1, E)? Kept on the device and copied
     to pinned memory without blocking, so later calls read it for free. The layout code of the backends

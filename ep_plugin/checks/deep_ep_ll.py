@@ -1,6 +1,6 @@
 """The checks of ep_plugin.deep_ep's low-latency calls (DeepEP's low_latency_dispatch / low_latency_combine
 and the mask calls), with the key of each call form: a flat tuple of what the checks read, so that a
-repeated form costs one tuple and one dict lookup (FormMap) and no message is formatted on success.
+repeated form costs one tuple and one dict lookup (core.FormMap) and no message is formatted on success.
 
 What a form covers: the tensors' (type, dtype, shape, device, contiguity), the ints with their types, the
 flags by value (the calls use only their truth), the current CUDA device for CUDA rows. What it does not
@@ -18,16 +18,6 @@ _Tensor = torch.Tensor
 _UNSUPPORTED = "ep_plugin.deep_ep: {name} is not supported by ep_plugin's low-latency engine ({why})"
 _HOOK_AND_ASYNC = ("async_finish and return_recv_hook cannot both be set (as in DeepEP): the hook receives on the "
                    "current stream")
-
-
-class FormMap(dict):
-    """Call form -> what the checks of that form decided (e.g. the buffer it runs on); bounded, as Forms."""
-
-    LIMIT = 256
-
-    def put(self, key, value) -> None:
-        if key is not None and len(self) < self.LIMIT:
-            self[key] = value
 
 
 def dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish, hook):

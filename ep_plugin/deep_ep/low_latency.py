@@ -45,6 +45,7 @@ import torch
 
 from ..buffer import EPBuffer
 from ..checks import deep_ep_ll as checks
+from ..checks.core import FormMap
 from ..config import load_config
 from .events import DONE, EventOverlap
 from .handle import DeepEPLowLatencyHandle
@@ -67,8 +68,8 @@ class LowLatencyMixin:
         self._ll_next: Dict[Tuple[int, int, int], int] = {}
         # the forms of the calls that passed every check (ep_plugin.checks.deep_ep_ll): a dispatch's form ->
         # (EPBuffer, M, E, the flags as bools); a combine's form -> its EPBuffer
-        self._ll_dispatch_forms = checks.FormMap()
-        self._ll_combine_forms = checks.FormMap()
+        self._ll_dispatch_forms = FormMap()
+        self._ll_combine_forms = FormMap()
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -214,22 +215,26 @@ class LowLatencyMixin:
             if inner.num_tokens == T and inner.topk == K:
                 buf._raise_pending_low_latency()
                 rows = self._ll_take_staging(handle) if zero_copy else x
-                y, event, hook = buf._ll_combine_run(buf._low_latency, rows, topk_idx, topk_weights, inner, out,
-                                                     bool(async_finish), bool(return_recv_hook))
-                if event is None:
-                    return y, DONE, hook
-                return y, EventOverlap(event, (x, rows, topk_idx, topk_weights, handle[0], handle[1], y)), hook
+                return self._ll_combine_out(buf._ll_combine_run(
+                    buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
+                    bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
         checks.combine_args(self.group_size, handle, DeepEPLowLatencyHandle, self._ll_buffers.values(), x, topk_idx,
                             topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, async_finish,
                             return_recv_hook)
-        h = handle
-        rows = self._ll_take_staging(h) if zero_copy else x
-        y, event, hook = h.buffer.low_latency_combine(rows, topk_idx, topk_weights, h.inner, async_op=bool(async_finish),
-                                                      return_recv_hook=bool(return_recv_hook), out=out)
-        self._ll_combine_forms.put(key, h.buffer)
+        rows = self._ll_take_staging(handle) if zero_copy else x
+        result = self._ll_combine_out(handle.buffer.low_latency_combine(
+            rows, topk_idx, topk_weights, handle.inner, async_op=bool(async_finish),
+            return_recv_hook=bool(return_recv_hook), out=out), x, rows, topk_idx, topk_weights, handle)
+        self._ll_combine_forms.put(key, handle.buffer)  # after a call that passed every check
+        return result
+
+    @staticmethod
+    def _ll_combine_out(result, x, rows, topk_idx, topk_weights, handle):
+        """DeepEP's outputs of an EPBuffer combine `result`: its event holds the inputs while it runs."""
+        y, event, hook = result
         if event is None:
             return y, DONE, hook
-        return y, EventOverlap(event, (x, rows, topk_idx, topk_weights, h[0], h[1], y)), hook
+        return y, EventOverlap(event, (x, rows, topk_idx, topk_weights, handle[0], handle[1], y)), hook
 
     # ------------------------------------------------------------------ zero copy
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
