@@ -275,10 +275,14 @@ def test_deep_ep_low_latency_like_test_low_latency():
     spawn(body, 2)
 
 
-def test_ue8m0_packing():
-    """Four exponent bytes per int32, little-endian along the scale dim, in a column-major tensor."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ue8m0_packing(device):
+    """Four exponent bytes per int32, little-endian along the scale dim, in a column-major tensor. On CUDA
+    too: a shift written straight into the uint8 view gave zeros there (the kernel casts first), not here."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     E_l, N, G = 2, 8, 8
-    exps = torch.randint(-20, 5, (E_l, N, G))
+    exps = torch.randint(-20, 5, (E_l, N, G), device=device)
     scales = torch.pow(2.0, exps.float()).transpose(1, 2).contiguous().transpose(1, 2)  # the engine's layout
     packed = _ue8m0_target(scales)
     _pack_ue8m0(scales, packed)

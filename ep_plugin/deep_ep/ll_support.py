@@ -81,7 +81,7 @@ def _pack_ue8m0(scales: torch.Tensor, packed: torch.Tensor) -> None:
     E_l, N, G = scales.shape
     exps = scales.transpose(1, 2).contiguous().view(torch.int32)  # [E_l, G, N], a no-op view for the engine's
     dst = packed.transpose(1, 2).view(torch.uint8).view(E_l, G // 4, N, 4)  # contiguous [E_l, G/4, N] int32
-    # One kernel: the low 8 bits of bits >> 23 are the exponent field (whatever the sign bit: garbage rows
-    # past recv_count too), and the shift writes them straight into the uint8 view (the integer downcast
-    # keeps the low byte) -- no mask, no separate cast, no copy.
-    torch.bitwise_right_shift(exps.view(E_l, G // 4, 4, N).transpose(2, 3), 23, out=dst)
+    # The shift runs in int32 and the copy keeps each result's low byte (the exponent field, whatever the
+    # sign bit). Not one kernel with out=dst: CUDA's shift kernels dispatch on the output's dtype, so the
+    # int32 input would be cast to uint8 before the shift (every byte 0); the CPU computes in int32.
+    dst.copy_(torch.bitwise_right_shift(exps, 23).view(E_l, G // 4, 4, N).transpose(2, 3))
