@@ -440,11 +440,13 @@ def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True, on_bench=la
 
 
 @pytest.mark.parametrize("ep_config", [None, "heap"])
-def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config, monkeypatch):
+def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config):
     """DeepEP's own test_low_latency (device run 2026-11-26: OutputsStillHeldError at EP2 through
-    ep_plugin.deep_ep) keeps a dispatch's views through its bench. With no ep_config the deep_ep layer's
-    sets are torch tensors: a held one gives way to the other set (fresh tensors when both are held),
-    nothing raised, and a held view is never written by a later launch. With an ep_config (heap sets) the same calls raise."""
+    ep_plugin.deep_ep with two heap sets) keeps a dispatch's views through its bench. With no ep_config the
+    deep_ep layer takes three heap sets with held_outputs copy: a held set is moved out one dispatch before
+    its turn, nothing raised, a held view never named by a later launch, and the bench (nothing held but
+    the check loop's one set, moved once) copies nothing. With an ep_config (two heap sets) the same
+    calls raise."""
     from ep_plugin.deep_ep import Buffer
     calls, sets = heap_calls
     H_ = 512  # use_ue8m0 needs H % 512 == 0
@@ -455,26 +457,75 @@ def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_cal
             _deepep_test_main_calls(dbuf, H_, E_L, use_async=False)
         dbuf.destroy()
         return
-    from ep_plugin.backends.nvshmem.low_latency import NvshmemLowLatency
-    fresh = []
-    new = NvshmemLowLatency._new_dispatch_outputs
-    monkeypatch.setattr(NvshmemLowLatency, "_new_dispatch_outputs",
-                        lambda self, fp8, dev, i=None: (fresh.append(i), new(self, fp8, dev, 0 if i is None else i))[1])
     at_bench = []
-    kept = _deepep_test_main_calls(dbuf, H_, E_L, use_async=False, on_bench=lambda: at_bench.append(len(fresh)))
+    kept = _deepep_test_main_calls(dbuf, H_, E_L, use_async=False,
+                                   on_bench=lambda: at_bench.append(engine_of(next(iter(dbuf._ll_buffers.values())))
+                                                                    .moved_sets))
     buf = next(iter(dbuf._ll_buffers.values()))
     eng = engine_of(buf)
-    assert eng.output_buffers == 2 and eng.output_sets == 0 and eng.fused_launch and set(sets) == {-1}  # torch sets
-    # the views the test still holds are never the target of a later launch's rows
+    assert eng.output_buffers == 3 and eng.output_sets == 3 and eng.move_held and eng.fused_launch
+    assert sorted(set(sets)) == [0, 1, 2]  # every launch names a heap set
+    # the check loop's names held sets: moved (one copy each time), never raised; the bench moves the one the
+    # names still hold (once) and nothing after it
+    assert at_bench[0] > 0 and eng.moved_sets <= at_bench[0] + 1
+    # the views the test still holds are memory of their own now, never the target of a later launch's rows
     held = kept[0].data_ptr()
-    launches = [c[2][6] for c in calls if c[0] == "dispatch" and c[1] & RECV]
-    last = max(i for i, p in enumerate(launches) if p == held)
-    assert launches[last + 1:] and held not in launches[last + 1:]
-    # the held set's turns go to the other set; fresh tensors only while both were held (the second of two
-    # dispatches in a row, with the check loop's names on the one before): none in the bench
-    built = fresh.count(0) + fresh.count(1)
-    assert fresh[at_bench[0]:] == [] and 0 < len(fresh) - built <= 8
+    heap = {eng._rt.set_pointers(i)[0] for i in range(3)}
+    assert held not in heap
+    assert held not in [c[2][6] for c in calls if c[0] == "dispatch"]
     dbuf.destroy()
+
+
+def _heap_cfg(n, held):
+    c = cfg(n)
+    c["comm"]["low_latency"]["held_outputs"] = held
+    return c
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_held_heap_set_is_moved_with_its_values(heap_calls, view):
+    """held_outputs copy: a heap set a caller holds (a tensor, or only a view, and the handle) is moved to
+    memory of its own one dispatch before its turn: the caller's tensors keep the values the senders had
+    written, later writes into the heap set do not reach them, the held handle's row_slot pointer follows,
+    and a loop that drops its outputs moves nothing."""
+    calls, sets = heap_calls
+    buf = ep_plugin.EPBuffer(None, _heap_cfg(3, "copy"), hidden=H)
+    x, idx, w = inputs()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    for _ in range(4):  # a decode loop: nothing held across steps (sets 0 1 2 0)
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
+        buf.low_latency_combine(rows, idx, w, handle)
+    eng = engine_of(buf)
+    assert eng.moved_sets == 0 and sets == [0, 1, 2, 0]
+    recv_x.fill_(1.5)  # what the senders wrote into set 0
+    handle.src_info.fill_(7)
+    keep = recv_x[1] if view else recv_x
+    kept_handle = handle
+    del recv_x, count, handle
+    heap0 = eng._rt.set_pointers(0)
+    buf.low_latency_dispatch(x, idx, use_fp8=False)  # set 1; set 2 looked at: free
+    assert eng.moved_sets == 0
+    buf.low_latency_dispatch(x, idx, use_fp8=True)  # set 2; set 0 looked at: held -> moved
+    assert eng.moved_sets == 1
+    assert keep.data_ptr() not in heap0 and kept_handle.src_info.data_ptr() != heap0[2]
+    assert kept_handle.state["ptrs"][0] == kept_handle.state["row_slot"].data_ptr() != heap0[3]
+    _, _, h0, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)  # set 0 again: new views of the heap
+    assert h0.src_info.data_ptr() == heap0[2] and sets[-1] == 0
+    heap_tensor(heap0[0], (E_L, M, H), torch.bfloat16, torch.device("cpu")).fill_(-3.0)  # the senders' new rows
+    heap_tensor(heap0[2], (E_L, M), torch.int32, torch.device("cpu")).fill_(-1)
+    assert bool((keep == 1.5).all()) and bool((kept_handle.src_info == 7).all())
+    buf.low_latency_combine(rows, idx, w, kept_handle)  # an old handle still combines (its own row_slot)
+    assert calls[-1][2][1] == kept_handle.state["row_slot"].data_ptr()
+    buf.close()
+
+
+def test_held_outputs_copy_needs_three_sets():
+    from ep_plugin.config import load_config
+    from ep_plugin.errors import ConfigError
+    with pytest.raises(ConfigError, match="copy needs output_buffers >= 3"):
+        load_config(_heap_cfg(2, "copy"))
+    assert load_config(_heap_cfg(3, "copy")).comm.low_latency.held_outputs == "copy"
+    assert load_config(_heap_cfg(0, "copy")).comm.low_latency.output_buffers == 0
 
 
 def test_torch_sets_skip_a_held_set(calls):

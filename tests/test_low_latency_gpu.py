@@ -66,10 +66,11 @@ def _no_nvshmem_engine(buf, out_dir, rank) -> bool:
     return True
 
 
-def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0):
+def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0, held_outputs="raise"):
     cfg = {"moe": {"num_experts": E_l * WORLD, "topk": K},
            "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s,
-                    "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers}}}
+                    "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers,
+                                    "held_outputs": held_outputs}}}
     return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
 
 
@@ -204,6 +205,34 @@ def body_matches_reference(rank, world, out_dir, output_buffers=0):
     write_rank_result(out_dir, rank, {"ok": True})
 
 
+def body_held_copy(rank, world, out_dir):
+    """held_outputs copy (three heap sets, what ep_plugin.deep_ep takes with no ep_config): a dispatch's
+    outputs kept across later calls -- BF16 and FP8, a hook, round_scale -- are moved out of the heap before
+    the senders reuse their set, and still equal the reference's outputs of that dispatch afterwards."""
+    E_l, K, hidden = 144, 8, 7168
+    auto, ref = _buf("auto", E_l, K, hidden, output_buffers=3, held_outputs="copy"), _buf("torch", E_l, K, hidden)
+    for use_fp8 in (False, True):
+        x, idx, w = _inputs(rank, [M, 33], hidden, E_l * world, K, 100 + use_fp8)
+        kept = auto.low_latency_dispatch(x, idx, use_fp8=use_fp8)[:3]
+        if use_fp8 is False and _no_nvshmem_engine(auto, out_dir, rank):
+            return
+        want = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8)[:3]
+        eng = auto._low_latency
+        assert eng.output_sets == 3 and eng.move_held, (eng.output_sets, eng.move_held)
+        moved = eng.moved_sets
+        for seed, fp8, rs, hook in ((1, True, True, False), (2, False, False, True), (3, True, False, False),
+                                    (4, False, False, False)):
+            check_case(auto, ref, rank, E_l, K, hidden, [M, M], "random", 200 + 10 * seed + use_fp8, fp8, rs, hook)
+        assert eng.moved_sets == moved + 1, (moved, eng.moved_sets)
+        torch.cuda.synchronize()
+        _same_dispatch(kept, want, use_fp8, False, f"rank {rank} kept fp8 {use_fp8}")
+        del kept, want
+    auto.check()
+    auto.close()
+    ref.close()
+    write_rank_result(out_dir, rank, {"ok": True})
+
+
 # The direct dispatch's variant bits (engine.kernel_flags; csrc/nvshmem/ll_device.cuh): row-major FP8 scales,
 # token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait.
 # Each alone, then all together.
@@ -304,7 +333,7 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
 def ll_parts(tmp_path_factory):
     """The bodies that leave the group whole, in one spawn (one process start, NCCL init and NVSHMEM
     bootstrap instead of four): output sets first (the process's NVSHMEM heap is sized by its first
-    engine, and an engine with output sets needs the most), the direct dispatch's flags (output sets
+    engine, and an engine with output sets needs the most: three sets of held_copy), the direct dispatch's flags (output sets
     too), then fresh outputs, then the torch engine.
     Without NVSHMEM in _C only the torch engine runs (the NVSHMEM tests then skip or fail in
     _need_nvshmem_engine)."""
@@ -314,7 +343,8 @@ def ll_parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ll_parts")
     parts = []
     if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
-        for name, body, args in (("sets", body_matches_reference, (2,)), ("direct_flags", body_direct_flags, ()),
+        for name, body, args in (("held_copy", body_held_copy, ()), ("sets", body_matches_reference, (2,)),
+                                 ("direct_flags", body_direct_flags, ()),
                                  ("fresh", body_matches_reference, (0,))):
             (root / name).mkdir()
             parts.append((name, body, (str(root / name), *args)))
@@ -334,6 +364,13 @@ def test_output_sets_match_reference(ll_parts):
     root, parts = ll_parts
     parts["sets"].check()
     _check_results(root / "sets")
+
+
+def test_held_heap_sets_are_moved_with_their_values(ll_parts):
+    _need_nvshmem_engine()
+    root, parts = ll_parts
+    parts["held_copy"].check()
+    _check_results(root / "held_copy")
 
 
 def test_direct_dispatch_flags_match_reference(ll_parts):

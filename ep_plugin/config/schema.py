@@ -18,6 +18,7 @@ DISPATCH_DTYPES = ("bf16", "fp8")
 COMBINE_DTYPES = ("bf16",)
 COMBINE_KERNELS = ("auto", "split", "fused", "pipelined", "pull")
 DISPATCH_KERNELS = ("auto", "split", "fused")
+HELD_OUTPUTS = ("raise", "copy")
 VALIDATE_MODES = ("device", "full")
 AUTO = "auto"
 
@@ -52,6 +53,12 @@ class LowLatencyConfig:
     # false: torch-tensor sets plus a receive copy, where a held set gives way to a free one or to fresh
     # tensors on that rank alone (ep_plugin.deep_ep with no ep_config: DeepEP's callers may hold outputs).
     heap_outputs: bool = True
+    # What a heap set still held by a caller becomes (docs/LOW_LATENCY.md, "Held outputs"): raise, after the
+    # call that overwrote it; copy: one dispatch before its turn the held tensors are moved to memory of their
+    # own (their values kept, one device copy), so nothing is overwritten and nothing raised -- needs
+    # output_buffers >= 3 (with 2 the previous dispatch's outputs, still bound by the caller, would move
+    # every call). Torch-tensor sets give way to a free set either way.
+    held_outputs: str = "raise"
 
 
 @dataclass

@@ -15,8 +15,8 @@ from ..errors import ConfigError
 from .ep_size import check_ep_size, divisors  # noqa: F401 (check_ep_size re-exported)
 from .problems import Context, Problem, config_error, suggest  # noqa: F401 (re-exported: the rules' messages)
 from .schema import (
-    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, SCORE_FUNCTIONS,
-    SECTIONS, VALIDATE_MODES, EPConfig, RdmaConfig,
+    AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, HELD_OUTPUTS,
+    SCORE_FUNCTIONS, SECTIONS, VALIDATE_MODES, EPConfig, LowLatencyConfig, RdmaConfig,
 )
 
 
@@ -73,6 +73,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
             "max_tokens_per_rank": _POS_INT,
             "output_buffers": ("int_range", IntRange(0, None)),
             "heap_outputs": _BOOL,
+            "held_outputs": ("enum", HELD_OUTPUTS),
         },
         "rdma": {
             "qps_per_peer": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),
@@ -298,6 +299,17 @@ def check_moe(ctx: Context, m: Dict[str, Any]) -> None:
         )
 
 
+def check_low_latency(ctx: Context, ll: LowLatencyConfig) -> None:
+    """The rule between ``comm.low_latency`` keys (values already type-checked)."""
+    if ll.held_outputs == "copy" and 0 < ll.output_buffers < 3:
+        raise ctx.fail(
+            "comm.low_latency.held_outputs",
+            f"copy needs output_buffers >= 3, got output_buffers {ll.output_buffers}: a held set is moved one "
+            "dispatch before its turn, when with 2 sets the caller still holds the previous dispatch's outputs "
+            "(every call would copy them); allowed: raise with any output_buffers, copy with 0 or >= 3",
+        )
+
+
 def check_rdma(ctx: Context, r: RdmaConfig) -> None:
     """The rules that tie ``comm.rdma`` keys together (values already type-checked)."""
     if r.roce_version != AUTO and r.gid_index != AUTO:
@@ -369,6 +381,7 @@ def validate(raw: Any, ctx: Context) -> EPConfig:
                     check_moe(ctx, values)
                 if sec == "comm":
                     check_rdma(ctx, values["rdma"])
+                    check_low_latency(ctx, values["low_latency"])
             except ConfigError as exc:
                 ctx.note(exc)
         built[sec] = cls(**values)

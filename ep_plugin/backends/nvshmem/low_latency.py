@@ -36,13 +36,17 @@ turn comes while a caller still holds any of it, a set of torch tensors (a job w
 gives way to the next set nobody holds, or to fresh tensors when all are held (nothing is overwritten;
 the choice is this rank's own: senders write the slots, not the sets), and a set in the heap -- which
 every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
-OutputsStillHeldError after its launch, naming the fix. The combine's outputs (torch tensors) are
+OutputsStillHeldError after its launch, naming the fix -- unless `comm.low_latency.held_outputs: copy`
+(N >= 3): then each dispatch looks at the set of the next one before its launch, and a held set is moved
+to memory of its own (torch's storage swap: the caller's tensors and views keep their values, one
+device copy queued before this rank's send half, which every peer's next dispatch waits for) and the
+engine takes new views of the heap. The combine's outputs (torch tensors) are
 never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
 step's outputs before the step after next (N = 2) never sees either. DeepEP's own
 tests/test_low_latency.py does hold a set for good (its check loop's names keep the last checked
 dispatch's views through the whole bench that follows), so ep_plugin.deep_ep with no ep_config asks
-for torch-tensor sets (`comm.low_latency.heap_outputs: false`): a held set there costs a fresh
-allocation for that call, never an error.
+for heap sets with `held_outputs: copy` and N = 3 (torch-tensor sets, `heap_outputs: false`, where
+torch has no storage swap): a held set there costs one copy, never an error.
 
 Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
 state["self_pos"]); a combine without a hook sends only the other ranks' rows and its receive half
@@ -79,6 +83,18 @@ KERNEL_FLAGS_DEFAULT = 64
 class OutputsStillHeldError(RuntimeError):
     """A low-latency dispatch reused an output set whose tensors a caller still holds (module docstring,
     "Held outputs"); raised after the call was launched, so that every rank stays in step."""
+
+
+# torch's storage swap (the caller's storage object, and so every view of it, points at new memory)
+_CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _move_storage(t: torch.Tensor, dev) -> None:
+    """t's storage (heap memory it does not own) -> a fresh allocation holding a copy of it."""
+    st = t.untyped_storage()
+    fresh = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev).untyped_storage()
+    fresh.copy_(st)
+    st._swap_data_ptr_(fresh)  # `fresh` now holds the heap pointer (owning nothing) and goes
 
 
 class _Watch:
@@ -139,6 +155,9 @@ class NvshmemLowLatency(ReportsFaults):
         self._rt = C.LowLatencyRuntime(self.rank, self.world, num_experts, self.max_tokens, self.max_topk, hidden,
                                        self.timeout_s, blocks, sets)
         self.output_sets = int(self._rt.sets)  # 0 where a peer lacks P2P: the slots and a receive copy instead
+        # held_outputs copy: a heap set a caller still holds is moved out one dispatch before its turn
+        # (_move_if_held); without torch's storage swap it raises as `raise` does
+        self.move_held = bool(self.output_sets) and str(cfg.comm.low_latency.held_outputs) == "copy" and _CAN_MOVE
         self._reported = False
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
@@ -158,6 +177,7 @@ class NvshmemLowLatency(ReportsFaults):
         self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
         self._held = -1                     # the heap set this dispatch overwrote while held (raised after launch)
+        self.moved_sets = 0                 # held heap sets moved out (held_outputs copy), for tests and benches
         self._y_sets = None                 # the N combine outputs [M, H]
         self._y_views = {}                  # T -> their [:T] views, made once per T
         self._y_watch = None                # a _Watch per combine output (its base tensor and views)
@@ -179,7 +199,13 @@ class NvshmemLowLatency(ReportsFaults):
         turn = 0 if self.output_sets else kind  # heap sets: one turn for both precisions (they share bytes)
         i = self._dispatch_turn[turn]
         self._dispatch_turn[turn] = i + 1 if i + 1 < n else 0
-        if self.output_sets:  # both precisions' views of set i share its bytes
+        if self.move_held:
+            # Set i was looked at one dispatch ago (below) and moved out if held then; what a caller dropped
+            # cannot come back. The next set is looked at now, before this call's launch: a peer writes into
+            # it only after this dispatch's send half ran (its own dispatch of that set waits for this one's
+            # rows first), so a copy queued here on this stream is done before any peer overwrites the set.
+            self._move_if_held(i + 1 if i + 1 < n else 0, dev)
+        elif self.output_sets:  # both precisions' views of set i share its bytes
             watches = self._dispatch_watch
             if (watches[0] is not None and watches[0][i].held()) or (watches[1] is not None and watches[1][i].held()):
                 self._held = i  # used all the same (every rank picks set i): raised after the launch
@@ -194,6 +220,27 @@ class NvshmemLowLatency(ReportsFaults):
                     return sets[k]
             return self._new_dispatch_outputs(use_fp8, dev)
         return sets[i]
+
+    def _move_if_held(self, i: int, dev) -> None:
+        """Heap set i, where a caller still holds any of it (per precision's views), is moved to memory of
+        its own: each heap tensor's storage gets a fresh allocation holding a copy (queued on the current
+        stream), so the caller's tensors and views keep their values; the set gets new views of the heap.
+        A held handle stays usable: its state's row_slot pointer follows the move."""
+        for kind in (0, 1):
+            sets, watch = self._dispatch_sets[kind], self._dispatch_watch[kind]
+            if sets is None or not watch[i].held():
+                continue
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self._held = i  # a graph would replay the copy: raised after the launch, as `raise` does
+                return
+            recv_x, _count, src_info, _layout, state = sets[i][:5]
+            for t in (*recv_x, src_info, state["row_slot"]) if isinstance(recv_x, tuple) else \
+                    (recv_x, src_info, state["row_slot"]):
+                _move_storage(t, dev)
+            state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:])
+            sets[i] = self._heap_dispatch_outputs(kind == 1, dev, i)
+            watch[i] = _Watch(self._watched(sets[i]))
+            self.moved_sets += 1
 
     @staticmethod
     def _watched(outputs) -> list:
