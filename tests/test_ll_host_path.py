@@ -440,7 +440,7 @@ def _deepep_test_main_calls(buffer, H_, num_experts, use_async=True, on_bench=la
 
 
 @pytest.mark.parametrize("ep_config", [None, "heap"])
-def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config):
+def test_deepep_test_low_latency_pattern_never_raises_without_ep_config(heap_calls, ep_config, move_by):
     """DeepEP's own test_low_latency (device run 2026-11-26: OutputsStillHeldError at EP2 through
     ep_plugin.deep_ep with two heap sets) keeps a dispatch's views through its bench. With no ep_config the
     deep_ep layer takes three heap sets with held_outputs copy: a held set is moved out one dispatch before
@@ -482,8 +482,18 @@ def _heap_cfg(n, held):
     return c
 
 
+@pytest.fixture(params=["swap", "scan"])
+def move_by(request, monkeypatch):
+    """_move_out both ways: torch's storage swap (where torch has it) and the scan for the tensors (torch 2.11)."""
+    from ep_plugin.backends.nvshmem import low_latency as nv_ll
+    if request.param == "swap" and not nv_ll._CAN_SWAP:
+        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
+    monkeypatch.setattr(nv_ll, "_CAN_SWAP", request.param == "swap")
+    return request.param
+
+
 @pytest.mark.parametrize("view", [False, True])
-def test_held_heap_set_is_moved_with_its_values(heap_calls, view):
+def test_held_heap_set_is_moved_with_its_values(heap_calls, view, move_by):
     """held_outputs copy: a heap set a caller holds (a tensor, or only a view, and the handle) is moved to
     memory of its own one dispatch before its turn: the caller's tensors keep the values the senders had
     written, later writes into the heap set do not reach them, the held handle's row_slot pointer follows,

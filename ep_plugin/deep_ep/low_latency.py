@@ -24,8 +24,7 @@ Mapping
   names) through its whole bench. With no ep_config the EPBuffer takes comm.low_latency.output_buffers = 3
   heap sets with held_outputs = copy: rows written in place (no allocation, no receive copy), and a set
   a caller still holds is moved to memory of its own (one device copy) one dispatch before its turn --
-  nothing is overwritten, nothing raised. (Where torch lacks the storage swap: two torch-tensor sets
-  that give way to a free one.) An ep_config takes the EPBuffer's defaults: two heap sets, where a set
+  nothing is overwritten, nothing raised. An ep_config takes the EPBuffer's defaults: two heap sets, where a set
   still held raises OutputsStillHeldError (docs/LOW_LATENCY.md, "Held outputs").
 - `zero_copy`: get_next_low_latency_combine_buffer returns a BF16 `[E_l, W*M, H]` staging tensor
   (two per shape, alternating, as DeepEP's two buffers); a zero_copy combine sends from it (x is
@@ -43,7 +42,6 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..backends.nvshmem.low_latency import _CAN_MOVE
 from ..buffer import EPBuffer
 from ..checks import deep_ep_ll as checks
 from ..checks.core import FormMap
@@ -109,12 +107,8 @@ class LowLatencyMixin:
             # DeepEP's callers may keep outputs as long as they like (DeepEP V1 allocates them per call;
             # its own test_low_latency keeps one dispatch's views through its whole bench): three heap sets
             # (rows written in place), a held one moved to memory of its own one dispatch before its turn.
-            # Without torch's storage swap: torch-tensor sets, where a held set gives way to a free one.
             ll_cfg = buf.cfg.comm.low_latency
-            if _CAN_MOVE:
-                ll_cfg.output_buffers, ll_cfg.held_outputs = max(ll_cfg.output_buffers, 3), "copy"
-            else:
-                ll_cfg.heap_outputs = False
+            ll_cfg.output_buffers, ll_cfg.held_outputs = max(ll_cfg.output_buffers, 3), "copy"
         if self._ll_masked:
             buf.set_low_latency_mask(sorted(self._ll_masked))
         self._ll_buffers[key] = buf

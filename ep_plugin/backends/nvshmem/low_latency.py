@@ -38,15 +38,14 @@ the choice is this rank's own: senders write the slots, not the sets), and a set
 every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
 OutputsStillHeldError after its launch, naming the fix -- unless `comm.low_latency.held_outputs: copy`
 (N >= 3): then each dispatch looks at the set of the next one before its launch, and a held set is moved
-to memory of its own (torch's storage swap: the caller's tensors and views keep their values, one
+to memory of its own (_move_out: the caller's tensors and views keep their values, one
 device copy queued before this rank's send half, which every peer's next dispatch waits for) and the
 engine takes new views of the heap. The combine's outputs (torch tensors) are
 never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
 step's outputs before the step after next (N = 2) never sees either. DeepEP's own
 tests/test_low_latency.py does hold a set for good (its check loop's names keep the last checked
 dispatch's views through the whole bench that follows), so ep_plugin.deep_ep with no ep_config asks
-for heap sets with `held_outputs: copy` and N = 3 (torch-tensor sets, `heap_outputs: false`, where
-torch has no storage swap): a held set there costs one copy, never an error.
+for heap sets with `held_outputs: copy` and N = 3: a held set there costs one copy, never an error.
 
 Own rows. Every dispatch records where the rows of this rank's own experts landed (the handle's
 state["self_pos"]); a combine without a hook sends only the other ranks' rows and its receive half
@@ -58,6 +57,7 @@ times it): pointers of reused outputs are computed once, nothing is built that t
 """
 from __future__ import annotations
 
+import gc
 import sys
 from typing import List, Sequence
 
@@ -85,16 +85,44 @@ class OutputsStillHeldError(RuntimeError):
     "Held outputs"); raised after the call was launched, so that every rank stays in step."""
 
 
-# torch's storage swap (the caller's storage object, and so every view of it, points at new memory)
-_CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+# torch >= 2.12: a storage's memory can be swapped under every tensor and view of it at once
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-def _move_storage(t: torch.Tensor, dev) -> None:
-    """t's storage (heap memory it does not own) -> a fresh allocation holding a copy of it."""
-    st = t.untyped_storage()
-    fresh = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev).untyped_storage()
-    fresh.copy_(st)
-    st._swap_data_ptr_(fresh)  # `fresh` now holds the heap pointer (owning nothing) and goes
+def _move_out(tensors: list, dev) -> bool:
+    """The storages of `tensors` (heap memory they do not own) -> fresh allocations holding a copy (queued on
+    the current stream), under every tensor and view of them. With torch's storage swap that is one swap
+    per storage; without it every Python tensor on such a storage is found (one scan of the garbage
+    collector's objects, ~0.1 s: this runs only when a caller holds a set) and set_ onto the copy. False
+    when something still holds the heap memory afterwards (a tensor only C++ code sees)."""
+    old = [t.untyped_storage() for t in tensors]
+    fresh = {}
+    for st in old:
+        f = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev).untyped_storage()
+        f.copy_(st)
+        if _CAN_SWAP:
+            st._swap_data_ptr_(f)  # `f` now holds the heap pointer (owning nothing) and goes
+        else:
+            fresh[st.data_ptr()] = (st, f)
+    if not fresh:
+        return True
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type == dev.type:
+            hit = _heap_hit(o, fresh)
+            if hit is not None:
+                o.set_(hit, o.storage_offset(), o.size(), o.stride())
+    # what still refers to a heap storage: its wrapper in `old` (one reference), nothing else
+    return _use_count is None or all(_use_count(st._cdata) <= 1 for st in old)
+
+
+def _heap_hit(t: torch.Tensor, fresh: dict):
+    """The fresh storage for t's, if t's is one being moved (same address and size), else None."""
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, sparse, wrapper)
+        return None
+    hit = fresh.get(st.data_ptr())
+    return hit[1] if hit is not None and st.nbytes() == hit[0].nbytes() else None
 
 
 class _Watch:
@@ -156,8 +184,8 @@ class NvshmemLowLatency(ReportsFaults):
                                        self.timeout_s, blocks, sets)
         self.output_sets = int(self._rt.sets)  # 0 where a peer lacks P2P: the slots and a receive copy instead
         # held_outputs copy: a heap set a caller still holds is moved out one dispatch before its turn
-        # (_move_if_held); without torch's storage swap it raises as `raise` does
-        self.move_held = bool(self.output_sets) and str(cfg.comm.low_latency.held_outputs) == "copy" and _CAN_MOVE
+        # (_move_if_held)
+        self.move_held = bool(self.output_sets) and str(cfg.comm.low_latency.held_outputs) == "copy"
         self._reported = False
         # One SEND|RECV launch per call without a hook (module docstring); a plain attribute so that a
         # benchmark can compare both ways on the same engine.
@@ -234,11 +262,14 @@ class NvshmemLowLatency(ReportsFaults):
                 self._held = i  # a graph would replay the copy: raised after the launch, as `raise` does
                 return
             recv_x, _count, src_info, _layout, state = sets[i][:5]
-            for t in (*recv_x, src_info, state["row_slot"]) if isinstance(recv_x, tuple) else \
-                    (recv_x, src_info, state["row_slot"]):
-                _move_storage(t, dev)
+            heap = ([*recv_x] if isinstance(recv_x, tuple) else [recv_x]) + [src_info, state["row_slot"]]
+            del sets[i], recv_x, src_info  # the engine's own references go first: only the caller's are followed
+            watch[i] = None
+            if not _move_out(heap, dev):
+                self._held = i  # a holder not found: raised after the launch, as `raise` does
             state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:])
-            sets[i] = self._heap_dispatch_outputs(kind == 1, dev, i)
+            del heap
+            sets.insert(i, self._heap_dispatch_outputs(kind == 1, dev, i))
             watch[i] = _Watch(self._watched(sets[i]))
             self.moved_sets += 1
 
