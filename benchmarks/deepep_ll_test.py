@@ -1,7 +1,9 @@
-"""DeepEP v1.2.1's own tests/test_low_latency.py, unchanged, on DeepEP or on ep_plugin.deep_ep.
+"""DeepEP v1.2.1's own tests/test_low_latency.py (or, with --test intranode, tests/test_intranode.py),
+unchanged, on DeepEP or on ep_plugin.deep_ep.
 
     python3 benchmarks/deepep_ll_test.py --tests /tmp/deepep/tests --shim --ranks 2      # through ep_plugin.deep_ep
     python3 benchmarks/deepep_ll_test.py --tests /tmp/deepep/tests --ranks 2             # DeepEP itself
+    python3 benchmarks/deepep_ll_test.py --tests /tmp/deepep/tests --test intranode --shim --ranks 4
 
 With --shim, `import deep_ep` resolves to ep_plugin.deep_ep (a one-line module put first on the path of
 this process and of the ranks it spawns), with no ep_config: the defaults a DeepEP user gets. The
@@ -24,16 +26,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests", required=True, help="DeepEP's tests/ directory (test_low_latency.py, utils.py)")
     ap.add_argument("--shim", action="store_true", help="import deep_ep = ep_plugin.deep_ep")
+    ap.add_argument("--test", choices=("low_latency", "intranode"), default="low_latency",
+                    help="which of DeepEP's tests (intranode: 4096 tokens and 256 experts by default, as its own)")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--num-tokens", type=int, default=128)
+    ap.add_argument("--num-tokens", type=int, default=None, help="the test's default (128 / 4096)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--num-topk", type=int, default=8)
-    ap.add_argument("--num-experts", type=int, default=288)
+    ap.add_argument("--num-experts", type=int, default=None, help="the test's default (288 / 256)")
     ap.add_argument("--port", type=int, default=8361, help="MASTER_PORT of the test's init_dist")
     a = ap.parse_args(argv)
     tests = os.path.abspath(a.tests)
-    if not os.path.isfile(os.path.join(tests, "test_low_latency.py")):
-        print(f"deepep_ll_test: no test_low_latency.py in {tests}", file=sys.stderr)
+    intra = a.test == "intranode"
+    if not os.path.isfile(os.path.join(tests, f"test_{a.test}.py")):
+        print(f"deepep_ll_test: no test_{a.test}.py in {tests}", file=sys.stderr)
         return 2
     paths = [tests]
     if a.shim:
@@ -49,13 +54,17 @@ def main(argv=None) -> int:
     sys.path[:0] = paths
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     os.environ.setdefault("MASTER_PORT", str(a.port))
+    import importlib
+
     import torch
-    import test_low_latency as t
+    t = importlib.import_module(f"test_{a.test}")
     import deep_ep
     print(f"[deepep_ll_test] deep_ep = {deep_ep.__name__} ({getattr(deep_ep, '__file__', '?')}), {a.ranks} ranks",
           flush=True)
-    ns = argparse.Namespace(num_processes=a.ranks, num_tokens=a.num_tokens, hidden=a.hidden, num_topk=a.num_topk,
-                            num_experts=a.num_experts, allow_mnnvl=False, disable_nvlink=False, use_logfmt=False,
+    tokens = a.num_tokens or (4096 if intra else 128)
+    experts = a.num_experts or (256 if intra else 288)
+    ns = argparse.Namespace(num_processes=a.ranks, num_tokens=tokens, hidden=a.hidden, num_topk=a.num_topk,
+                            num_experts=experts, allow_mnnvl=False, disable_nvlink=False, use_logfmt=False,
                             pressure_test=False)
     torch.multiprocessing.spawn(t.test_loop, args=(a.ranks, ns), nprocs=a.ranks)
     print("[deepep_ll_test] passed", flush=True)
