@@ -502,8 +502,8 @@ def test_held_heap_set_is_moved_with_its_values(heap_calls, view, move_by):
     buf = ep_plugin.EPBuffer(None, _heap_cfg(3, "copy"), hidden=H)
     x, idx, w = inputs()
     rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
-    for _ in range(4):  # a decode loop: nothing held across steps (sets 0 1 2 0)
-        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)
+    for step in range(4):  # a decode loop: nothing held across steps (sets 0 1 2 0; FP8 views made at step 0)
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=step == 0)
         buf.low_latency_combine(rows, idx, w, handle)
     eng = engine_of(buf)
     assert eng.moved_sets == 0 and sets == [0, 1, 2, 0]
@@ -519,8 +519,11 @@ def test_held_heap_set_is_moved_with_its_values(heap_calls, view, move_by):
     assert eng.moved_sets == 1
     assert keep.data_ptr() not in heap0 and kept_handle.src_info.data_ptr() != heap0[2]
     assert kept_handle.state["ptrs"][0] == kept_handle.state["row_slot"].data_ptr() != heap0[3]
-    _, _, h0, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False)  # set 0 again: new views of the heap
-    assert h0.src_info.data_ptr() == heap0[2] and sets[-1] == 0
+    # set 0 again, in the other precision (whose views of the same bytes a scan also finds): new views of
+    # the heap, and the launch names them
+    _, _, h0, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=True)
+    assert h0.src_info.data_ptr() == heap0[2] and h0.state["row_slot"].data_ptr() == heap0[3] and sets[-1] == 0
+    assert calls[-1][2][9] == heap0[2] and calls[-1][2][11] == heap0[3]
     heap_tensor(heap0[0], (E_L, M, H), torch.bfloat16, torch.device("cpu")).fill_(-3.0)  # the senders' new rows
     heap_tensor(heap0[2], (E_L, M), torch.int32, torch.device("cpu")).fill_(-1)
     assert bool((keep == 1.5).all()) and bool((kept_handle.src_info == 7).all())

@@ -254,24 +254,34 @@ class NvshmemLowLatency(ReportsFaults):
         its own: each heap tensor's storage gets a fresh allocation holding a copy (queued on the current
         stream), so the caller's tensors and views keep their values; the set gets new views of the heap.
         A held handle stays usable: its state's row_slot pointer follows the move."""
-        for kind in (0, 1):
-            sets, watch = self._dispatch_sets[kind], self._dispatch_watch[kind]
-            if sets is None or not watch[i].held():
+        held = [k for k in (0, 1) if self._dispatch_sets[k] is not None and self._dispatch_watch[k][i].held()]
+        if not held:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._held = i  # a graph would replay the copy: raised after the launch, as `raise` does
+            return
+        heap, states = [], []
+        for kind in (0, 1):  # both precisions' views of set i go: they share its bytes (and a scan finds both)
+            sets = self._dispatch_sets[kind]
+            if sets is None:
                 continue
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                self._held = i  # a graph would replay the copy: raised after the launch, as `raise` does
-                return
             recv_x, _count, src_info, _layout, state = sets[i][:5]
-            heap = ([*recv_x] if isinstance(recv_x, tuple) else [recv_x]) + [src_info, state["row_slot"]]
-            del sets[i], recv_x, src_info  # the engine's own references go first: only the caller's are followed
-            watch[i] = None
-            if not _move_out(heap, dev):
-                self._held = i  # a holder not found: raised after the launch, as `raise` does
+            if kind in held:
+                heap += ([*recv_x] if isinstance(recv_x, tuple) else [recv_x]) + [src_info, state["row_slot"]]
+                states.append(state)
+            sets[i] = self._dispatch_watch[kind][i] = None  # only the caller's references are followed
+            del recv_x, src_info, state
+        if not _move_out(heap, dev):
+            self._held = i  # a holder not found: raised after the launch, as `raise` does
+        for state in states:  # a held handle's row_slot moved with it
             state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:])
-            del heap
-            sets.insert(i, self._heap_dispatch_outputs(kind == 1, dev, i))
-            watch[i] = _Watch(self._watched(sets[i]))
-            self.moved_sets += 1
+        del heap, states
+        for kind in (0, 1):
+            sets = self._dispatch_sets[kind]
+            if sets is not None:
+                sets[i] = self._heap_dispatch_outputs(kind == 1, dev, i)
+                self._dispatch_watch[kind][i] = _Watch(self._watched(sets[i]))
+        self.moved_sets += 1
 
     @staticmethod
     def _watched(outputs) -> list:
