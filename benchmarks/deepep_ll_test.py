@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-topk", type=int, default=8)
     ap.add_argument("--num-experts", type=int, default=None, help="the test's default (288 / 256)")
     ap.add_argument("--port", type=int, default=8361, help="MASTER_PORT of the test's init_dist")
+    ap.add_argument("--where", action="store_true",
+                    help="low_latency: also print, per rank, the host time of each call of the test's bench loop "
+                         "(perf_counter, no sync) and rank 0's profile of 20 of them (kernels and host ops)")
     a = ap.parse_args(argv)
     tests = os.path.abspath(a.tests)
     intra = a.test == "intranode"
@@ -66,9 +69,51 @@ def main(argv=None) -> int:
     ns = argparse.Namespace(num_processes=a.ranks, num_tokens=tokens, hidden=a.hidden, num_topk=a.num_topk,
                             num_experts=experts, allow_mnnvl=False, disable_nvlink=False, use_logfmt=False,
                             pressure_test=False)
-    torch.multiprocessing.spawn(t.test_loop, args=(a.ranks, ns), nprocs=a.ranks)
+    if a.where:
+        torch.multiprocessing.spawn(_where_loop, args=(a.ranks, ns, a.test), nprocs=a.ranks)
+    else:
+        torch.multiprocessing.spawn(t.test_loop, args=(a.ranks, ns), nprocs=a.ranks)
     print("[deepep_ll_test] passed", flush=True)
     return 0
+
+
+def _where_loop(local_rank, num_ranks, ns, test):
+    """test_loop with the test module's `bench` wrapped (--where): where the bench line's time goes."""
+    import contextlib
+    import importlib
+    import time
+
+    import torch
+    t = importlib.import_module(f"test_{test}")
+    inner = t.bench
+
+    def bench(fn, *args, **kwargs):
+        host = []
+
+        def timed():
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+
+        out = inner(timed, *args, **kwargs)
+        host = sorted(host[len(host) // 2:])  # the timed half (the warm-up calls come first)
+        print(f"[where] rank {local_rank}: host time per bench call median {1e6 * host[len(host) // 2]:.1f} us, "
+              f"max {1e6 * host[-1]:.1f} us; bench avg {1e6 * out[0]:.1f} us", flush=True)
+        # every rank runs the 20 calls (they are collective); rank 0 profiles them
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if local_rank == 0 else \
+                contextlib.nullcontext() as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        if local_rank == 0:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+        return out
+
+    t.bench = bench
+    t.test_loop(local_rank, num_ranks, ns)
 
 
 if __name__ == "__main__":
