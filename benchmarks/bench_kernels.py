@@ -10,6 +10,12 @@ protocols (protocols.py: cold is the headline, queued the kernels' view), slowes
 kernel pair is first checked against the torch backend on the same inputs (received rows equal, combine
 equal within BF16 rounding); a pair that differs is reported and not timed. DeepEP's rows come from
 deepep_rows.py when `deep_ep` imports (its SM count set per row). Writes bench_kernels_ep<W>.json.
+
+A/B of the pull combine's variants (Runtime.pull_variant, csrc/nvlink/combine_pull_tma.cu; V or V/S with S
+stager slots, else the planned count): every pair whose combine kernel is pull (or auto) runs once per
+variant, checked like the others; --combine-only times the combine alone.
+
+    python3 benchmarks/bench_kernels.py --world 4 --sms 24 48 --pairs fused/pull --combine-variant 0 0/3 1/3 4 5/3 --combine-only
 """
 from __future__ import annotations
 
@@ -79,11 +85,21 @@ def rank_main(rank, world, port, args, q):
                               for k, v in r["ops"].items())
             print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
 
+    runs = []  # (dispatch kernel, combine kernel, pull variant or None, its stage slots or None)
     for dk, ck in (tuple(p.split("/")) for p in args.pairs):
+        if args.combine_variant and ck in ("pull", "auto"):
+            runs += [(dk, ck, *_variant(v)) for v in args.combine_variant]
+        else:
+            runs.append((dk, ck, None, None))
+    for dk, ck, variant, stage_slots in runs:
         cfg = ep_config("nvlink", args.sms[0])
         cfg["comm"].update(dispatch_kernel=dk, combine_kernel=ck)
         buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
         be = buf._backend
+        if variant is not None:
+            be._rt.pull_variant = variant
+            if stage_slots is not None:
+                be._rt.pull_stage_slots = stage_slots
         err = None
         try:
             err = check_pair(buf, inp, ref_out, ref_y, rows_out)
@@ -92,7 +108,8 @@ def rank_main(rank, world, port, args, q):
         errs = [None] * world
         dist.all_gather_object(errs, err)
         err = next((f"rank {r}: {e}" for r, e in enumerate(errs) if e), None)
-        name = f"ep_plugin {dk}/{ck}"
+        name = f"ep_plugin {dk}/{ck}" + ("" if variant is None else
+                                          f" v{variant}/{be._rt.pull_stage_slots}")
         if err:
             row(name, args.sms[0], {}, note=f"FAILED CHECK: {err}")
             buf.close()
@@ -100,10 +117,11 @@ def rank_main(rank, world, port, args, q):
         first = buf.dispatch(inp.x, inp.idx, inp.w)
         for sms in args.sms:
             be.num_sms = sms
-            ops = {"dispatch": measure(proto, lambda: buf.dispatch(inp.x, inp.idx, inp.w)),
-                   "cached": measure(proto, lambda: buf.dispatch(inp.x, handle=first.handle)),
-                   "combine": measure(proto, lambda: buf.combine(first.x, first.handle))}
-            if (dk, ck) == ("auto", "auto"):
+            ops = {} if args.combine_only else {
+                "dispatch": measure(proto, lambda: buf.dispatch(inp.x, inp.idx, inp.w)),
+                "cached": measure(proto, lambda: buf.dispatch(inp.x, handle=first.handle))}
+            ops["combine"] = measure(proto, lambda: buf.combine(first.x, first.handle))
+            if (dk, ck) == ("auto", "auto") and not args.combine_only:
                 ops["dispatch_fp8"] = measure(proto, lambda: buf.dispatch(inp.xf8, inp.idx, inp.w))
             row(name, sms, ops)
         del first
@@ -115,12 +133,20 @@ def rank_main(rank, world, port, args, q):
             ops, facts = dep.normal_case(proto, inp.x, inp.xf8, inp.idx, inp.w)
             keep = {"dispatch": ops.get("deepep.dispatch_bf16"), "cached": ops.get("deepep.dispatch_cached"),
                     "combine": ops.get("deepep.combine_bf16"), "dispatch_fp8": ops.get("deepep.dispatch_fp8")}
+            if args.combine_only:
+                keep = {"combine": keep["combine"]}
             row("deepep v1", sms, {k: v for k, v in keep.items() if v}, note=facts.get("error"))
             dep.close()
     if rank == 0:
         q.put(("done", out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _variant(text):
+    """--combine-variant's "V" or "V/S" -> (V, S or None)."""
+    v, _, s = str(text).partition("/")
+    return int(v), (int(s) if s else None)
 
 
 def plot(report, path):
@@ -156,6 +182,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pairs", nargs="+", default=[f"{d}/{c}" for d, c in PAIRS],
                     help="dispatch/combine kernel pairs")
+    ap.add_argument("--combine-variant", "--pull-variant", nargs="+", default=[], metavar="V[/S]",
+                    help="run each pull (or auto) combine pair once per Runtime.pull_variant V (0: as measured so "
+                         "far; +1 / +2 half / quarter stager rows, +4 free load slots), with S stager slots if given")
+    ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
     ap.add_argument("--no-deepep", action="store_true")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))

@@ -6,6 +6,7 @@ The torch profiler's per-kernel view (bench_dispatch --breakdown) cannot give th
 drift apart and each wait on a peer swallows the drift.
 
     python3 benchmarks/nvlink_phases.py                 # 2 GPUs, 4096 tokens, hidden 7168, top-8 of 256
+    python3 benchmarks/nvlink_phases.py --world 4 --only "combine pull" --pull-variants 0 1 4 5 --pull-slots 3 4
 
 Each line: a case, a rank, the time per call over --iters calls, and the median GPU time of each launch.
 """
@@ -87,14 +88,14 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)
 
-    def pull_variant(slots, diag):  # comm.combine_kernel pull with Runtime.pull_stage_slots / pull_diag set
-        def call():
+    def pull_variant(slots, diag, variant=0):  # comm.combine_kernel pull with Runtime.pull_stage_slots /
+        def call():                            # pull_diag / pull_variant set
             old = rt.pull_stage_slots
-            rt.pull_stage_slots, rt.pull_diag = slots, diag
+            rt.pull_stage_slots, rt.pull_diag, rt.pull_variant = slots, diag, variant
             try:
                 mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
             finally:
-                rt.pull_stage_slots, rt.pull_diag = old, 0
+                rt.pull_stage_slots, rt.pull_diag, rt.pull_variant = old, 0, 0
         return call
 
     cases = {
@@ -111,9 +112,25 @@ def _worker(rank: int, world: int, port: int, args) -> None:
            for name, slots, diag in (("stage only", 5, 1), ("loads only", 5, 2), ("loads only, 3 stage slots", 3, 2),
                                      ("3 stage slots", 3, 0), ("4 stage slots", 4, 0),
                                      ("6 stage slots", 6, 0))},
+        # Runtime.pull_variant (combine_pull_tma.cu): whole kernel, and its loads / stage alone, per stage slots
+        **{f"combine pull v{v}, {s} stage slots{name}": pull_variant(s, diag, v)
+           for v in args.pull_variants for s in args.pull_slots
+           for name, diag in (("", 0), (", loads only", 2), (", stage only", 1))},
         f"notify alone, {T} tokens": notify(T),
         "notify alone, 128 tokens": notify(min(128, T)),
     }
+    if args.pull_profile:  # one pull combine per variant and slot count, its blocks' wait cycles printed
+        for v in args.pull_variants or [0]:
+            for s in args.pull_slots:
+                for _ in range(args.warmup):
+                    pull_variant(s, 0, v)()
+                torch.cuda.synchronize()
+                dist.barrier()
+                if rank == 0:
+                    print(f"pull profile: variant {v}, {s} stage slots", flush=True)
+                pull_variant(s, 4, v)()
+                torch.cuda.synchronize()  # device printf flushes here
+                dist.barrier()
     backend._rt = TimedRuntime(rt, log)
     try:
         for name, fn in cases.items():
@@ -136,7 +153,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             if rank == 0:
                 for r, (per_call, launches) in enumerate(rows):
                     parts = ", ".join(f"{k} {v:.1f}" for k, v in launches.items())
-                    print(f"{name:28s} rank {r}: {per_call:7.1f} us per call; {parts}", flush=True)
+                    print(f"{name:40s} rank {r}: {per_call:7.1f} us per call; {parts}", flush=True)
     finally:
         backend._rt = rt
         buf.close()
@@ -162,6 +179,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--pull-variants", type=int, nargs="*", default=[],
+                    help="Runtime.pull_variant values to time (0: as measured so far; +1 / +2 half / quarter "
+                         "stager rows, +4 free load slots)")
+    ap.add_argument("--pull-slots", type=int, nargs="+", default=[3, 4], help="stage slots for --pull-variants")
+    ap.add_argument("--pull-profile", action="store_true",
+                    help="first, one pull combine per --pull-variants / --pull-slots with Runtime.pull_diag 4: blocks 0 "
+                         "and last print their loader's and stager's cycles and the loader's waits (ready flags, "
+                         "free slots, descriptors)")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.world:
         raise SystemExit(f"nvlink_phases needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")

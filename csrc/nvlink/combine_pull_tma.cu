@@ -31,6 +31,26 @@
 // fences and flags per stager) read 894 us queued at EP4, 24 SMs, on 4x H100 (fused 663, DeepEP 604):
 // 16 again, as in the 631 us layout.
 //
+// Variants (Runtime::pull_variant, default 0 = the layout above; for A/B runs at EP4, where the loads alone
+// take 544-585 us with 13 / 11 load slots and the whole kernel 587 with 12, on 4x H100):
+//   +1 / +2, the stager moves half / quarter rows. Its BulkRing keeps nslot - kRingLag loads in flight
+//     (kRingLag = 2 of the slots are held by stores still reading shared memory): with whole rows 4 stage
+//     slots give 2 rows of local loads in flight per SM and 3 slots only 1 (the 702 us row); halves
+//     give 3 / 2, quarters 3.5 / 2.5 in the same bytes. So the stage keeps its rate with 3 slots, and the
+//     loads get the 13th slot (544 us alone). Costs 2x / 4x bulk copies for the one stager thread
+//     (~900 / ~1800 per SM per combine at EP4).
+//   +4, free load slots. In ring order the loader reuses slots oldest first, so a token whose row waits on
+//     a slow peer holds back every load behind it, even where younger tokens are reduced and their slots
+//     idle; and the own row (a local load, in within a few hundred ns) sits in its slot for the whole
+//     flight of the token's remote rows. Here the loader takes any free slot (a bit mask the reducers set
+//     once they have read a slot; mbarrier parities per slot travel in the descriptor) and loads the own
+//     row after the remote ones. A token still holds its slots until its slowest row, but no token waits
+//     for another's.
+// Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
+// token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
+// about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
+// make y depend on timing (rounding). Every variant sums in rank order: y is bit for bit that of variant 0.
+//
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
 //      area in the previous combine (pull) or this rank's slots in p's area were summed (push modes);
@@ -53,13 +73,20 @@ namespace {
 constexpr int kPullRingBytes = 224 * 1024;  // the load ring; the static shared memory fits beside it
 constexpr int kLoadMaxSlots = 32;
 constexpr int kDesc = 32;                   // token descriptors between the loader and the reducers
-constexpr int kStoreLag = 4;                // bulk stager: store groups in flight
-constexpr int kPend = 16;                   // stager: ring items between loaded and published
+constexpr int kStoreLag = 4;                // bulk stager: store groups in flight (of whole rows; x split)
+constexpr int kPend = 64;                   // stager: ring items between loaded and published (< 12 x 4 - 2 + 16)
+
+// Runtime::pull_variant, passed in launch_combine_pull_tma's diag above its low 4 bits (diag >> 4):
+//   bits 0-1: the stager's item is a row / 2^v (0: whole rows, today's; 1: halves; 2: quarters);
+//   bit 2 (kVarFreeSlots): load slots from a free mask instead of in ring order, own row loaded last.
+// Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
+constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kMaxSplit = 4;
 
 struct TokenDesc {
   int t;        // token
-  int item0;    // load-ring item of its first remote row
-  int present;  // bit r: rank r's row is in the load ring (rank order = item order)
+  int item0;    // load-ring item of its first remote row (ring order only)
+  int present;  // bit r: rank r's row is in the load ring (rank order = item order in ring order)
+  unsigned char ls[kMaxRanks];  // kVarFreeSlots: rank r's load slot (low 6 bits), its mbarrier parity (bit 7)
 };
 
 __device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, int sub) {
@@ -68,13 +95,13 @@ __device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, in
 
 __device__ __forceinline__ void spin_pause() { __nanosleep(20); }
 
-template <int MAXW, int U>
+template <int MAXW, int U, bool kFree>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
                         int nload, int diag) {
   extern __shared__ __align__(128) char s_mem[];
-  __shared__ uint64_t s_lbar[kLoadMaxSlots], s_sbar[kPullStageMaxSlots];
+  __shared__ uint64_t s_lbar[kLoadMaxSlots], s_sbar[kPullStageMaxSlots * kMaxSplit];
   __shared__ int s_pend[kPend];           // stager: (owner, sub) + 1 of a unit's last item, else 0
   __shared__ int s_freed[kLoadMaxSlots];  // uses of a load slot consumed
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
@@ -83,19 +110,35 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   __shared__ int s_nd, s_end;             // descriptors published; 1 once the loader is done
   __shared__ int s_off[kMaxRanks + 1];
   __shared__ int s_fail;
+  __shared__ unsigned s_freemask;         // kFree: bit s set while load slot s is free
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   const int row_bytes = c.hidden * 2;
+  const int variant = diag >> 4;
+  diag &= 15;
+  // diag & 4 (benchmarks: nvlink_phases.py --pull-profile): blocks 0 and the last print where their loader
+  // and stager spent the call, in SM cycles (clock64): waits on a peer's COMBINE_READY, on a free load
+  // slot, on a free descriptor, and the whole role.
+  const bool prof = (diag & 4) && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
+  auto tic = [&]() -> long long { return prof ? clock64() : 0; };
+  // The stager's items: rows, or pieces of 1/split of a row (16-byte multiples) in the same shared memory.
+  // The ring keeps nslot - kRingLag loads in flight, so at 4 stage slots whole rows leave 2 rows of local
+  // loads in flight per SM, halves 3 and quarters 3.5, and at 3 slots 1 / 2 / 2.5: the stage needs fewer
+  // slots for the same rate, and the loads get the rest.
+  int split = min(1 << (variant & kVarSplitMask), kMaxSplit);
+  while (split > 1 && row_bytes % (16 * split)) split >>= 1;
+  const int item_bytes = row_bytes / split;
   char* const load_buf = s_mem + static_cast<size_t>(nslot_stage) * row_bytes;
-  BulkRing<kRingLag> ring{s_mem, s_sbar, nslot_stage, row_bytes};
+  BulkRing<kRingLag> ring{s_mem, s_sbar, nslot_stage * split, item_bytes};
   if (tid == 0) {
     ring.init();
     for (int s = 0; s < nload; ++s) mbar_init(&s_lbar[s], 1);
     fence_mbar_init();
     s_nd = 0;
     s_end = 0;
+    s_freemask = nload >= 32 ? ~0u : (1u << nload) - 1;
   }
   if (tid < kLoadMaxSlots) s_freed[tid] = 0;
   if (tid < kDesc) s_dfree[tid] = 0;
@@ -126,13 +169,20 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           st_release_sys(ready_at(c, o, me, sub), ce);
         }
       };
-      char* dst_of[kPend];  // destination of each ring item, by item index mod kPend
+      char* dst_of[kPend] = {};  // destination of each ring item, by item index mod kPend
+      const int lag = kStoreLag * split;  // the same store bytes in flight whatever the item size
       auto store_oldest = [&]() {
-        tma_store(dst_of[ring.tail % kPend], ring.wait_oldest(), row_bytes);
+        tma_store(dst_of[ring.tail % kPend], ring.wait_oldest(), item_bytes);
         ring.pop();
-        tma_store_wait<kStoreLag>();
-        if (ring.tail - kStoreLag > published) publish(ring.tail - kStoreLag);
+        if (split == 1)
+          tma_store_wait<kStoreLag>();
+        else if (split == 2)
+          tma_store_wait<2 * kStoreLag>();
+        else
+          tma_store_wait<4 * kStoreLag>();
+        if (ring.tail - lag > published) publish(ring.tail - lag);
       };
+      const long long t_stage = tic();
       fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
       for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
         const int o = (me + 1 + u % npeers) % W;
@@ -142,19 +192,23 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           st_release_sys(ready_at(c, o, me, sub), ce);
           continue;
         }
-        const int n = min(kCombineSub, cnt - q0);
+        // the sub-chunk's rows are contiguous in x and in the area: item j is at j * item_bytes in both
+        const int n = min(kCombineSub, cnt - q0) * split;
         char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
         const char* src0 = x + static_cast<size_t>(s_off[o] + q0) * row_bytes;
         for (int j = 0; j < n; ++j) {
           while (ring.full()) store_oldest();
-          dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * row_bytes;
+          dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * item_bytes;
           s_pend[ring.head % kPend] = j == n - 1 ? o * c.combine_subs + sub + 1 : 0;
-          ring.load(src0 + static_cast<size_t>(j) * row_bytes, row_bytes);
+          ring.load(src0 + static_cast<size_t>(j) * item_bytes, item_bytes);
         }
       }
       while (!ring.empty()) store_oldest();
       tma_store_wait_all();
       publish(ring.tail);
+      if (prof)
+        printf("pull prof rank %d block %d variant %d: stager %lld kcycles\n", me, blockIdx.x, variant,
+               (tic() - t_stage) / 1000);
     }
   } else if (warp == 0) {  // ---- the loader
     const int nchunks = (T + kChunk - 1) / kChunk;
@@ -168,6 +222,24 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
 #pragma unroll
     for (int r = 0; r < MAXW; ++r) ready_sub[r] = -1;
     int item = 0, nd = 0, failed = 0;
+    unsigned par = 0;  // kFree: bit s, the parity of load slot s's next mbarrier phase
+    long long p_ready = 0, p_slot = 0, p_desc = 0;  // diag & 4: cycles waited
+    const long long t_load = tic();
+    // kFree: any free load slot (lowest first). Only this thread clears bits, the reducers set them once
+    // they have read a slot, so the bit found stays set until the atomicAnd. Never waits on itself: a
+    // token waiting for a slot holds at most W - 1 of them, fewer than nload (>= W: combine_pull_tma_fits),
+    // and every other taken slot belongs to a published token, which a reducer frees once its loads (bulk
+    // loads always complete) are in.
+    auto claim = [&]() -> int {
+      unsigned m;
+      const long long t = tic();
+      while ((m = static_cast<unsigned>(ld_acquire_cta_shared(reinterpret_cast<const int*>(&s_freemask)))) == 0)
+        spin_pause();
+      p_slot += tic() - t;
+      const int s = __ffs(m) - 1;
+      atomicAnd(&s_freemask, ~(1u << s));
+      return s;
+    };
     if (lane == 0) fence_proxy_async();
     while (!failed) {
       int chunk = 0;
@@ -181,43 +253,104 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         for (int k = 0; k < nt && !failed; ++k) {
           // a free descriptor slot: its previous use has been reduced
           const int ds = nd % kDesc;
+          const long long td = tic();
           while (ld_acquire_cta_shared(&s_dfree[ds]) < nd / kDesc) spin_pause();
-          TokenDesc d{t0 + k, item, 0};
+          p_desc += tic() - td;
+          TokenDesc d{t0 + k, item, 0, {}};
+          if constexpr (kFree) {
+            // Remote rows first, in rank order, each into any free slot; the own row (a local load that
+            // lands within a few hundred ns) last, so that its slot idles least while the remote rows are
+            // in flight. The slots a token holds no longer block the loader behind it: a token whose rows
+            // are all in is reduced and its slots reused whatever older token still waits for a row (in
+            // ring order the loader waited for the oldest item's token before reusing any slot).
+            int own = -1;
 #pragma unroll
-          for (int r = 0; r < MAXW; ++r) {
-            if (r >= W || failed) continue;
-            const int pos = s_pos[k * W + r];
-            if (pos < 0) continue;
-            const int ls = item % nload;
-            if (r == me) {  // the own row too goes through the ring: a reducer then never waits on HBM
+            for (int r = 0; r < MAXW; ++r) {
+              if (r >= W || failed) continue;
+              const int pos = s_pos[k * W + r];
+              if (pos < 0) continue;
+              if (r == me) {
+                own = pos;
+                continue;
+              }
+              if (diag & 1) continue;  // benchmarks: the stage alone
+              const int sub = pos / kCombineSub;
+              if (sub != ready_sub[r]) {
+                const long long tr = tic();
+                const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
+                p_ready += tic() - tr;
+                if (w != kArrived) {
+                  if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
+                  failed = 1;
+                  continue;
+                }
+                ready_sub[r] = sub;
+                fence_proxy_async();  // the acquired rows before the bulk load reads them
+              }
+              const int ls = claim();
+              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes,
+                       area_of[r] + static_cast<size_t>(pos) * (row_bytes / 16), row_bytes, &s_lbar[ls]);
+              d.ls[r] = static_cast<unsigned char>(ls | (((par >> ls) & 1u) << 7));
+              par ^= 1u << ls;
+              d.present |= 1 << r;
+            }
+            if (own >= 0 && !failed) {
+              const int ls = claim();
+              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + own) * row_bytes,
+                       row_bytes, &s_lbar[ls]);
+              d.ls[me] = static_cast<unsigned char>(ls | (((par >> ls) & 1u) << 7));
+              par ^= 1u << ls;
+              d.present |= 1 << me;
+            }
+            if (failed) {  // loads issued for this token complete before the block may exit
+#pragma unroll
+              for (int r = 0; r < MAXW; ++r)
+                if (r < W && ((d.present >> r) & 1)) mbar_wait(&s_lbar[d.ls[r] & 63], d.ls[r] >> 7);
+              break;
+            }
+          } else {
+#pragma unroll
+            for (int r = 0; r < MAXW; ++r) {
+              if (r >= W || failed) continue;
+              const int pos = s_pos[k * W + r];
+              if (pos < 0) continue;
+              const int ls = item % nload;
+              if (r == me) {  // the own row too goes through the ring: a reducer then never waits on HBM
+                const long long ts = tic();
+                while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
+                p_slot += tic() - ts;
+                tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + pos) * row_bytes,
+                         row_bytes, &s_lbar[ls]);
+                d.present |= 1 << r;
+                ++item;
+                continue;
+              }
+              if (diag & 1) continue;  // benchmarks: the stage alone
+              const int sub = pos / kCombineSub;
+              if (sub != ready_sub[r]) {  // positions rise with t (notify's scan), so this polls once per sub
+                const long long tr = tic();
+                const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
+                p_ready += tic() - tr;
+                if (w != kArrived) {
+                  if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
+                  failed = 1;
+                  continue;
+                }
+                ready_sub[r] = sub;
+                fence_proxy_async();  // the acquired rows before the bulk load reads them
+              }
+              const long long ts = tic();
               while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
-              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + pos) * row_bytes,
+              p_slot += tic() - ts;
+              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, area_of[r] + static_cast<size_t>(pos) * (row_bytes / 16),
                        row_bytes, &s_lbar[ls]);
               d.present |= 1 << r;
               ++item;
-              continue;
             }
-            if (diag & 1) continue;  // benchmarks: the stage alone
-            const int sub = pos / kCombineSub;
-            if (sub != ready_sub[r]) {  // positions rise with t (notify's scan), so this polls once per sub
-              const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
-              if (w != kArrived) {
-                if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
-                failed = 1;
-                continue;
-              }
-              ready_sub[r] = sub;
-              fence_proxy_async();  // the acquired rows before the bulk load reads them
+            if (failed) {  // loads issued for this token complete before the block may exit
+              for (int n = d.item0; n < item; ++n) mbar_wait(&s_lbar[n % nload], (n / nload) & 1);
+              break;
             }
-            while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
-            tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, area_of[r] + static_cast<size_t>(pos) * (row_bytes / 16),
-                     row_bytes, &s_lbar[ls]);
-            d.present |= 1 << r;
-            ++item;
-          }
-          if (failed) {  // loads issued for this token complete before the block may exit
-            for (int n = d.item0; n < item; ++n) mbar_wait(&s_lbar[n % nload], (n / nload) & 1);
-            break;
           }
           s_desc[ds] = d;
           st_release_cta_shared(&s_nd, ++nd);
@@ -227,6 +360,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       __syncwarp();
     }
     if (lane == 0) st_release_cta_shared(&s_end, 1);
+    if (prof && lane == 0)
+      printf("pull prof rank %d block %d variant %d: loader %lld kcycles, waits: ready %lld, slot %lld, desc %lld\n",
+             me, blockIdx.x, variant, (tic() - t_load) / 1000, p_ready / 1000, p_slot / 1000, p_desc / 1000);
   } else {  // ---- the reducers
     const int n16 = row_bytes / 16, nred = kThreads / 32 - 2;
     for (int d = warp - 2;; d += nred) {
@@ -246,22 +382,35 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       const TokenDesc td = s_desc[d % kDesc];
       const int4* src[MAXW];
       int item = td.item0;
+      unsigned slots = 0;  // kFree: the load slots to hand back
 #pragma unroll
       for (int r = 0; r < MAXW; ++r) {
         src[r] = nullptr;
         if (r >= W) continue;
         if ((td.present >> r) & 1) {
-          const int ls = item % nload;
-          mbar_wait(&s_lbar[ls], (item / nload) & 1);
+          int ls;
+          if constexpr (kFree) {
+            ls = td.ls[r] & 63;
+            mbar_wait(&s_lbar[ls], td.ls[r] >> 7);
+            slots |= 1u << ls;
+          } else {
+            ls = item % nload;
+            mbar_wait(&s_lbar[ls], (item / nload) & 1);
+            ++item;
+          }
           src[r] = reinterpret_cast<const int4*>(load_buf + static_cast<size_t>(ls) * row_bytes);
-          ++item;
         }
       }
       sum_rows_bf16<MAXW, U>(src, reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16, n16, lane,
                              [](const int4* p) { return *p; });
       __syncwarp();  // every lane has read the slots before they are handed back
       if (lane == 0) {
-        for (int n = td.item0; n < item; ++n) st_release_cta_shared(&s_freed[n % nload], n / nload + 1);
+        if constexpr (kFree) {
+          __threadfence_block();  // with the relaxed atomicOr, a release: the slots' reads before their reuse
+          atomicOr(&s_freemask, slots);
+        } else {
+          for (int n = td.item0; n < item; ++n) st_release_cta_shared(&s_freed[n % nload], n / nload + 1);
+        }
         st_release_cta_shared(&s_dfree[d % kDesc], d / kDesc + 1);
       }
     }
@@ -289,7 +438,7 @@ bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
 
 namespace {
 
-template <int MAXW, int U>
+template <int MAXW, int U, bool kFree>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
@@ -298,12 +447,12 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64 || !smem_set[dev]) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T, nslot_stage,
-                                                                        nload, diag);
+  combine_pull_tma_kernel<MAXW, U, kFree><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
+                                                                               nslot_stage, nload, diag);
 }
 
 }  // namespace
@@ -312,12 +461,23 @@ void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int*
                              int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-  if (c.world <= 2)
-    launch_pull<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
-  else if (c.world <= 4)
-    launch_pull<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
-  else
-    launch_pull<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  const bool free_slots = (diag >> 4) & kVarFreeSlots;  // Runtime::pull_variant (see kVarFreeSlots)
+  if (c.world <= 2) {
+    if (free_slots)
+      launch_pull<2, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<2, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  } else if (c.world <= 4) {
+    if (free_slots)
+      launch_pull<4, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<4, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  } else {
+    if (free_slots)
+      launch_pull<8, 2, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<8, 2, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  }
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

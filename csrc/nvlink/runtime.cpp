@@ -244,7 +244,7 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   const int blocks = grid_for(num_sms);
   if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_)) {
     launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_, stream_of(stream));
+                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_ | (pull_variant_ << 4), stream_of(stream));
     return;
   }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
@@ -265,6 +265,11 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
 void Runtime::set_pull_stage_slots(int n) {
   EP_CHECK_ARG(n >= 3 && n <= kPullStageMaxSlots, "pull_stage_slots must be in [3, %d], got %d", kPullStageMaxSlots, n);
   pull_stage_slots_ = n;
+}
+
+void Runtime::set_pull_variant(int v) {
+  EP_CHECK_ARG(v >= 0 && v <= 6 && (v & 3) != 3, "pull_variant must be 0, 1, 2, 4, 5 or 6, got %d", v);
+  pull_variant_ = v;
 }
 
 size_t Runtime::expert_scratch_ints(int num_sms) const {

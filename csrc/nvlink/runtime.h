@@ -50,11 +50,17 @@ class Runtime {
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
   // The pull combine's stager ring: its shared-memory rows (the loads get the rest). For
   // benchmarks/nvlink_phases.py only, pull_diag times one half alone (1: stage only, remote rows not
-  // read; 2: no stage, sub-chunks flagged at once): y is wrong unless it is 0.
+  // read; 2: no stage, sub-chunks flagged at once): y is wrong unless it is 0 or 4 (4, added to either:
+  // blocks 0 and last printf their loader's and stager's cycles and waits). Values below 16.
   int pull_stage_slots() const { return pull_stage_slots_; }
   void set_pull_stage_slots(int n);
   int pull_diag() const { return pull_diag_; }
   void set_pull_diag(int d) { pull_diag_ = d; }
+  // The pull combine's variant (combine_pull_tma.cu, kVar*), for A/B runs; 0 is the kernel as measured
+  // so far. Bits 0-1: the stager moves rows (0), halves (1) or quarters (2) through its slots; bit 2: load
+  // slots from a free mask, own row loaded last. Every variant sums the same way (y bit for bit equal).
+  int pull_variant() const { return pull_variant_; }
+  void set_pull_variant(int v);
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.
   // mode kCombineSplit: send kernel, then reduce kernel; kCombineFused: one kernel, senders signal per
   // 8-token chunk and the source reduces each chunk as soon as it is complete (needs recv_src from the
@@ -101,7 +107,7 @@ class Runtime {
   HostInfo* host_dev_ = nullptr;
   bool opened_ = false;
   bool tma_ = true;
-  int pull_stage_slots_ = 5, pull_diag_ = 0;
+  int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 0;
   Ctx ctx_{};
 };
 

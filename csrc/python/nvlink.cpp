@@ -40,7 +40,11 @@ void bind_nvlink(py::module_& m) {
       .def_property("pull_stage_slots", &Runtime::pull_stage_slots, &Runtime::set_pull_stage_slots,
                     "the pull combine's stager ring: its shared-memory rows (3..12; the loads get the rest)")
       .def_property("pull_diag", &Runtime::pull_diag, &Runtime::set_pull_diag,
-                    "benchmarks only: 1 times the pull combine's stage alone, 2 its loads alone (y is wrong)")
+                    "benchmarks only: 1 times the pull combine's stage alone, 2 its loads alone (y is wrong); +4 "
+                    "prints its loader's and stager's wait cycles")
+      .def_property("pull_variant", &Runtime::pull_variant, &Runtime::set_pull_variant,
+                    "the pull combine's variant for A/B runs (same y): +1 / +2 stager moves half / quarter rows, "
+                    "+4 load slots from a free mask; 0 as measured so far")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"))
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
