@@ -8,7 +8,10 @@ received order. Backends without a native expert-major receive (torch) use these
 nvlink kernels write the same layout directly (csrc/nvlink/expert.cu) and are tested against it.
 
 A token naming one expert in several slots gets one row for it, as in the low-latency calls: EPBuffer
-merges the repeats first (merge_repeats), so the functions below see distinct experts per token.
+merges the repeats first (merge_repeats), so the functions below see distinct experts per token. A
+backend whose kernels merge them on the device (Capabilities.merges_repeats: nvlink's notify and stage)
+gets the picks as given; where the weights' gradient is recorded EPBuffer passes them through
+merge_weights first, so that autograd sees the sum.
 """
 from __future__ import annotations
 
@@ -64,20 +67,37 @@ def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     return merge_repeats_torch(topk_idx, topk_weights)
 
 
+def _earlier(K: int, device) -> torch.Tensor:
+    """[K, K] bool, True where slot j comes before slot k (cached per (K, device))."""
+    earlier = _EARLIER.get((K, device))
+    if earlier is None:
+        earlier = _EARLIER[(K, device)] = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
+    return earlier
+
+
 def merge_repeats_torch(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     """merge_repeats with torch ops: any device, differentiable in the weights; the kernel's reference."""
     T, K = topk_idx.shape
     if K < 2 or T == 0:
         return topk_idx, topk_weights
-    key = (K, topk_idx.device)
-    earlier = _EARLIER.get(key)
-    if earlier is None:
-        earlier = _EARLIER[key] = torch.ones(K, K, dtype=torch.bool, device=topk_idx.device).tril(-1)
     same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K]: slots k and j name one expert
-    idx = topk_idx.masked_fill(torch.any(same & earlier, 2), -1)
+    idx = topk_idx.masked_fill(torch.any(same & _earlier(K, topk_idx.device), 2), -1)
     if topk_weights is None:
         return idx, None
     return idx, (same * topk_weights.unsqueeze(1)).sum(2)
+
+
+def merge_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weights of merge_repeats with every later slot of an expert set to 0 (the first holds the sum),
+    with torch ops: differentiable. For a backend that merges on the device (Capabilities.merges_repeats):
+    its merge adds zeros to the first slot's sum, so the values it moves equal merge_repeats' exactly, and
+    each slot's gradient is that of its expert's row (as through merge_repeats_torch)."""
+    T, K = topk_idx.shape
+    if K < 2 or T == 0:
+        return topk_weights
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)
+    first = ~torch.any(same & _earlier(K, topk_idx.device), 2)
+    return torch.where(first, (same * topk_weights.unsqueeze(1)).sum(2), torch.zeros_like(topk_weights))
 
 
 def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:
@@ -143,4 +163,5 @@ def collapse_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return wp[_targets(layout, weights.numel())]
 
 
-__all__ = ["capacity", "merge_repeats", "plan", "expand", "expand_weights", "collapse", "collapse_weights", "padded"]
+__all__ = ["capacity", "merge_repeats", "merge_weights", "plan", "expand", "expand_weights", "collapse",
+           "collapse_weights", "padded"]

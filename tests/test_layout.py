@@ -101,3 +101,31 @@ def test_merge_repeats_kernel_matches_definition(T, K, E):
     _, merged = merge_repeats(idx.cuda(), wg)
     if T and K > 1:
         assert merged.grad_fn is not None
+
+
+@pytest.mark.parametrize("T,K,E", [(0, 8, 16), (1, 2, 4), (257, 8, 6), (77, 9, 3), (64, 33, 5), (5, 1, 4)])
+def test_merge_weights_is_what_a_merging_backend_takes(T, K, E):
+    """expert_major.merge_weights (weights with a gradient, for a backend whose kernels merge repeats:
+    nvlink's stage): the sum at each expert's first slot, 0 at its later slots. Merged again as the
+    kernels do (merge_repeats' rule over the ids as given) it gives exactly merge_repeats' weights at the
+    slots that route, and the gradient of every slot is that of its expert's row."""
+    from ep_plugin.expert_major import merge_repeats_torch, merge_weights
+
+    gen = torch.Generator().manual_seed(T * 7 + K)
+    idx = torch.randint(-1, E, (T, K), generator=gen)
+    w = torch.rand(T, K, generator=gen)
+    want_idx, want_w = merge_repeats_torch(idx, w)
+    first = torch.tensor([[e not in row[:k] for k, e in enumerate(row)] for row in idx.tolist()],
+                         dtype=torch.bool).view(T, K)
+    keep = want_idx >= 0  # the slots that route: first slots of valid experts
+    pre = merge_weights(idx, w)
+    assert torch.equal(pre[first], want_w[first]) and not pre[~first].any()
+    _, again = loop_merge(idx, pre)  # the kernels' merge of what they are given: the first slot plus zeros
+    assert torch.equal(again[keep].float(), want_w[keep])
+    # gradients through merge_weights and a merge that reads the first slots only (a repeat's position is
+    # -1) equal those through merge_repeats_torch
+    coef = torch.randn(T, K, generator=gen)
+    wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+    (merge_weights(idx, wa) * coef * keep).sum().backward()
+    (merge_repeats_torch(idx, wb)[1] * coef * keep).sum().backward()
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=0, atol=0)
