@@ -10,7 +10,7 @@ import torch
 
 from .autograd import CombineFn, DispatchFn
 from .checks import need
-from .expert_major import merge_repeats, merge_weights
+from .expert_major import merge_repeats, repeats_share_grad
 from .types import DispatchResult, ExpertDispatchResult, Handle, XInput
 
 
@@ -43,7 +43,7 @@ class HighThroughputCalls:
                     topk_weights = merge_repeats(handle.given_topk_idx, topk_weights)[1]
                 elif (grad_on and topk_weights.requires_grad and handle.expert is not None
                       and checks.caps.merges_repeats):  # as below
-                    topk_weights = merge_weights(handle.topk_idx, topk_weights)
+                    topk_weights = repeats_share_grad(handle.topk_idx, topk_weights)
             alignment = checks.layout(layout, expert_alignment, handle)
         else:
             data, scales, alignment = checks.fresh(x, topk_idx, topk_weights, layout, expert_alignment)
@@ -52,8 +52,8 @@ class HighThroughputCalls:
                     given = topk_idx
                     topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
                 elif grad_on and topk_weights is not None and topk_weights.requires_grad:
-                    # the backend merges on the device; the sum it takes must be recorded for autograd
-                    topk_weights = merge_weights(topk_idx, topk_weights)
+                    # the backend merges on the device, unseen by autograd: each slot's gradient is its row's
+                    topk_weights = repeats_share_grad(topk_idx, topk_weights)
         async_op = self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
         if grad_on and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
             need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")

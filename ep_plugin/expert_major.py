@@ -11,7 +11,7 @@ A token naming one expert in several slots gets one row for it, as in the low-la
 merges the repeats first (merge_repeats), so the functions below see distinct experts per token. A
 backend whose kernels merge them on the device (Capabilities.merges_repeats: nvlink's notify and stage)
 gets the picks as given; where the weights' gradient is recorded EPBuffer passes them through
-merge_weights first, so that autograd sees the sum.
+repeats_share_grad (an identity whose backward gives every slot its expert's gradient).
 """
 from __future__ import annotations
 
@@ -87,17 +87,31 @@ def merge_repeats_torch(topk_idx: torch.Tensor, topk_weights: Optional[torch.Ten
     return idx, (same * topk_weights.unsqueeze(1)).sum(2)
 
 
-def merge_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The weights of merge_repeats with every later slot of an expert set to 0 (the first holds the sum),
-    with torch ops: differentiable. For a backend that merges on the device (Capabilities.merges_repeats):
-    its merge adds zeros to the first slot's sum, so the values it moves equal merge_repeats' exactly, and
-    each slot's gradient is that of its expert's row (as through merge_repeats_torch)."""
+class _RepeatsShareGrad(torch.autograd.Function):
+    """Identity on the weights (a view: nothing is copied or launched); in backward each slot takes the
+    gradient of the first slot of its token naming the same id (the one whose position carries the sum)."""
+
+    @staticmethod
+    def forward(ctx, topk_weights, topk_idx):
+        ctx.save_for_backward(topk_idx)
+        return topk_weights.view_as(topk_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        same = idx.unsqueeze(2) == idx.unsqueeze(1)  # [T, K, K]; slot k matches itself, so a first exists
+        return grad.gather(1, same.to(torch.uint8).argmax(2)), None  # argmax: the first maximal index
+
+
+def repeats_share_grad(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weights for a backend that merges repeats in its kernels (Capabilities.merges_repeats) when their
+    gradient is recorded: the same values (a view), and in backward every slot gets the gradient of its
+    expert's first slot, as through merge_repeats_torch (the backend's merge is invisible to autograd; its
+    weight gradient is the row's at the first slot, 0 at the repeats, whose positions are -1)."""
     T, K = topk_idx.shape
     if K < 2 or T == 0:
         return topk_weights
-    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)
-    first = ~torch.any(same & _earlier(K, topk_idx.device), 2)
-    return torch.where(first, (same * topk_weights.unsqueeze(1)).sum(2), torch.zeros_like(topk_weights))
+    return _RepeatsShareGrad.apply(topk_weights, topk_idx)
 
 
 def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:
@@ -163,5 +177,5 @@ def collapse_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return wp[_targets(layout, weights.numel())]
 
 
-__all__ = ["capacity", "merge_repeats", "merge_weights", "plan", "expand", "expand_weights", "collapse",
+__all__ = ["capacity", "merge_repeats", "repeats_share_grad", "plan", "expand", "expand_weights", "collapse",
            "collapse_weights", "padded"]

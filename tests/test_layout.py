@@ -104,28 +104,26 @@ def test_merge_repeats_kernel_matches_definition(T, K, E):
 
 
 @pytest.mark.parametrize("T,K,E", [(0, 8, 16), (1, 2, 4), (257, 8, 6), (77, 9, 3), (64, 33, 5), (5, 1, 4)])
-def test_merge_weights_is_what_a_merging_backend_takes(T, K, E):
-    """expert_major.merge_weights (weights with a gradient, for a backend whose kernels merge repeats:
-    nvlink's stage): the sum at each expert's first slot, 0 at its later slots. Merged again as the
-    kernels do (merge_repeats' rule over the ids as given) it gives exactly merge_repeats' weights at the
-    slots that route, and the gradient of every slot is that of its expert's row."""
-    from ep_plugin.expert_major import merge_repeats_torch, merge_weights
+def test_repeats_share_grad_matches_merge_repeats_torch(T, K, E):
+    """expert_major.repeats_share_grad (weights with a gradient, for a backend whose kernels merge repeats:
+    nvlink's stage) is a view of the weights, and with the gradient such a backend's backward gives (its
+    row's at an expert's first slot, 0 at the repeats and at -1: their positions are -1) every slot gets
+    the gradient it gets through merge_repeats_torch."""
+    from ep_plugin.expert_major import merge_repeats_torch, repeats_share_grad
 
     gen = torch.Generator().manual_seed(T * 7 + K)
     idx = torch.randint(-1, E, (T, K), generator=gen)
     w = torch.rand(T, K, generator=gen)
-    want_idx, want_w = merge_repeats_torch(idx, w)
-    first = torch.tensor([[e not in row[:k] for k, e in enumerate(row)] for row in idx.tolist()],
-                         dtype=torch.bool).view(T, K)
+    want_idx, _ = merge_repeats_torch(idx, w)
     keep = want_idx >= 0  # the slots that route: first slots of valid experts
-    pre = merge_weights(idx, w)
-    assert torch.equal(pre[first], want_w[first]) and not pre[~first].any()
-    _, again = loop_merge(idx, pre)  # the kernels' merge of what they are given: the first slot plus zeros
-    assert torch.equal(again[keep].float(), want_w[keep])
-    # gradients through merge_weights and a merge that reads the first slots only (a repeat's position is
-    # -1) equal those through merge_repeats_torch
-    coef = torch.randn(T, K, generator=gen)
+    coef = torch.randn(T, K, generator=gen)  # the gradient of each expert's row weight
     wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
-    (merge_weights(idx, wa) * coef * keep).sum().backward()
+    va = repeats_share_grad(idx, wa)
+    assert va.data_ptr() == wa.data_ptr() and torch.equal(va, wa)
+    va.backward(coef * keep)
     (merge_repeats_torch(idx, wb)[1] * coef * keep).sum().backward()
     torch.testing.assert_close(wa.grad, wb.grad, rtol=0, atol=0)
+    if T and K > 1 and torch.cuda.is_available():  # the backward's ops on the GPU too
+        wc = w.cuda().requires_grad_()
+        repeats_share_grad(idx.cuda(), wc).backward((coef * keep).cuda())
+        torch.testing.assert_close(wc.grad.cpu(), wb.grad, rtol=0, atol=0)

@@ -288,9 +288,9 @@ def test_expert_major(gpu, host_sync):
 
 
 def test_expert_major_weights_with_grad(gpu):
-    """Weights whose gradient is recorded go through expert_major.merge_weights (torch ops, the sum at each
-    expert's first slot, 0 at its repeats) before notify: the kernels' merge then adds zeros, and autograd
-    sees the sum. A cached dispatch's the same, over the handle's ids; rank-major ones are never merged."""
+    """Weights whose gradient is recorded go through expert_major.repeats_share_grad before notify: a view
+    (no op, the kernels merge the values), whose backward gives each slot its expert's gradient; a cached
+    dispatch's the same, over the handle's ids; rank-major ones are never merged."""
     log, stream, _ = gpu
     buf = make_buf()
     x, idx, w = inputs()
@@ -299,12 +299,12 @@ def test_expert_major_weights_with_grad(gpu):
     res = buf.dispatch(x, idx, w, layout="expert")
     assert names(log) == ["notify", "stage", "expert_pull"]
     st = launches(log)["stage"]
-    assert st[6] not in (0, w.data_ptr()) and st[9] == 1 and dict(log)["notify"][9] == 1
-    assert res.handle.topk_idx is idx
+    assert st[6] == w.data_ptr() and st[9] == 1 and dict(log)["notify"][9] == 1
+    assert res.handle.topk_idx is idx and res.topk_weights.requires_grad  # the gradients: test_layout, test_nvlink
     log.clear()
-    buf.dispatch(x, idx, w, handle=res.handle)
+    c = buf.dispatch(x, idx, w, handle=res.handle)
     st = launches(log)["stage"]
-    assert st[6] not in (0, w.data_ptr()) and st[9] == 1
+    assert st[6] == w.data_ptr() and st[9] == 1 and c.topk_weights.requires_grad
     log.clear()
     with torch.no_grad():  # nothing recorded: the weights as given
         buf.dispatch(x, idx, w, layout="expert")

@@ -38,7 +38,7 @@ class Capabilities:
                                                       # token naming one expert twice one row, weights summed
                                                       # in slot order, and counts it once; EPBuffer then passes
                                                       # the picks as given (weights whose gradient is recorded
-                                                      # through expert_major.merge_weights). Else EPBuffer
+                                                      # through expert_major.repeats_share_grad). Else EPBuffer
                                                       # merges the picks first (expert_major.merge_repeats)
 
 
