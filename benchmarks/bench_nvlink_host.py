@@ -90,12 +90,14 @@ class FakeRuntime:
     def close(self):
         pass
 
-    def notify(self, topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0):
+    def notify(self, topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0,
+               merge_repeats=0):
         # logged with the stream last, as every other launch
-        self._log("notify", (topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off, stream))
+        self._log("notify", (topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off, merge_repeats,
+                             stream))
 
-    def stage(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream):
-        self._log("stage", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream))
+    def stage(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream, merge_repeats=0):
+        self._log("stage", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, merge_repeats, stream))
 
     def pull(self, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached, R_alloc,
              num_sms, stream):

@@ -113,8 +113,8 @@ def rank_main(rank, world, port, args, q):
     be = buf._backend
     be._rt = Stamped(be._rt, stamps)
     first = buf.dispatch(inp.x, inp.idx, inp.w)
-    # expert-major (what the Megatron and DeepSpeed integrations ask for): EPBuffer merges repeated experts
-    # with torch ops before notify (expert_major.merge_repeats), so its first launch is not notify
+    # expert-major (what the Megatron and DeepSpeed integrations ask for): the nvlink kernels merge repeated
+    # experts (notify and stage, Capabilities.merges_repeats), so its first launch is notify too
     ex = buf.dispatch(inp.x, inp.idx, inp.w, layout="expert", expert_alignment=128)
     ops = {"dispatch": lambda: buf.dispatch(inp.x, inp.idx, inp.w),
            "cached": lambda: buf.dispatch(inp.x, handle=first.handle),

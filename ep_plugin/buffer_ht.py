@@ -10,7 +10,7 @@ import torch
 
 from .autograd import CombineFn, DispatchFn
 from .checks import need
-from .expert_major import merge_repeats
+from .expert_major import merge_repeats, repeats_share_grad
 from .types import DispatchResult, ExpertDispatchResult, Handle, XInput
 
 
@@ -33,20 +33,28 @@ class HighThroughputCalls:
         checks = self._checks
         given = None
         cached = handle is not None
+        grad_on = torch.is_grad_enabled()
         if cached:
             data, scales = checks.rows(x)
             checks.handle(handle, num_tokens=data.shape[0])
             topk_idx = checks.cached(data, topk_idx, topk_weights, handle)
-            if handle.given_topk_idx is not None and topk_weights is not None:  # merged as the handle's ids
-                topk_weights = merge_repeats(handle.given_topk_idx, topk_weights)[1]
+            if topk_weights is not None:
+                if handle.given_topk_idx is not None:  # merged as the handle's ids
+                    topk_weights = merge_repeats(handle.given_topk_idx, topk_weights)[1]
+                elif (grad_on and topk_weights.requires_grad and handle.expert is not None
+                      and checks.caps.merges_repeats):  # as below
+                    topk_weights = repeats_share_grad(handle.topk_idx, topk_weights)
             alignment = checks.layout(layout, expert_alignment, handle)
         else:
             data, scales, alignment = checks.fresh(x, topk_idx, topk_weights, layout, expert_alignment)
-            if alignment is not None and not checks.caps.merges_repeats:  # one row per (token, expert)
-                given = topk_idx
-                topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
+            if alignment is not None:  # one row per (token, expert)
+                if not checks.caps.merges_repeats:
+                    given = topk_idx
+                    topk_idx, topk_weights = merge_repeats(topk_idx, topk_weights)
+                elif grad_on and topk_weights is not None and topk_weights.requires_grad:
+                    # the backend merges on the device, unseen by autograd: each slot's gradient is its row's
+                    topk_weights = repeats_share_grad(topk_idx, topk_weights)
         async_op = self.cfg.overlap.async_dispatch if async_op is None else bool(async_op)
-        grad_on = torch.is_grad_enabled()
         if grad_on and (data.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
             need(scales is None, TypeError, "FP8 dispatch is not differentiable: pass a BF16/float32 x for training")
             rx, rw, out = DispatchFn.apply(self._backend, data, topk_weights, topk_idx, handle, async_op, alignment)

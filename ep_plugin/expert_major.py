@@ -8,7 +8,10 @@ received order. Backends without a native expert-major receive (torch) use these
 nvlink kernels write the same layout directly (csrc/nvlink/expert.cu) and are tested against it.
 
 A token naming one expert in several slots gets one row for it, as in the low-latency calls: EPBuffer
-merges the repeats first (merge_repeats), so the functions below see distinct experts per token.
+merges the repeats first (merge_repeats), so the functions below see distinct experts per token. A
+backend whose kernels merge them on the device (Capabilities.merges_repeats: nvlink's notify and stage)
+gets the picks as given; where the weights' gradient is recorded EPBuffer passes them through
+repeats_share_grad (an identity whose backward gives every slot its expert's gradient).
 """
 from __future__ import annotations
 
@@ -64,20 +67,51 @@ def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     return merge_repeats_torch(topk_idx, topk_weights)
 
 
+def _earlier(K: int, device) -> torch.Tensor:
+    """[K, K] bool, True where slot j comes before slot k (cached per (K, device))."""
+    earlier = _EARLIER.get((K, device))
+    if earlier is None:
+        earlier = _EARLIER[(K, device)] = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
+    return earlier
+
+
 def merge_repeats_torch(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     """merge_repeats with torch ops: any device, differentiable in the weights; the kernel's reference."""
     T, K = topk_idx.shape
     if K < 2 or T == 0:
         return topk_idx, topk_weights
-    key = (K, topk_idx.device)
-    earlier = _EARLIER.get(key)
-    if earlier is None:
-        earlier = _EARLIER[key] = torch.ones(K, K, dtype=torch.bool, device=topk_idx.device).tril(-1)
     same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K]: slots k and j name one expert
-    idx = topk_idx.masked_fill(torch.any(same & earlier, 2), -1)
+    idx = topk_idx.masked_fill(torch.any(same & _earlier(K, topk_idx.device), 2), -1)
     if topk_weights is None:
         return idx, None
     return idx, (same * topk_weights.unsqueeze(1)).sum(2)
+
+
+class _RepeatsShareGrad(torch.autograd.Function):
+    """Identity on the weights (a view: nothing is copied or launched); in backward each slot takes the
+    gradient of the first slot of its token naming the same id (the one whose position carries the sum)."""
+
+    @staticmethod
+    def forward(ctx, topk_weights, topk_idx):
+        ctx.save_for_backward(topk_idx)
+        return topk_weights.view_as(topk_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        same = idx.unsqueeze(2) == idx.unsqueeze(1)  # [T, K, K]; slot k matches itself, so a first exists
+        return grad.gather(1, same.to(torch.uint8).argmax(2)), None  # argmax: the first maximal index
+
+
+def repeats_share_grad(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weights for a backend that merges repeats in its kernels (Capabilities.merges_repeats) when their
+    gradient is recorded: the same values (a view), and in backward every slot gets the gradient of its
+    expert's first slot, as through merge_repeats_torch (the backend's merge is invisible to autograd; its
+    weight gradient is the row's at the first slot, 0 at the repeats, whose positions are -1)."""
+    T, K = topk_idx.shape
+    if K < 2 or T == 0:
+        return topk_weights
+    return _RepeatsShareGrad.apply(topk_weights, topk_idx)
 
 
 def plan(recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int, num_rows: int) -> ExpertLayout:
@@ -143,4 +177,5 @@ def collapse_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return wp[_targets(layout, weights.numel())]
 
 
-__all__ = ["capacity", "merge_repeats", "plan", "expand", "expand_weights", "collapse", "collapse_weights", "padded"]
+__all__ = ["capacity", "merge_repeats", "repeats_share_grad", "plan", "expand", "expand_weights", "collapse",
+           "collapse_weights", "padded"]

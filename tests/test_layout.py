@@ -101,3 +101,29 @@ def test_merge_repeats_kernel_matches_definition(T, K, E):
     _, merged = merge_repeats(idx.cuda(), wg)
     if T and K > 1:
         assert merged.grad_fn is not None
+
+
+@pytest.mark.parametrize("T,K,E", [(0, 8, 16), (1, 2, 4), (257, 8, 6), (77, 9, 3), (64, 33, 5), (5, 1, 4)])
+def test_repeats_share_grad_matches_merge_repeats_torch(T, K, E):
+    """expert_major.repeats_share_grad (weights with a gradient, for a backend whose kernels merge repeats:
+    nvlink's stage) is a view of the weights, and with the gradient such a backend's backward gives (its
+    row's at an expert's first slot, 0 at the repeats and at -1: their positions are -1) every slot gets
+    the gradient it gets through merge_repeats_torch."""
+    from ep_plugin.expert_major import merge_repeats_torch, repeats_share_grad
+
+    gen = torch.Generator().manual_seed(T * 7 + K)
+    idx = torch.randint(-1, E, (T, K), generator=gen)
+    w = torch.rand(T, K, generator=gen)
+    want_idx, _ = merge_repeats_torch(idx, w)
+    keep = want_idx >= 0  # the slots that route: first slots of valid experts
+    coef = torch.randn(T, K, generator=gen)  # the gradient of each expert's row weight
+    wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+    va = repeats_share_grad(idx, wa)
+    assert va.data_ptr() == wa.data_ptr() and torch.equal(va, wa)
+    va.backward(coef * keep)
+    (merge_repeats_torch(idx, wb)[1] * coef * keep).sum().backward()
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=0, atol=0)
+    if T and K > 1 and torch.cuda.is_available():  # the backward's ops on the GPU too
+        wc = w.cuda().requires_grad_()
+        repeats_share_grad(idx.cuda(), wc).backward((coef * keep).cuda())
+        torch.testing.assert_close(wc.grad.cpu(), wb.grad, rtol=0, atol=0)

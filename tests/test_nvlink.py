@@ -11,7 +11,8 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.errors import EPTimeoutError
 from tests._dist import spawn_parts
-from tests.reference import make_inputs, reference_dispatch
+from ep_plugin.expert_major import merge_repeats_torch
+from tests.reference import make_inputs, reference_dispatch, reference_expert_dispatch
 
 pytestmark = pytest.mark.gpu
 WORLDS = (2, 4, 8)  # each where that many GPUs exist
@@ -374,6 +375,14 @@ def check_expert(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, alignme
     a = nv.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)
     b = ref.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)
     n = _same_expert(a, b, ctx)
+    if mode == "repeats":  # nvlink merges in its kernels (notify, stage), the torch backend before them:
+        # both against the CPU reference of the merged picks (merge_repeats' definition)
+        merged = [merge_repeats_torch(i, wt) for i, wt in zip(idxs, ws)]
+        rx, rw, offsets, tpe = reference_expert_dispatch(xs, [m[0] for m in merged], [m[1] for m in merged], rank,
+                                                         E, alignment)
+        assert a.expert_offsets.tolist() == offsets and list(a.tokens_per_expert) == tpe, ctx
+        assert torch.equal(a.x[:n].cpu(), rx) and torch.equal(a.topk_weights[:n].cpu(), rw), ctx
+        assert a.handle.topk_idx is idx, ctx  # the caller's ids, not a merged copy
     _same_expert(_register_pull(nv, lambda: nv.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)),
                  b, f"{ctx} register pull")
     # rows scaled per local expert: combine sums each token's experts (and ranks)
@@ -390,6 +399,11 @@ def check_expert(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, alignme
     ca = nv.dispatch(x2, handle=a.handle)
     cb = ref.dispatch(x2, handle=b.handle)
     assert torch.equal(ca.x[:n], cb.x[:n]) and ca.topk_weights is None, ctx
+    # cached with new weights: merged over the handle's picks (nvlink's stage; the torch backend in Python)
+    w2 = (w * 0.5 + 0.125).contiguous()
+    ca = nv.dispatch(x2, None, w2, handle=a.handle)
+    cb = ref.dispatch(x2, None, w2, handle=b.handle)
+    assert torch.equal(ca.x[:n], cb.x[:n]) and torch.equal(ca.topk_weights[:n], cb.topk_weights[:n]), ctx
     return a
 
 
@@ -402,7 +416,8 @@ def body_expert(rank, world):
             nv = _buf("nvlink", E, K, hidden, host_sync=host_sync)
             ref = _buf("torch", E, K, hidden)
             for alignment in (1, 16):
-                modes = ("random", "skew", "nowhere", "starve_last") if hidden == 2048 else ("random",)
+                modes = ("random", "skew", "nowhere", "starve_last", "repeats") if hidden == 2048 else \
+                    ("random",)
                 for mode in modes:
                     for tokens in (17, [0] + [9] * (world - 1), 512):
                         seed += 1
@@ -426,8 +441,8 @@ def body_expert(rank, world):
     nv, ref = _buf("nvlink", E, K, H, max_tokens=256, host_sync=False), _buf("torch", E, K, H)
     T = 256
     g, (sx, sidx, sw), res, y = _captured(nv, T, H, K, layout="expert", expert_alignment=8)
-    for s in range(3):
-        _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=70 + s, mode="random" if s < 2 else "skew")
+    for s, mode in enumerate(("random", "random", "skew", "repeats")):
+        _, _, _, x, idx, w = _inputs(world, rank, T, H, E, K, seed=70 + s, mode=mode)
         sx.copy_(x), sidx.copy_(idx), sw.copy_(w)
         g.replay()
         torch.cuda.synchronize()
@@ -439,22 +454,36 @@ def body_expert(rank, world):
         torch.testing.assert_close(y.float(), yb.float(), atol=2e-2, rtol=1e-2)
     del g
 
-    # autograd: grads of x and topk_weights through the expert-major path equal the torch backend's
-    _, _, _, x0, idx, w0 = _inputs(world, rank, 97, H, E, K, seed=78)
-    grads = []
-    for buf in (nv, ref):
-        x = x0.clone().requires_grad_(True)
-        w = w0.clone().requires_grad_(True)
-        res = buf.dispatch(x, idx, w, layout="expert", expert_alignment=4)
-        n = int(res.expert_offsets[-1])
-        rows = res.x * res.topk_weights.unsqueeze(1).to(torch.bfloat16)
-        y = buf.combine(rows, res.handle)
-        gen = torch.Generator(device="cuda").manual_seed(5 + rank)
-        loss = (y.float() * torch.randn(y.shape, device="cuda", generator=gen)).sum()
-        loss.backward()
-        grads.append((x.grad.float(), w.grad))
-    torch.testing.assert_close(grads[0][0], grads[1][0], atol=5e-2, rtol=2e-2)
-    torch.testing.assert_close(grads[0][1], grads[1][1], atol=5e-2, rtol=2e-2)
+    # autograd: grads of x and topk_weights through the expert-major path equal the torch backend's (with
+    # repeated experts too: nvlink merges them in its kernels, each slot's gradient its expert row's), for a
+    # fresh dispatch and for a cached one with new weights on the layout of a dispatch that recorded nothing
+    for mode in ("random", "repeats"):
+        _, _, _, x0, idx, w0 = _inputs(world, rank, 97, H, E, K, seed=78, mode=mode)
+        for cached in (False, True):
+            grads = []
+            for buf in (nv, ref):
+                x = x0.clone().requires_grad_(True)
+                w = w0.clone().requires_grad_(True)
+                if cached:
+                    with torch.no_grad():
+                        h = buf.dispatch(x0, idx, w0, layout="expert", expert_alignment=4).handle
+                    res = buf.dispatch(x, None, w, handle=h)
+                else:
+                    res = buf.dispatch(x, idx, w, layout="expert", expert_alignment=4)
+                rows = res.x * res.topk_weights.unsqueeze(1).to(torch.bfloat16)
+                y = buf.combine(rows, res.handle)
+                gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+                loss = (y.float() * torch.randn(y.shape, device="cuda", generator=gen)).sum()
+                loss.backward()
+                grads.append((x.grad.float(), w.grad))
+            msg = f"autograd {mode} cached {cached}"
+            torch.testing.assert_close(grads[0][0], grads[1][0], atol=5e-2, rtol=2e-2, msg=msg)
+            torch.testing.assert_close(grads[0][1], grads[1][1], atol=5e-2, rtol=2e-2, msg=msg)
+            if mode == "repeats":  # a repeated slot's gradient is its first slot's, and not zero
+                rep = torch.arange(0, idx.shape[0], 2, device="cuda")
+                rep = rep[idx[rep, 1] >= 0]
+                assert rep.numel() and torch.equal(grads[0][1][rep, 1], grads[0][1][rep, 0]), msg
+                assert bool((grads[0][1][rep, 1] != 0).any()), msg
     nv.close()
     ref.close()
     dist.barrier()

@@ -31,8 +31,10 @@ class FillingRuntime(bench.FakeRuntime):
 
     scratch_calls = 0
 
-    def notify(self, topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0):
-        super().notify(topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off)
+    def notify(self, topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe=0, host_recv_off=0,
+               merge_repeats=0):
+        super().notify(topk_idx, T_, K_, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off,
+                       merge_repeats)
         for at in (tpe, host_tpe):  # the kernel writes the pinned copies too, when given
             if at:
                 (ctypes.c_int64 * E_L).from_address(at)[:] = TPE
@@ -81,7 +83,7 @@ def launches(log):
         if name == "stage_pull":
             (x, T_, row_bytes, scales, nscales, idx, w, K_, out_x, out_s, out_idx, out_w, recv_off, recv_src, cached,
              R_alloc, sms, stream) = a
-            out["stage"] = (x, T_, row_bytes, scales, nscales, idx, w, K_, sms, stream)
+            out["stage"] = (x, T_, row_bytes, scales, nscales, idx, w, K_, sms, 0, stream)
             out["pull"] = (out_x, row_bytes, out_s, nscales, out_idx, out_w, K_, recv_off, recv_src, cached, R_alloc,
                            sms, stream)
         else:
@@ -93,14 +95,15 @@ def ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def check_fresh_tensors(res, stream_ptr, log, rows, x, w, w_ptr=None):
-    """notify/stage pointers and the handle's tensors of a fresh dispatch of (x, idx, w) (launches in `log`)."""
+def check_fresh_tensors(res, stream_ptr, log, rows, x, w, merge=0):
+    """notify/stage pointers and the handle's tensors of a fresh dispatch of (x, idx, w) (launches in `log`);
+    merge: 1 where notify and stage merge repeated experts (an expert-major dispatch)."""
     h, st = res.handle, res.handle.state
     notify = dict(log)["notify"]
     pinned = h.counts._pinned if not h.exact else {}  # no host sync: notify writes the pinned ring slot
     assert notify == (h.topk_idx.data_ptr(), T, K, st.send_pos.data_ptr(), h.is_token_in_rank.data_ptr(),
                       st.recv_off.data_ptr(), h.num_tokens_per_expert.data_ptr(),
-                      ptr(pinned.get("tokens_per_expert")), ptr(pinned.get("recv_off")), stream_ptr)
+                      ptr(pinned.get("tokens_per_expert")), ptr(pinned.get("recv_off")), merge, stream_ptr)
     for t, shape, dtype in ((st.send_pos, (T, W), torch.int32), (h.is_token_in_rank, (T, W), torch.bool),
                             (st.recv_off, (W + 1,), torch.int32), (h.num_tokens_per_expert, (E_L,), torch.int64),
                             (st.recv_src, (rows,), torch.int32), (h.recv_topk_idx, (rows, K), torch.int64)):
@@ -109,8 +112,8 @@ def check_fresh_tensors(res, stream_ptr, log, rows, x, w, w_ptr=None):
     assert h.num_recv_device.shape == () and h.num_recv_device.data_ptr() == st.recv_off.data_ptr() + 4 * W
     data, scales = x if isinstance(x, tuple) else (x, None)
     assert launches(log)["stage"] == (data.data_ptr(), T, H * data.element_size(), ptr(scales),
-                                  0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w) if w_ptr is None else w_ptr, K, SMS,
-                                  stream_ptr)
+                                      0 if scales is None else H // 128, h.topk_idx.data_ptr(), ptr(w), K, SMS, merge,
+                                      stream_ptr)
 
 
 def test_worst_case_rank_major(gpu):
@@ -171,7 +174,7 @@ def test_cached_dispatch(gpu):
     c = buf.dispatch(x, None, w, handle=h)
     assert names(log) == ["stage", "pull"]
     st = h.state
-    assert launches(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, h.topk_idx.data_ptr(), w.data_ptr(), K, SMS,
+    assert launches(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, h.topk_idx.data_ptr(), w.data_ptr(), K, SMS, 0,
                                       stream.cuda_stream)
     assert launches(log)["pull"] == (c.x.data_ptr(), H * 2, 0, 0, 0, c.topk_weights.data_ptr(), K, st.recv_off.data_ptr(),
                                  st.recv_src.data_ptr(), 1, R, SMS, stream.cuda_stream)
@@ -242,10 +245,11 @@ def test_expert_major(gpu, host_sync):
     h = res.handle
     rows = h.num_recv
     n = expert_major.capacity(rows, K, E_L, a, None if not host_sync else h.tokens_per_expert)
+    # nothing before notify: the kernels merge repeated experts (notify counts, stage stages them merged),
+    # so the ids and weights go as given and the handle keeps the caller's ids
     assert names(log) == ["notify", "stage", "expert_pull"]
-    merged = launches(log)["stage"][6]  # weights merged over repeated picks (expert_major.merge_repeats)
-    assert merged not in (0, w.data_ptr())
-    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w, w_ptr=merged)
+    assert h.topk_idx is idx and h.given_topk_idx is None
+    check_fresh_tensors(res, stream.cuda_stream, log, rows, x, w, merge=1)
     lay, st = h.expert, h.state
     assert res.x.shape == (n, H) and res.topk_weights.shape == (n,) and lay.num_rows == n and lay.alignment == a
     assert lay.positions.shape == (rows, K) and lay.positions.dtype == torch.int32
@@ -263,6 +267,12 @@ def test_expert_major(gpu, host_sync):
     assert FillingRuntime.scratch_calls == 2
     buf._backend.num_sms = SMS
     log.clear()
+    c = buf.dispatch(x, idx, w, handle=h)  # cached with weights: staged merged over the handle's ids
+    assert names(log) == ["stage", "expert_pull"]
+    assert launches(log)["stage"] == (x.data_ptr(), T, H * 2, 0, 0, idx.data_ptr(), w.data_ptr(), K, SMS, 1,
+                                      stream.cuda_stream)
+    assert dict(log)["expert_pull"][5] == c.topk_weights.data_ptr() and c.topk_weights.shape == (n,)
+    log.clear()
     c = buf.dispatch(x, handle=h)  # cached: straight to the handle's positions
     assert names(log) == ["stage", "expert_pull"] and c.x.shape == (n, H)
     args = dict(log)["expert_pull"]
@@ -274,6 +284,38 @@ def test_expert_major(gpu, host_sync):
     assert names(log) == ["combine_expert"] and y.shape == (T, H)
     assert dict(log)["combine_expert"][1:] == (lay.positions.data_ptr(), K, st.send_pos.data_ptr(),
                                                st.recv_off.data_ptr(), y.data_ptr(), T, SMS, stream.cuda_stream)
+    buf.close()
+
+
+def test_expert_major_weights_with_grad(gpu):
+    """Weights whose gradient is recorded go through expert_major.repeats_share_grad before notify: a view
+    (no op, the kernels merge the values), whose backward gives each slot its expert's gradient; a cached
+    dispatch's the same, over the handle's ids; rank-major ones are never merged."""
+    log, stream, _ = gpu
+    buf = make_buf()
+    x, idx, w = inputs()
+    idx[1, 2] = idx[1, 0]  # a repeated expert
+    w.requires_grad_(True)
+    res = buf.dispatch(x, idx, w, layout="expert")
+    assert names(log) == ["notify", "stage", "expert_pull"]
+    st = launches(log)["stage"]
+    assert st[6] == w.data_ptr() and st[9] == 1 and dict(log)["notify"][9] == 1
+    assert res.handle.topk_idx is idx and res.topk_weights.requires_grad  # the gradients: test_layout, test_nvlink
+    log.clear()
+    c = buf.dispatch(x, idx, w, handle=res.handle)
+    st = launches(log)["stage"]
+    assert st[6] == w.data_ptr() and st[9] == 1 and c.topk_weights.requires_grad
+    log.clear()
+    with torch.no_grad():  # nothing recorded: the weights as given
+        buf.dispatch(x, idx, w, layout="expert")
+    assert launches(log)["stage"][6] == w.data_ptr() and launches(log)["stage"][9] == 1
+    log.clear()
+    r = buf.dispatch(x, idx, w)  # rank-major: repeats stay, as the contract says
+    assert launches(log)["stage"][6] == w.data_ptr() and launches(log)["stage"][9] == 0
+    assert dict(log)["notify"][9] == 0
+    log.clear()
+    buf.dispatch(x, idx, w, handle=r.handle)
+    assert launches(log)["stage"][6] == w.data_ptr() and launches(log)["stage"][9] == 0
     buf.close()
 
 

@@ -4,7 +4,9 @@ the stage flags, the pulls from the peer's staging, the combine's slots and flag
 with a single GPU. The processes' kernels take turns on the GPU (its time slices), so a wait on the
 peer is slow but ends; this says nothing of speed. Checked against tests/reference.py bit for bit:
 both dispatch kernels (comm.dispatch_kernel split and fused) and ranks mixing them, cached
-dispatches, FP8, the combine, a CUDA-graph replay of a fused dispatch, and an odd SM count.
+dispatches, FP8, the combine, a CUDA-graph replay of a fused dispatch, and an odd SM count; and the
+expert-major dispatch of tokens naming an expert twice (merged by notify and stage: one row, weights
+summed), fresh, cached and combined, against the reference of the merged picks.
 """
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch.distributed as dist
 
 from tests._dist import spawn
 from tests._graph import capture, static_inputs
-from tests.reference import make_inputs, reference_combine, reference_dispatch
+from ep_plugin.expert_major import merge_repeats_torch
+from tests.reference import make_inputs, reference_combine, reference_dispatch, reference_expert_dispatch
 
 pytestmark = pytest.mark.gpu
 
@@ -113,6 +116,40 @@ def check(nv, rank, world, E, K, H, tokens, seed, mode, fp8=False):
         nv._backend.combine_mode = mode0
 
 
+def check_expert_repeats(nv, rank, world, E, K, H, tokens, seed, mode, alignment):
+    """Expert-major dispatch (nvlink merges repeated experts in notify and stage) against the reference of
+    the merged picks (merge_repeats' definition), bit for bit; a cached one with new weights; the combine
+    (each token times its distinct experts). Gradients: test_nvlink.py (an NCCL group; the weights' backward
+    is a torch.distributed all-to-all of CUDA tensors, which this gloo group does not move)."""
+    xs, idxs, ws = make_inputs(world, tokens, H, E, K, seed, torch.bfloat16, mode)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    ctx = f"expert-major rank {rank} H {H} tokens {tokens} mode {mode} seed {seed} align {alignment}"
+
+    def reference(weights):
+        merged = [merge_repeats_torch(i, wt) for i, wt in zip(idxs, weights)]
+        return reference_expert_dispatch(xs, [m[0] for m in merged], [m[1] for m in merged], rank, E, alignment)
+
+    rx, rw, offsets, tpe = reference(ws)
+    n = offsets[-1]
+    out = nv.dispatch(x, idx, w, layout="expert", expert_alignment=alignment)
+    torch.cuda.synchronize()
+    assert out.expert_offsets.tolist() == offsets, (ctx, out.expert_offsets.tolist(), offsets)
+    assert list(out.tokens_per_expert) == tpe and out.num_tokens_per_expert.tolist() == tpe, ctx
+    assert torch.equal(out.x[:n].cpu(), rx), ctx
+    assert torch.equal(out.topk_weights[:n].cpu(), rw), ctx
+    w2 = torch.rand_like(w)
+    again = nv.dispatch(x * 2, None, w2, handle=out.handle)
+    torch.cuda.synchronize()
+    every_w2 = [None] * world
+    dist.all_gather_object(every_w2, w2.cpu())
+    assert torch.equal(again.topk_weights[:n].cpu(), reference(every_w2)[1]), (ctx, "cached")
+    assert torch.equal(again.x[:n].cpu(), (rx.cuda() * 2).cpu()), (ctx, "cached")
+    y = nv.combine(out.x, out.handle)
+    copies = (merge_repeats_torch(idxs[rank], None)[0] >= 0).sum(1, keepdim=True).cuda()
+    torch.testing.assert_close(y.float(), (x.float() * copies).to(torch.bfloat16).float(), atol=2e-2, rtol=1e-2,
+                               msg=f"{ctx} combine")
+
+
 def check_graph(rank, world, E, K, H, T):
     """A fused dispatch captured in a CUDA graph, replayed on new routings."""
     nv = _buffer(E, K, H, T, dispatch_kernel="fused")
@@ -150,6 +187,14 @@ def body(rank, world):
         check(nv, rank, world, E, K, H, 300, 99, "random", fp8=True)
         nv.close()
     check_graph(rank, world, E, K, 2048, 256)
+    for host_sync in (False, True):  # expert-major with repeated experts, both sizing modes
+        nv = _buffer(E, K, 2048, 512, host_sync=host_sync)
+        for mode in ("repeats", "random"):
+            for tokens, alignment in ((17, 1), ([0] + [9] * (world - 1), 4), (300, 16)):
+                seed += 1
+                check_expert_repeats(nv, rank, world, E, K, 2048, tokens, seed, mode, alignment)
+        check(nv, rank, world, E, K, 2048, 300, seed + 1, "repeats")  # rank-major: repeats stay (one row per rank)
+        nv.close()
     nv = _buffer(E, K, 2048, 512, num_sms=7)  # an odd SM count
     check(nv, rank, world, E, K, 2048, 300, 123, "random")
     nv.close()

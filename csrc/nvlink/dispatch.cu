@@ -8,6 +8,11 @@
 //          area about to be overwritten); copy rows, FP8 scales, topk ids and weights; the last
 //          block releases LISTS[me], STAGE[me] and every STAGE_READY[me][sub] = e at every rank,
 //          itself included (the last for a peer running stage_pull_tma.cu's kernel).
+//          In an expert-major dispatch (merge) the ids and weights are staged merged, as
+//          ep_plugin/expert_major.py's merge_repeats defines it (csrc/layout/merge_repeats.h): a slot
+//          naming the expert of an earlier slot of its token is staged as -1, and each slot's weight is
+//          the sum, in slot order, of the weights of the slots naming its expert. The receivers'
+//          expert kernels then find one route per (token, expert) (notify counts it once too).
 //   pull : wait STAGE[p] >= e for every rank p, itself included; copy the rows (and their local
 //          expert ids and weights) out of the sources' stage areas; the last block releases
 //          PULL_DONE[me] = e at every rank and sets epochs[E_DISPATCH] = e.
@@ -24,7 +29,7 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads)
 stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const float* __restrict__ scales,
-             int nscales, const int64_t* __restrict__ idx, const float* __restrict__ w, int K) {
+             int nscales, const int64_t* __restrict__ idx, const float* __restrict__ w, int K, bool merge) {
   __shared__ int s_fail;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
@@ -41,15 +46,36 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
     const size_t n = static_cast<size_t>(T) * nscales;
     for (size_t i = gtid; i < n; i += gsize) dst[i] = scales[i];
   }
-  if (idx) {
-    int64_t* dst = reinterpret_cast<int64_t*>(base + c.off_stage_idx);
+  if (merge && idx) {  // one thread per (token, slot): the token's K ids are a few cache lines (merge_repeats.cu)
+    int64_t* dst_idx = reinterpret_cast<int64_t*>(base + c.off_stage_idx);
+    float* dst_w = w ? reinterpret_cast<float*>(base + c.off_stage_w) : nullptr;
     const size_t n = static_cast<size_t>(T) * K;
-    for (size_t i = gtid; i < n; i += gsize) dst[i] = idx[i];
-  }
-  if (w) {
-    float* dst = reinterpret_cast<float*>(base + c.off_stage_w);
-    const size_t n = static_cast<size_t>(T) * K;
-    for (size_t i = gtid; i < n; i += gsize) dst[i] = w[i];
+    for (size_t i = gtid; i < n; i += gsize) {
+      const int k = static_cast<int>(i % K);
+      const int64_t* ids = idx + (i - k);
+      const int64_t id = ids[k];
+      bool earlier = false;
+      for (int j = 0; j < k; ++j) earlier |= ids[j] == id;
+      dst_idx[i] = earlier ? -1 : id;
+      if (dst_w) {
+        const float* ws = w + (i - k);
+        float sum = 0.f;
+        for (int j = 0; j < K; ++j)
+          if (ids[j] == id) sum += ws[j];
+        dst_w[i] = sum;
+      }
+    }
+  } else {
+    if (idx) {
+      int64_t* dst = reinterpret_cast<int64_t*>(base + c.off_stage_idx);
+      const size_t n = static_cast<size_t>(T) * K;
+      for (size_t i = gtid; i < n; i += gsize) dst[i] = idx[i];
+    }
+    if (w) {
+      float* dst = reinterpret_cast<float*>(base + c.off_stage_w);
+      const size_t n = static_cast<size_t>(T) * K;
+      for (size_t i = gtid; i < n; i += gsize) dst[i] = w[i];
+    }
   }
   if (last_block(c.counters + C_STAGE)) {
     if (threadIdx.x < c.world) {
@@ -138,8 +164,10 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
 }  // namespace
 
 void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
-                  int nscales, const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream) {
-  stage_kernel<<<blocks, kThreads, 0, stream>>>(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K);
+                  int nscales, const int64_t* topk_idx, const float* weights, int K, bool merge_repeats,
+                  cudaStream_t stream) {
+  stage_kernel<<<blocks, kThreads, 0, stream>>>(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K,
+                                                merge_repeats);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -14,12 +14,16 @@ namespace nvl {
 // notify.cu: one block. topk_idx [T,K] int64 -> send_pos [T,W] int32, is_in [T,W] bool,
 // recv_off [W+1] int32, tpe [local_experts] int64; counts into the host-mapped info, and copies of
 // tpe and recv_off into host_tpe / host_recv_off (pinned host memory, device view) when not null.
+// merge_repeats (an expert-major dispatch): a token's repeated expert counts once in tpe.
 void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* send_pos, bool* is_in,
-                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, cudaStream_t stream);
+                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, bool merge_repeats,
+                   cudaStream_t stream);
 
 // dispatch.cu: stage this rank's rows into its IPC stage area; pull the rows addressed to it.
+// merge_repeats (an expert-major dispatch): ids and weights staged merged (layout/merge_repeats.h's rule).
 void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
-                  int nscales, const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream);
+                  int nscales, const int64_t* topk_idx, const float* weights, int K, bool merge_repeats,
+                  cudaStream_t stream);
 void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                  int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                  int R_alloc, cudaStream_t stream);

@@ -2,7 +2,9 @@
 // every peer how many rows (and rows per expert) to expect from it.
 //
 // Protocol, at epoch n = epochs[E_NOTIFY] + 1 (d = epochs[E_DISPATCH], the last finished dispatch):
-//   0. count this rank's tokens per destination rank and per expert (its own input only).
+//   0. count this rank's tokens per destination rank and per expert (its own input only). In an
+//      expert-major dispatch (kMerge) a token naming one expert in several slots counts for it once:
+//      stage merges the picks the same way (dispatch.cu), so receivers find one route per (token, expert).
 //   1. wait META_ACK[p] >= n-1 at this rank for every peer p: p has read the counts this rank wrote
 //      into p's meta area last time, so they may be overwritten; and PULL_DONE[p] >= d: p has
 //      finished pulling from this rank's send list, which step 2 rewrites.
@@ -28,7 +30,9 @@ constexpr int kKeepChunks = 16;  // chunks of 32 tokens per warp whose rank mask
 // A token's rank mask (bit r: some pick lives on rank r) from its K expert ids: token_rank_mask's rule
 // (common/token_mask.cuh), with the ids loaded eight at a time (16-byte loads where K is even and the
 // rows aligned) before the first use, and the rank found by a multiply-high (common/fast_div.cuh).
-template <bool kCount>
+// kMerge: a slot naming the expert of an earlier slot is not counted again (the ids of its own group of
+// eight are in registers; earlier groups, for K > 8, are read again from L1). The mask is the same.
+template <bool kCount, bool kMerge = false>
 __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict__ row, int K, bool vec,
                                                       const FastDiv& ediv, int E, int* s_ecnt, bool& bad_id) {
   unsigned m = 0;
@@ -51,6 +55,13 @@ __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict_
       const int64_t e = id[q];
       bad_id |= e < -1 || e >= E;
       if (e < 0 || e >= E) continue;
+      if (kMerge) {
+        bool seen = false;
+#pragma unroll
+        for (int p = 0; p < q; ++p) seen |= id[p] == e;
+        for (int j = 0; j < k0; ++j) seen |= __ldg(row + j) == e;
+        if (seen) continue;  // its rank's bit is set already
+      }
       if (kCount) atomicAdd(&s_ecnt[e], 1);
       m |= 1u << ediv.div(static_cast<uint32_t>(e));  // the rule of common/token_mask.cuh
     }
@@ -58,6 +69,7 @@ __device__ __forceinline__ unsigned notify_token_mask(const int64_t* __restrict_
   return m;
 }
 
+template <bool kMerge>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
 notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __restrict__ send_pos,
               bool* __restrict__ is_in, int* __restrict__ recv_off, int64_t* __restrict__ tpe,
@@ -100,8 +112,8 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
     if (j % 4 == 0) keep[j / 4] = 0;
     if (j < nchunks) {
       const int t = w0 + j * 32 + lane;
-      const unsigned m = t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E,
-                                                          s_ecnt, bad_id)
+      const unsigned m = t < w1 ? notify_token_mask<true, kMerge>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv,
+                                                                  E, s_ecnt, bad_id)
                                 : 0u;
       keep[j / 4] |= m << (8 * (j % 4));
       count(m);
@@ -109,7 +121,8 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
   }
   for (int j = kKeepChunks; j < nchunks; ++j) {  // more chunks than registers keep: counted here, recomputed below
     const int t = w0 + j * 32 + lane;
-    count(t < w1 ? notify_token_mask<true>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E, s_ecnt, bad_id)
+    count(t < w1 ? notify_token_mask<true, kMerge>(topk_idx + static_cast<size_t>(t) * K, K, vec, ediv, E, s_ecnt,
+                                                   bad_id)
                  : 0u);
   }
   // Exclusive scan of the warps' counts (warp order = token order).
@@ -219,13 +232,15 @@ notify_kernel(Ctx c, const int64_t* __restrict__ topk_idx, int T, int K, int* __
 }  // namespace
 
 void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* send_pos, bool* is_in,
-                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, cudaStream_t stream) {
+                   int* recv_off, int64_t* tpe, int64_t* host_tpe, int* host_recv_off, bool merge_repeats,
+                   cudaStream_t stream) {
   // Per-expert counts live in shared memory, within the default 48 KiB a launch may ask for.
   const size_t smem = sizeof(int) * c.num_experts;
   EP_CHECK_ARG(smem <= 48 * 1024, "too many experts for the notify kernel: num_experts=%d, at most %d",
                c.num_experts, static_cast<int>(48 * 1024 / sizeof(int)));
-  notify_kernel<<<1, kNotifyThreads, smem, stream>>>(c, topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe,
-                                                     host_recv_off);
+  const auto kernel = merge_repeats ? notify_kernel<true> : notify_kernel<false>;
+  kernel<<<1, kNotifyThreads, smem, stream>>>(c, topk_idx, T, K, send_pos, is_in, recv_off, tpe, host_tpe,
+                                              host_recv_off);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

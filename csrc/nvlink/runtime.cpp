@@ -171,17 +171,18 @@ T* mapped(uintptr_t host) {
 
 void Runtime::notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
                      uintptr_t recv_off, uintptr_t tpe, uintptr_t stream, uintptr_t host_tpe,
-                     uintptr_t host_recv_off) {
+                     uintptr_t host_recv_off, int merge_repeats) {
   check_open();
   check_tokens(T);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
   set_device();
   launch_notify(ctx_, ptr<const int64_t>(topk_idx), T, K, ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off),
-                ptr<int64_t>(tpe), mapped<int64_t>(host_tpe), mapped<int>(host_recv_off), stream_of(stream));
+                ptr<int64_t>(tpe), mapped<int64_t>(host_tpe), mapped<int>(host_recv_off), merge_repeats != 0,
+                stream_of(stream));
 }
 
 void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
-                    uintptr_t weights, int K, int num_sms, uintptr_t stream) {
+                    uintptr_t weights, int K, int num_sms, uintptr_t stream, int merge_repeats) {
   check_open();
   check_tokens(T);
   check_row_bytes(row_bytes);
@@ -190,7 +191,7 @@ void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nsc
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
   set_device();
   launch_stage(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
-               ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, stream_of(stream));
+               ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, merge_repeats != 0, stream_of(stream));
 }
 
 bool Runtime::tma_supported() const {

@@ -24,13 +24,14 @@ class Runtime {
   // notify: topk_idx [T,K] int64 -> send_pos [T,W] int32, is_in [T,W] bool, recv_off [W+1] int32,
   // tpe [local_experts] int64 (device); host info (num_recv, counts) filled on completion, and tpe /
   // recv_off also written into pinned host buffers host_tpe / host_recv_off when given (not 0), so
-  // that no copy follows the kernel.
+  // that no copy follows the kernel. merge_repeats (expert-major): a token's repeated expert counts once.
   void notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
               uintptr_t recv_off, uintptr_t tpe, uintptr_t stream, uintptr_t host_tpe = 0,
-              uintptr_t host_recv_off = 0);
-  // stage: rows [T, row_bytes] (+ scales [T, nscales] f32, topk_idx [T,K] i64, weights [T,K] f32)
+              uintptr_t host_recv_off = 0, int merge_repeats = 0);
+  // stage: rows [T, row_bytes] (+ scales [T, nscales] f32, topk_idx [T,K] i64, weights [T,K] f32);
+  // merge_repeats (expert-major): ids and weights staged merged, as ep_plugin.expert_major.merge_repeats
   void stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
-             uintptr_t weights, int K, int num_sms, uintptr_t stream);
+             uintptr_t weights, int K, int num_sms, uintptr_t stream, int merge_repeats = 0);
   // pull: rows into out_x [R_alloc, row_bytes] (+ out_scales, out_idx [R_alloc,K] i64,
   // out_w [R_alloc,K] f32); recv_src [R_alloc] int32 written (cached=0) or read (cached=1).
   void pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,

@@ -22,10 +22,10 @@ void bind_nvlink(py::module_& m) {
       .def("close", &Runtime::close)
       .def("notify", &Runtime::notify, py::arg("topk_idx"), py::arg("T"), py::arg("K"), py::arg("send_pos"),
            py::arg("is_in"), py::arg("recv_off"), py::arg("tpe"), py::arg("stream"), py::arg("host_tpe") = 0,
-           py::arg("host_recv_off") = 0)
+           py::arg("host_recv_off") = 0, py::arg("merge_repeats") = 0)
       .def("stage", &Runtime::stage, py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"),
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("num_sms"),
-           py::arg("stream"))
+           py::arg("stream"), py::arg("merge_repeats") = 0)
       .def("pull", &Runtime::pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"))

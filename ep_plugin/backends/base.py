@@ -34,8 +34,11 @@ class Capabilities:
     hidden_rule: Optional[str] = None                 # for error messages; check_group enforces it
     checks_expert_ids: bool = False                   # finds ids outside [-1, E) itself and raises them
                                                       # from check(); else EPBuffer checks on the device
-    merges_repeats: bool = False                      # its expert-major receive gives a token naming one
-                                                      # expert twice one row (weights summed); else EPBuffer
+    merges_repeats: bool = False                      # its expert-major receive (fresh and cached) gives a
+                                                      # token naming one expert twice one row, weights summed
+                                                      # in slot order, and counts it once; EPBuffer then passes
+                                                      # the picks as given (weights whose gradient is recorded
+                                                      # through expert_major.repeats_share_grad). Else EPBuffer
                                                       # merges the picks first (expert_major.merge_repeats)
 
 

@@ -29,6 +29,9 @@ Modes
 - Expert-major (`dispatch_expert`, EPBuffer's layout="expert"): pull is replaced by expert_meta +
   expert_pull, which write each row into its local experts' segments; its combine sums a row's
   experts on the way out, then reduces with the split kernels (comm.combine_kernel does not apply).
+  A token naming one expert in several slots gets one row, weights summed (`merges_repeats`): notify
+  counts the expert once and stage stages the picks merged (expert_major.merge_repeats' rule), so
+  EPBuffer launches nothing before notify (topk_idx as given is the handle's).
 - async_op: the kernels run on a communication stream; an EPEvent is returned.
 - cached (handle given): no notify; the handle's layout is reused (what backward passes need).
 
@@ -90,7 +93,7 @@ class NvlinkBackend(Backend):
     name = "nvlink"
     capabilities = Capabilities(
         row_dtypes=(torch.bfloat16, torch.float16), fp8=True, combine_dtypes=(torch.bfloat16,),
-        max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True,
+        max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True, merges_repeats=True,
         hidden_rule=f"a multiple of {HIDDEN_ALIGN} in [{HIDDEN_MIN}, {HIDDEN_MAX}]")
 
     @staticmethod
@@ -262,12 +265,13 @@ class NvlinkBackend(Backend):
             (send_pos, is_in, recv_off, tpe), ptrs = self._notify_tensors(T, dev)
         rt = self._rt
         worst = self.worst_case or capturing
+        merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             counts = _DispatchCounts(is_in, capturing, self._ring)
-            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *counts.host_ptrs())
+            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *counts.host_ptrs(), merge)
             counts.written(s)
         else:
-            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp)
+            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, 0, 0, merge)
             self._notify_ev.record(s)
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
@@ -278,7 +282,7 @@ class NvlinkBackend(Backend):
         # ahead of the host's wait for the counts.
         together = worst and alignment is None and self.dispatch_mode == "fused"
         if not together:
-            rt.stage(*stage_args, self.num_sms, sp)
+            rt.stage(*stage_args, self.num_sms, sp, merge)
         if worst:
             R = W * self.max_tokens
         else:
@@ -363,8 +367,8 @@ class NvlinkBackend(Backend):
         stage_args = (x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales, idx_ptr,
                       topk_weights.data_ptr() if topk_weights is not None else 0, K)
         together = not expert and self.dispatch_mode == "fused"
-        if not together:
-            rt.stage(*stage_args, self.num_sms, sp)
+        if not together:  # expert-major: the weights merged over the handle's (given) ids, as the fresh stage did
+            rt.stage(*stage_args, self.num_sms, sp, 1 if expert else 0)
         lay, dev = handle.expert, x.device
         N = lay.num_rows if expert else handle.num_recv
         out_x = torch.empty(N, self.hidden, dtype=x.dtype, device=dev)
