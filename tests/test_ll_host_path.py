@@ -341,6 +341,36 @@ def test_deep_ep_checks_each_form_once(calls, monkeypatch):
     dbuf.destroy()
 
 
+def test_deep_ep_known_forms_skip_torch_function_modes(calls):
+    """DeepEP's tests run under torch.set_default_device('cuda'), a torch function mode that every tensor
+    attribute and method passes through: a call of a form already checked makes none of those passes (its
+    first call, with the checks, still does: a new buffer allocates on the caller's default device)."""
+    from torch.overrides import TorchFunctionMode
+
+    from ep_plugin.deep_ep import Buffer
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    dbuf = Buffer(dist.group.WORLD, low_latency_mode=True, ep_config=cfg(2))
+    x, idx, w = inputs()
+    rows = torch.zeros(E_L, M, H, dtype=torch.bfloat16)
+    stats = torch.zeros(E_L, dtype=torch.int32)
+    with Count():
+        for step in range(3):
+            before = Count.n
+            _, _, handle, _, _ = dbuf.low_latency_dispatch(x, idx, M, E_L, cumulative_local_expert_recv_stats=stats)
+            y, _, _ = dbuf.low_latency_combine(rows, idx, w, handle)
+            assert (Count.n > before) == (step == 0), (step, Count.n - before)
+            del handle, y
+    assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV), ("combine", SEND_RECV)] * 3
+    dbuf.destroy()
+
+
 def test_bench_runs(solo, capsys):
     bench.main(["-n", "20", "--repeats", "1", "--output-buffers", "2"])
     out = capsys.readouterr().out

@@ -54,6 +54,15 @@ from .ll_support import (SIZE_HINT_TOPK, _pack_ue8m0, _ThenEvent, _ue8m0_target,
 _NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_mode=True (as DeepEP's "
                 "does); this one was made with low_latency_mode=False")
 
+# A torch function mode on (DeepEP's tests call torch.set_default_device('cuda') in init_dist, which installs
+# one) sends every tensor attribute and method call through Python: ~40 per dispatch + combine pair, which on
+# 4x H100 made DeepEP's test_low_latency bench loop host-bound (86 us of host per pair, 2026-11-26; 184 us
+# against 25 on the CPU box). A call of a form already checked reads attributes and pointers of plain tensors
+# only (the form requires them), so it runs with torch function handling off -- cheaper with no mode on too
+# (38 -> 25 us there). A new form (its checks, and any buffer it builds, allocating on the caller's default
+# device) runs with it.
+_NoTorchFunction = torch._C.DisableTorchFunction
+
 _NO_EP_CONFIG = "<defaults>"  # EPConfig.source of load_config(None): a Buffer made without ep_config
 
 
@@ -134,18 +143,38 @@ class LowLatencyMixin:
         """
         if self._destroyed or not self.low_latency_mode:
             self._ll_mode("low_latency_dispatch")  # raises
-        stats = cumulative_local_expert_recv_stats
-        key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
-                                  num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        args = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                return_recv_hook)
+        with _NoTorchFunction():  # see _NoTorchFunction
+            out = self._ll_dispatch_known(*args)
+        return out if out is not None else self._ll_dispatch_checked(*args)
+
+    def _ll_dispatch_known(self, x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
+                           hook):
+        """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine; None if new."""
+        key = checks.dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
+                                  hook)
         try:
             known = self._ll_dispatch_forms.get(key)
         except TypeError:  # an unhashable flag: no form, the checks run
-            known = key = None
-        if known is not None:  # checked already, here and by the EPBuffer: straight to its engine
-            buf = known[0]
-            buf._raise_pending_low_latency()
-            return self._ll_dispatch_run(known, buf._ll_dispatch_run(
-                buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
+            return None
+        if known is None:
+            return None
+        buf = known[0]
+        buf._raise_pending_low_latency()
+        return self._ll_dispatch_run(known, buf._ll_dispatch_run(
+            buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
+
+    def _ll_dispatch_checked(self, x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
+                             num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):
+        """A dispatch of a new form: every check, then the call, then the form is kept."""
+        key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
         M, E = checks.dispatch_args(self.group_size, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                                     async_finish, return_recv_hook)
@@ -201,22 +230,43 @@ class LowLatencyMixin:
         """
         if self._destroyed or not self.low_latency_mode:
             self._ll_mode("low_latency_combine")  # raises
-        key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
-                                 async_finish, return_recv_hook)
+        args = (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                combine_wait_recv_cost_stats)
+        with _NoTorchFunction():  # see _NoTorchFunction
+            result = self._ll_combine_known(*args)
+        return result if result is not None else self._ll_combine_checked(*args)
+
+    def _ll_combine_known(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                          return_recv_hook, out, wait_stats):
+        """A combine of a form already checked, straight to the engine; None if new (or the handle differs)."""
+        key = checks.combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_copy, async_finish,
+                                 return_recv_hook)
         try:
             buf = self._ll_combine_forms.get(key)
         except TypeError:  # an unhashable flag: no form, the checks run
-            buf = key = None
+            return None
         # the form fixes x's shape, hence the EPBuffer; the handle is checked on every call, as EPBuffer does
-        if buf is not None and type(handle) is DeepEPLowLatencyHandle and handle.buffer is buf:
-            inner = handle.inner
-            T, K = topk_idx.shape
-            if inner.num_tokens == T and inner.topk == K:
-                buf._raise_pending_low_latency()
-                rows = self._ll_take_staging(handle) if zero_copy else x
-                return self._ll_combine_out(buf._ll_combine_run(
-                    buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
-                    bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
+        if buf is None or type(handle) is not DeepEPLowLatencyHandle or handle.buffer is not buf:
+            return None
+        inner = handle.inner
+        T, K = topk_idx.shape
+        if inner.num_tokens != T or inner.topk != K:
+            return None
+        buf._raise_pending_low_latency()
+        rows = self._ll_take_staging(handle) if zero_copy else x
+        return self._ll_combine_out(buf._ll_combine_run(
+            buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
+            bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
+
+    def _ll_combine_checked(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                            return_recv_hook, out, combine_wait_recv_cost_stats):
+        """A combine of a new form (or handle): every check, then the call, then the form is kept."""
+        key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
+                                 async_finish, return_recv_hook)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
         checks.combine_args(self.group_size, handle, DeepEPLowLatencyHandle, self._ll_buffers.values(), x, topk_idx,
                             topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, async_finish,
                             return_recv_hook)
