@@ -70,9 +70,19 @@ SPLIT = {
 }
 
 
+# tests that read one launch (tests/_shared_run.py) go in one unit, so that one worker runs them in turn
+# (in two workers, the second would wait for the first one's launch)
+JOIN = {"test_telemetry.py::test_examples_print_one_stats_line_per_interval[examples/deepspeed/train_moe_ds.py-args1]":
+        "test_deepspeed_example.py"}
+
+
 def unit_of(nodeid: str) -> str:
     path, _, name = nodeid.partition("::")
-    split = SPLIT.get(path.rsplit("/", 1)[-1])
+    folder, _, file = path.rpartition("/")
+    joined = JOIN.get(f"{file}::{name}")
+    if joined:
+        return f"{folder}/{joined}" if folder else joined
+    split = SPLIT.get(file)
     part = split(name) if split else None
     return f"{path}::{part}" if part else path
 
@@ -100,7 +110,6 @@ COSTS = {
     "test_buffer_errors.py": 21,
     "test_example_train_moe.py": 21,
     "test_buffer.py::world5": 21,
-    "test_telemetry.py::test_examples_print_one_stats_line_per_interval[examples/deepspeed/train_moe_ds.py-args1]": 21,
     "test_internode_cpu.py::world6": 21,
     "test_autoep.py": 20,
     "test_megatron_nosync.py": 19,
