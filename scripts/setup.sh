@@ -17,7 +17,9 @@
 # Safe to run again: pip skips what is installed, and _C is rebuilt only when csrc/, setup.py or the
 # NVSHMEM wheel changed (their hash is kept in build/ep_plugin_C.sha256). A line before each step says
 # what it does and about how long it takes (measured on a 2-core box with a fresh venv), a line every
-# 10 s while it runs, and the compile prints each file it finishes. `ep_plugin doctor` ends it.
+# 10 s while it runs, and the compile prints each file it finishes. Without --light the compile runs in the
+# background while the frameworks install (it needs only nvcc, pybind11 and the NVSHMEM wheel), and the
+# set-up waits for it, failing with the end of its log if it failed. `ep_plugin doctor` ends it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,7 +27,7 @@ LIGHT=0
 for arg in "$@"; do
   case $arg in
     --light) LIGHT=1 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup: unknown argument '$arg'; usage: bash scripts/setup.sh [--light]" >&2; exit 2 ;;
   esac
 done
@@ -75,16 +77,17 @@ fi
 pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"
 step_done
 
-# ------------------------------------------------------------------------------ 2: the frameworks
-step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "40 s"
-# megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
-pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
-# DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
-DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
-# Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
-pip_install "transformers==5.17.0"
-# megatron-core without triton: the stand-in for its one module that imports triton (see the top).
-TRITON_NOTE=$("$PY" - <<'PYEOF'
+# ------------------------------------------------------------------------------ the frameworks
+frameworks() {
+  step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "40 s"
+  # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
+  pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+  # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
+  DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
+  # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
+  pip_install "transformers==5.17.0"
+  # megatron-core without triton: the stand-in for its one module that imports triton (see the top).
+  TRITON_NOTE=$("$PY" - <<'PYEOF'
 import importlib.util, shutil, sysconfig
 from pathlib import Path
 site = Path(sysconfig.get_paths()["purelib"])
@@ -95,10 +98,11 @@ else:
     (site / "ep_plugin_megatron_without_triton.pth").write_text("import _ep_plugin_megatron_without_triton\n")
     print("no triton: megatron-core's paged-stash kernels stand in (GPU only)")
 PYEOF
-)
-step_done "$TRITON_NOTE"
+  )
+  step_done "$TRITON_NOTE"
+}
 
-# ------------------------------------------------------------------------------ 3-4: NVSHMEM and _C
+# ------------------------------------------------------------------------------ 2-4: NVSHMEM, _C, frameworks
 c_sources_hash() {  # what _C is built from, the NVSHMEM wheel's version included
   { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
     echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"
@@ -150,22 +154,38 @@ PYEOF
   elif ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     step "ep_plugin._C: not compiled (no nvcc: the torch backend only)" "0 s"; step_done
   else
-    step "compiling ep_plugin._C with nvcc, a line per file (full log: build/ep_plugin_C.log)" "100 s on 2 cores"
+    # The compile needs only nvcc, pybind11 and the NVSHMEM wheel, all in place now: it runs in the
+    # background while the frameworks install (step 4), and the set-up waits for it before step 5.
+    # Its lines start with "setup:   _C"; it fails the set-up, with the end of its log, if it fails.
+    step "compiling ep_plugin._C with nvcc in the background, a line per file (full log: build/ep_plugin_C.log)" \
+         "100 s on 2 cores, beside step 4"
     mkdir -p build
-    rm -f build/ep_plugin_C.sha256
+    rm -f "$C_HASH_FILE"
+    C_STEP=$N C_AT=$STEP_AT
+    # its own process group (setsid), so that a set-up that stops early stops the compilers too
     # setup.py's own lines (ep_plugin: ...) are shown; the compilers' output goes to the log.
-    if "$PY" setup.py build_ext --inplace > >(tee build/ep_plugin_C.log | grep --line-buffered '^ep_plugin:' \
-         | sed -u 's/^ep_plugin: /setup:       /') 2>&1; then
-      sleep 0.2  # let the last progress line through the pipe
+    setsid bash -c 'set -o pipefail; "$1" setup.py build_ext --inplace 2>&1 | tee build/ep_plugin_C.log \
+      | { grep --line-buffered "^ep_plugin:" || true; } | sed -u "s/^ep_plugin: /setup:   _C  /"' _ "$PY" &
+    C_PID=$!
+    trap 'kill -- -"$C_PID" 2>/dev/null || true' EXIT
+  fi
+  frameworks
+  if [ -n "${C_PID:-}" ]; then
+    echo "setup: [$C_STEP/$NSTEPS] waiting for the _C compile to finish (its lines go on)"
+    C_RC=0
+    wait "$C_PID" || C_RC=$?
+    trap - EXIT
+    if [ "$C_RC" = 0 ]; then
       echo "$C_HASH" > "$C_HASH_FILE"
-      step_done "$(ls ep_plugin/_C*.so)"
+      echo "setup: [$C_STEP/$NSTEPS] done in $(seconds_since "$C_AT"): $(ls ep_plugin/_C*.so)"
     else
-      sleep 0.2
-      echo "setup: compiling _C failed; the end of build/ep_plugin_C.log:" >&2
+      echo "setup: compiling _C failed (exit status $C_RC); the end of build/ep_plugin_C.log:" >&2
       tail -n 30 build/ep_plugin_C.log >&2
       exit 1
     fi
   fi
+else
+  frameworks
 fi
 
 # ------------------------------------------------------------------------------ ep_plugin itself

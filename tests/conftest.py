@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._parallel import pytest_cmdline_main  # noqa: F401  (two xdist workers on a CPU box)
+from tests._parallel import pytest_cmdline_main, pytest_xdist_make_scheduler  # noqa: F401  (two xdist workers on a CPU box, the long files first)
 
 
 def pytest_report_header(config):

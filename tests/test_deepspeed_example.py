@@ -2,29 +2,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests._dist import free_port
+from tests._shared_run import deepspeed_example_run
 
 pytest.importorskip("deepspeed")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def test_example_trains_on_cpu(tmp_path):
-    out = tmp_path / "run.json"
-    # this tree first: the example imports the ep_plugin under test, installed or not
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(ROOT, "examples", "deepspeed", "train_moe_ds.py"), "--steps", "30", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+def test_example_trains_on_cpu(tmp_path_factory):
+    # this tree first: the example imports the ep_plugin under test, installed or not (one run with
+    # test_telemetry.py's stats-line test: tests/_shared_run.py)
+    proc, d = deepspeed_example_run(tmp_path_factory)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = json.loads((d / "run.json").read_text())
     assert res["ep_plugin"] is True and res["world"] == 2
     losses = res["losses"]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses

@@ -489,20 +489,27 @@ INTERVAL_LINE = re.compile(
 
 @pytest.mark.parametrize("example,args", [
     ("examples/megatron/pretrain_gpt_moe.py", ["--steps", "4", "--log-every", "2", "--no-progress"]),
-    ("examples/deepspeed/train_moe_ds.py", ["--steps", "4", "--log-every", "2", "--no-progress"]),
+    # the run of test_deepspeed_example.py (30 steps; tests/_shared_run.py): one launch for both tests
+    ("examples/deepspeed/train_moe_ds.py", ["--steps", "30", "--log-every", "2", "--no-progress"]),
 ])
-def test_examples_print_one_stats_line_per_interval(example, args):
+def test_examples_print_one_stats_line_per_interval(example, args, tmp_path_factory):
     """The Megatron and DeepSpeed examples on CPU (gloo, torch backend): one line per interval with
     everything comm.stats reports, nothing else per step (no bar, no notices)."""
     from tests._dist import free_port
 
     pytest.importorskip("megatron.core" if "megatron" in example else "deepspeed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(ROOT, example), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    if "deepspeed" in example:
+        from tests._shared_run import deepspeed_example_run
+
+        proc, _ = deepspeed_example_run(tmp_path_factory)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), os.path.join(ROOT, example), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in steps] == ["2", "4"], proc.stdout
+    every = int(args[args.index("--log-every") + 1])
+    assert [line.split()[1] for line in steps] == [str(s) for s in range(every, int(args[1]) + 1, every)], proc.stdout
     for line in steps:
         assert INTERVAL_LINE.match(line), line
     assert "it/s" not in proc.stdout and "\r" not in proc.stdout
