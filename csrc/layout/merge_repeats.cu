@@ -2,6 +2,7 @@
 // product and a sum) cost six launches and, before the notify of every expert-major dispatch, ~200 us
 // of host time at 128 tokens on the GPU host (bench_dispatch's latency case, 4x H100, 2026-11-26).
 #include "layout/merge_repeats.h"
+#include "layout/merge_rule.cuh"
 
 #include "common/error.h"
 
@@ -19,18 +20,8 @@ merge_repeats_kernel(const int64_t* __restrict__ topk_idx, const float* __restri
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int k = static_cast<int>(i % K);
-    const int64_t* ids = topk_idx + (i - k);
-    const int64_t id = ids[k];
-    bool earlier = false;
-    for (int j = 0; j < k; ++j) earlier |= ids[j] == id;
-    out_idx[i] = earlier ? -1 : id;
-    if (topk_weights != nullptr) {
-      const float* w = topk_weights + (i - k);
-      float sum = 0.f;
-      for (int j = 0; j < K; ++j)
-        if (ids[j] == id) sum += w[j];
-      out_weights[i] = sum;
-    }
+    const float* ws = topk_weights != nullptr ? topk_weights + (i - k) : nullptr;
+    out_idx[i] = merged_slot(topk_idx + (i - k), ws, k, K, ws != nullptr ? out_weights + i : nullptr);
   }
 }
 

@@ -240,6 +240,21 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       atomicAnd(&s_freemask, ~(1u << s));
       return s;
     };
+    // Rank r's sub-chunk `sub` staged (polled once per sub: positions rise with t, notify's scan); false on a
+    // timeout (recorded) or an abort.
+    auto staged = [&](int r, int sub) -> bool {
+      if (sub == ready_sub[r]) return true;
+      const long long tr = tic();
+      const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
+      p_ready += tic() - tr;
+      if (w != kArrived) {
+        if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
+        return false;
+      }
+      ready_sub[r] = sub;
+      fence_proxy_async();  // the acquired rows before the bulk load reads them
+      return true;
+    };
     if (lane == 0) fence_proxy_async();
     while (!failed) {
       int chunk = 0;
@@ -274,18 +289,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
                 continue;
               }
               if (diag & 1) continue;  // benchmarks: the stage alone
-              const int sub = pos / kCombineSub;
-              if (sub != ready_sub[r]) {
-                const long long tr = tic();
-                const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
-                p_ready += tic() - tr;
-                if (w != kArrived) {
-                  if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
-                  failed = 1;
-                  continue;
-                }
-                ready_sub[r] = sub;
-                fence_proxy_async();  // the acquired rows before the bulk load reads them
+              if (!staged(r, pos / kCombineSub)) {
+                failed = 1;
+                continue;
               }
               const int ls = claim();
               tma_load(load_buf + static_cast<size_t>(ls) * row_bytes,
@@ -326,18 +332,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
                 continue;
               }
               if (diag & 1) continue;  // benchmarks: the stage alone
-              const int sub = pos / kCombineSub;
-              if (sub != ready_sub[r]) {  // positions rise with t (notify's scan), so this polls once per sub
-                const long long tr = tic();
-                const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
-                p_ready += tic() - tr;
-                if (w != kArrived) {
-                  if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
-                  failed = 1;
-                  continue;
-                }
-                ready_sub[r] = sub;
-                fence_proxy_async();  // the acquired rows before the bulk load reads them
+              if (!staged(r, pos / kCombineSub)) {
+                failed = 1;
+                continue;
               }
               const long long ts = tic();
               while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();

@@ -18,6 +18,7 @@
 //          PULL_DONE[me] = e at every rank and sets epochs[E_DISPATCH] = e.
 // A timeout records the missing peer with K_STAGE or K_PULL and returns.
 #include "common/copy.cuh"
+#include "layout/merge_rule.cuh"
 #include "common/error.h"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
@@ -52,18 +53,7 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
     const size_t n = static_cast<size_t>(T) * K;
     for (size_t i = gtid; i < n; i += gsize) {
       const int k = static_cast<int>(i % K);
-      const int64_t* ids = idx + (i - k);
-      const int64_t id = ids[k];
-      bool earlier = false;
-      for (int j = 0; j < k; ++j) earlier |= ids[j] == id;
-      dst_idx[i] = earlier ? -1 : id;
-      if (dst_w) {
-        const float* ws = w + (i - k);
-        float sum = 0.f;
-        for (int j = 0; j < K; ++j)
-          if (ids[j] == id) sum += ws[j];
-        dst_w[i] = sum;
-      }
+      dst_idx[i] = merged_slot(idx + (i - k), dst_w ? w + (i - k) : nullptr, k, K, dst_w ? dst_w + i : nullptr);
     }
   } else {
     if (idx) {
