@@ -515,10 +515,10 @@ def _heap_cfg(n, held):
 @pytest.fixture(params=["swap", "scan"])
 def move_by(request, monkeypatch):
     """_move_out both ways: torch's storage swap (where torch has it) and the scan for the tensors (torch 2.11)."""
-    from ep_plugin.backends.nvshmem import low_latency as nv_ll
-    if request.param == "swap" and not nv_ll._CAN_SWAP:
+    from ep_plugin.backends.nvshmem import held
+    if request.param == "swap" and not held._CAN_SWAP:
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
-    monkeypatch.setattr(nv_ll, "_CAN_SWAP", request.param == "swap")
+    monkeypatch.setattr(held, "_CAN_SWAP", request.param == "swap")
     return request.param
 
 

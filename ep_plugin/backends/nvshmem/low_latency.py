@@ -38,7 +38,7 @@ the choice is this rank's own: senders write the slots, not the sets), and a set
 every rank must pick alike, so no rank can switch alone -- is used anyway and the call raises
 OutputsStillHeldError after its launch, naming the fix -- unless `comm.low_latency.held_outputs: copy`
 (N >= 3): then each dispatch looks at the set of the next one before its launch, and a held set is moved
-to memory of its own (_move_out: the caller's tensors and views keep their values, one
+to memory of its own (held.move_out: the caller's tensors and views keep their values, one
 device copy queued before this rank's send half, which every peer's next dispatch waits for) and the
 engine takes new views of the heap. The combine's outputs (torch tensors) are
 never overwritten while held: a held one is replaced by a fresh tensor. A decode loop that drops a
@@ -57,9 +57,7 @@ times it): pointers of reused outputs are computed once, nothing is built that t
 """
 from __future__ import annotations
 
-import gc
-import sys
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,12 +67,12 @@ from ...types import FP8_BLOCK, LowLatencyHandle
 from . import runtime
 from .faults import ReportsFaults
 from .heap_views import heap_tensor
+from .held import Watch, move_out
 from .launch import MIN_TOPK_CAPACITY, RECV, SEND, require_kernels, current_stream as _current_stream
 
 SEND_RECV = SEND | RECV
 MAX_RANKS = 64
 MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # a storage's references: a caller's views raise it
 
 
 # csrc/nvshmem/ll_device.cuh's kCountWords: the direct dispatch's epoch-tagged count words
@@ -83,65 +81,6 @@ KERNEL_FLAGS_DEFAULT = 64
 class OutputsStillHeldError(RuntimeError):
     """A low-latency dispatch reused an output set whose tensors a caller still holds (module docstring,
     "Held outputs"); raised after the call was launched, so that every rank stays in step."""
-
-
-# torch >= 2.12: a storage's memory can be swapped under every tensor and view of it at once
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
-
-def _move_out(tensors: list, dev) -> bool:
-    """The storages of `tensors` (heap memory they do not own) -> fresh allocations holding a copy (queued on
-    the current stream), under every tensor and view of them. With torch's storage swap that is one swap
-    per storage; without it every Python tensor on such a storage is found (one scan of the garbage
-    collector's objects, ~0.1 s: this runs only when a caller holds a set) and set_ onto the copy. False
-    when something still holds the heap memory afterwards (a tensor only C++ code sees)."""
-    old = [t.untyped_storage() for t in tensors]
-    fresh = {}
-    for st in old:
-        f = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev).untyped_storage()
-        f.copy_(st)
-        if _CAN_SWAP:
-            st._swap_data_ptr_(f)  # `f` now holds the heap pointer (owning nothing) and goes
-        else:
-            fresh[st.data_ptr()] = (st, f)
-    if not fresh:
-        return True
-    for o in gc.get_objects():
-        if issubclass(type(o), torch.Tensor) and o.device.type == dev.type:
-            hit = _heap_hit(o, fresh)
-            if hit is not None:
-                o.set_(hit, o.storage_offset(), o.size(), o.stride())
-    # what still refers to a heap storage: its wrapper in `old` (one reference), nothing else
-    return _use_count is None or all(_use_count(st._cdata) <= 1 for st in old)
-
-
-def _heap_hit(t: torch.Tensor, fresh: dict):
-    """The fresh storage for t's, if t's is one being moved (same address and size), else None."""
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, sparse, wrapper)
-        return None
-    hit = fresh.get(st.data_ptr())
-    return hit[1] if hit is not None and st.nbytes() == hit[0].nbytes() else None
-
-
-class _Watch:
-    """What the engine itself holds of one output set: each object's reference count, and each tensor's
-    storage use count (which a caller's view of the tensor raises), taken when the set is made. Counts
-    above those at the set's next turn: a caller still holds its outputs, or a view of them."""
-
-    __slots__ = ("objs", "stores", "base")
-
-    def __init__(self, objs: list):
-        self.objs = objs  # the list itself, not a copy: no other list may hold them while the base is taken
-        self.stores = [o.untyped_storage() for o in self.objs if isinstance(o, torch.Tensor)] if _use_count else []
-        self.base = self._counts()
-
-    def _counts(self) -> List[int]:
-        return [sys.getrefcount(o) for o in self.objs] + [_use_count(st._cdata) for st in self.stores]
-
-    def held(self) -> bool:
-        return any(now > was for now, was in zip(self._counts(), self.base))
 
 
 class NvshmemLowLatency(ReportsFaults):
@@ -202,7 +141,7 @@ class NvshmemLowLatency(ReportsFaults):
         # were slower than 64 alone (EP2 BF16 109.7 / 88.6).
         self.kernel_flags = KERNEL_FLAGS_DEFAULT
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
-        self._dispatch_watch = [None, None]  # per use_fp8: a _Watch per set
+        self._dispatch_watch = [None, None]  # per use_fp8: a Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
         self._held = -1                     # the heap set this dispatch overwrote while held (raised after launch)
         self.moved_sets = 0                 # held heap sets moved out (held_outputs copy), for tests and benches
@@ -222,7 +161,7 @@ class NvshmemLowLatency(ReportsFaults):
         if sets is None:
             make = self._heap_dispatch_outputs if self.output_sets else self._new_dispatch_outputs
             self._dispatch_sets[kind] = [make(use_fp8, dev, i) for i in range(n)]
-            self._dispatch_watch[kind] = [_Watch(self._watched(o)) for o in self._dispatch_sets[kind]]
+            self._dispatch_watch[kind] = [Watch(self._watched(o)) for o in self._dispatch_sets[kind]]
             sets = self._dispatch_sets[kind]
         turn = 0 if self.output_sets else kind  # heap sets: one turn for both precisions (they share bytes)
         i = self._dispatch_turn[turn]
@@ -271,7 +210,7 @@ class NvshmemLowLatency(ReportsFaults):
                 states.append(state)
             sets[i] = self._dispatch_watch[kind][i] = None  # only the caller's references are followed
             del recv_x, src_info, state
-        if not _move_out(heap, dev):
+        if not move_out(heap, dev):
             self._held = i  # a holder not found: raised after the launch, as `raise` does
         for state in states:  # a held handle's row_slot moved with it
             state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:])
@@ -280,7 +219,7 @@ class NvshmemLowLatency(ReportsFaults):
             sets = self._dispatch_sets[kind]
             if sets is not None:
                 sets[i] = self._heap_dispatch_outputs(kind == 1, dev, i)
-                self._dispatch_watch[kind][i] = _Watch(self._watched(sets[i]))
+                self._dispatch_watch[kind][i] = Watch(self._watched(sets[i]))
         self.moved_sets += 1
 
     @staticmethod
@@ -360,7 +299,7 @@ class NvshmemLowLatency(ReportsFaults):
                 self._y_sets = [torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=dev)
                                 for _ in range(n)]
             views = self._y_views[T] = [y[:T] for y in self._y_sets]
-            self._y_watch = [_Watch([y] + [v[j] for v in self._y_views.values()]) for j, y in enumerate(self._y_sets)]
+            self._y_watch = [Watch([y] + [v[j] for v in self._y_views.values()]) for j, y in enumerate(self._y_sets)]
         i = self._y_turn
         self._y_turn = i + 1 if i + 1 < n else 0
         if self._y_watch[i].held():  # a caller still holds that output: a fresh one, nothing overwritten
