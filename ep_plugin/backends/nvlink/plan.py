@@ -63,18 +63,6 @@ def plan_pull_stage_slots(world: int) -> int:
     return PULL_STAGE_SLOTS.get(world, PULL_STAGE_SLOTS[2])
 
 
-# Runtime.pull_variant per EP size (csrc/nvlink/combine_pull_tma.cu: +1 / +2 the stager moves half / quarter
-# rows, +4 load slots from a free mask, own row last; y is the same bit for bit). 0, the kernel as measured
-# above, until an A/B (benchmarks/bench_kernels.py --combine-variant, nvlink_phases.py --pull-variants)
-# says otherwise; a variant that wins usually wants its own PULL_STAGE_SLOTS entry too.
-PULL_VARIANT: dict = {}
-
-
-def plan_pull_variant(world: int) -> int:
-    """Runtime.pull_variant for `world` ranks (PULL_VARIANT, else 0)."""
-    return PULL_VARIANT.get(world, 0)
-
-
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
     """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at EP2 and at 24 SMs or fewer,
     stage then pull ("split") otherwise (first runs: EP2 24 / 48 SMs fused 319 / 315 us against split's
