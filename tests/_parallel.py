@@ -148,6 +148,7 @@ def unit_cost(unit: str) -> float:
     return COSTS.get(unit.replace("\\", "/").split("tests/", 1)[-1], DEFAULT_COST)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: where xdist is absent (or -p no:xdist) nothing to register
 def pytest_xdist_make_scheduler(config, log):
     if not getattr(config, "_ep_cost_units", False):
         return None
