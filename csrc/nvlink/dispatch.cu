@@ -9,7 +9,7 @@
 //          block releases LISTS[me], STAGE[me] and every STAGE_READY[me][sub] = e at every rank,
 //          itself included (the last for a peer running stage_pull_tma.cu's kernel).
 //          In an expert-major dispatch (merge) the ids and weights are staged merged, as
-//          ep_plugin/expert_major.py's merge_repeats defines it (csrc/layout/merge_repeats.h): a slot
+//          ep_plugin/expert_major.py's merge_repeats defines it (csrc/layout/merge_rule.cuh): a slot
 //          naming the expert of an earlier slot of its token is staged as -1, and each slot's weight is
 //          the sum, in slot order, of the weights of the slots naming its expert. The receivers'
 //          expert kernels then find one route per (token, expert) (notify counts it once too).

@@ -20,7 +20,7 @@ void launch_notify(const Ctx& c, const int64_t* topk_idx, int T, int K, int* sen
                    cudaStream_t stream);
 
 // dispatch.cu: stage this rank's rows into its IPC stage area; pull the rows addressed to it.
-// merge_repeats (an expert-major dispatch): ids and weights staged merged (layout/merge_repeats.h's rule).
+// merge_repeats (an expert-major dispatch): ids and weights staged merged (layout/merge_rule.cuh).
 void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
                   int nscales, const int64_t* topk_idx, const float* weights, int K, bool merge_repeats,
                   cudaStream_t stream);

@@ -59,10 +59,20 @@ class FormMap(dict):
 
     LIMIT = Forms.LIMIT
 
+    def find(self, key):
+        """What `key`'s form decided, or None (a new form, or one that cannot be kept: key None or unhashable)."""
+        try:
+            return None if key is None else self.get(key)
+        except TypeError:  # an unhashable flag
+            return None
+
     def put(self, key, value) -> None:
-        """key None: a form the caller could not describe, not kept."""
-        if key is not None and len(self) < self.LIMIT:
-            self[key] = value
+        """key None or unhashable: a form the caller could not describe, not kept."""
+        try:
+            if key is not None and len(self) < self.LIMIT:
+                self[key] = value
+        except TypeError:
+            pass
 
 
 class ExpertIdCheck:

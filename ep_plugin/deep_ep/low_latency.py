@@ -155,10 +155,7 @@ class LowLatencyMixin:
         """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine; None if new."""
         key = checks.dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
                                   hook)
-        try:
-            known = self._ll_dispatch_forms.get(key)
-        except TypeError:  # an unhashable flag: no form, the checks run
-            return None
+        known = self._ll_dispatch_forms.find(key)
         if known is None:
             return None
         buf = known[0]
@@ -171,10 +168,6 @@ class LowLatencyMixin:
         """A dispatch of a new form: every check, then the call, then the form is kept."""
         key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
                                   num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        try:
-            hash(key)
-        except TypeError:
-            key = None
         M, E = checks.dispatch_args(self.group_size, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                                     async_finish, return_recv_hook)
@@ -241,10 +234,7 @@ class LowLatencyMixin:
         """A combine of a form already checked, straight to the engine; None if new (or the handle differs)."""
         key = checks.combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_copy, async_finish,
                                  return_recv_hook)
-        try:
-            buf = self._ll_combine_forms.get(key)
-        except TypeError:  # an unhashable flag: no form, the checks run
-            return None
+        buf = self._ll_combine_forms.find(key)
         # the form fixes x's shape, hence the EPBuffer; the handle is checked on every call, as EPBuffer does
         if buf is None or type(handle) is not DeepEPLowLatencyHandle or handle.buffer is not buf:
             return None
@@ -263,10 +253,6 @@ class LowLatencyMixin:
         """A combine of a new form (or handle): every check, then the call, then the form is kept."""
         key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
                                  async_finish, return_recv_hook)
-        try:
-            hash(key)
-        except TypeError:
-            key = None
         checks.combine_args(self.group_size, handle, DeepEPLowLatencyHandle, self._ll_buffers.values(), x, topk_idx,
                             topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, async_finish,
                             return_recv_hook)
