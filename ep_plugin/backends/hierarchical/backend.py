@@ -33,6 +33,7 @@ from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts,
 from ..base import Backend, Capabilities
 from .local import LocalNode
 from .nodes import node_groups, resolve_ranks_per_node
+from .rows import gather_rows, scatter_rows
 from .timeline import NO_TIMELINE
 
 
@@ -256,7 +257,7 @@ class HierarchicalBackend(Backend):
             else:  # an inner backend that keeps no per-row source (the torch parts): counts by all-to-all
                 recv_counts = self._recv_counts(is_in, slot_valid)
                 to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
-            out_x, out_s, out_idx, out_w = (self._to_contract(t, to_contract)
+            out_x, out_s, out_idx, out_w = (scatter_rows(t, to_contract)
                                             for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
             state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
             tl.mark("reorder")
@@ -293,16 +294,6 @@ class HierarchicalBackend(Backend):
             is_in.append(_in_rank(topk_idx, self.num_experts, self.world))
         return xf, sf, topk_f, wf, is_in[0]
 
-    @staticmethod
-    def _to_contract(t, to_contract):
-        if t is None:
-            return None
-        out = torch.empty_like(t)
-        if t.element_size() == 1:  # index_copy_ has no FP8 kernels: move the bytes
-            out.view(torch.uint8).index_copy_(0, to_contract, t.view(torch.uint8))
-            return out
-        return out.index_copy_(0, to_contract, t)
-
     def _forward_cached(self, xf, sf, topk_f, wf, handle, st):
         """Cached dispatch: the rail moves the rows again (its slots are fixed), the inner hop reuses
         its layout. The routing is the handle's, so the valid slots are the same as then."""
@@ -318,7 +309,7 @@ class HierarchicalBackend(Backend):
             if res.event is not None:
                 res.event.current_stream_wait()
             tl.mark("forward")
-            out_x, out_s, out_w = (self._to_contract(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
+            out_x, out_s, out_w = (scatter_rows(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
             tl.end("reorder")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle)
@@ -350,7 +341,7 @@ class HierarchicalBackend(Backend):
                 y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
             else:  # back to the inner order
                 to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
-                rows = x.index_select(0, to_inner)
+                rows = gather_rows(x, to_inner)
                 tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:

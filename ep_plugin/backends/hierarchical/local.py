@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .rows import gather_rows
+
 
 class LocalNode:
     def __init__(self, local_experts: int):
@@ -30,7 +32,7 @@ class LocalNode:
 
     @staticmethod
     def gather(t, order):
-        return None if t is None else t.index_select(0, order)
+        return gather_rows(t, order)
 
     @staticmethod
     def slot_rows(place: torch.Tensor, rows: int) -> torch.Tensor:
@@ -43,4 +45,4 @@ class LocalNode:
         """Combine's input back in slot order: a gather (a scatter is twice as slow on the GPU)."""
         if rows.shape[0] == 0:
             return rows.new_zeros((slots, rows.shape[1]))
-        return rows.index_select(0, slot_row)
+        return gather_rows(rows, slot_row)
