@@ -20,17 +20,14 @@ T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$L"; }
 say "start $(git rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
-if python3 -c "import xdist" 2>/dev/null; then
-  timeout -k 5 90 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -rfE tests/test_nvlink_pull_variants.py \
-    tests/test_nvlink.py > "$W/tests.log" 2>&1
-  say "gpu tests rc=$?: $(tail -1 "$W/tests.log")"
-else  # the change's own test first, then the rest of the combine's in what is left
-  timeout -k 5 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_nvlink_pull_variants.py \
-    > "$W/tests.log" 2>&1
-  say "pull variant tests rc=$?: $(tail -1 "$W/tests.log")"
-  timeout -k 5 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_nvlink.py > "$W/tests_nvlink.log" 2>&1
-  say "test_nvlink rc=$?: $(tail -1 "$W/tests_nvlink.log")"
-fi
+# the two files side by side (two processes, as xdist's loadfile would; the worlds share the GPUs)
+timeout -k 5 95 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:xdist -rfE tests/test_nvlink_pull_variants.py \
+  > "$W/tests_variants.log" 2>&1 &
+TV=$!
+timeout -k 5 95 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:xdist -rfE tests/test_nvlink.py > "$W/tests_nvlink.log" 2>&1
+say "test_nvlink.py (2 and 4 GPUs) rc=$?: $(tail -1 "$W/tests_nvlink.log")"
+wait $TV
+say "test_nvlink_pull_variants.py (2 and 4 GPUs) rc=$?: $(tail -1 "$W/tests_variants.log")"
 grep -hE "^(FAILED|ERROR)" "$W"/tests*.log | head -10 | tee -a "$L"
 
 left=$(( 145 - ($(date +%s) - T0) ))
