@@ -16,6 +16,9 @@ stager slots, else the planned count): every pair whose combine kernel is pull (
 variant, checked like the others; --combine-only times the combine alone.
 
     python3 benchmarks/bench_kernels.py --world 4 --sms 24 48 --pairs fused/pull --combine-variant 0 0/3 1/3 4 5/3 --combine-only
+
+Rows print each protocol's time (cold / queued / hidden [/ aligned]) and, for the stamped protocols, the ranks'
+host-clock spread after the barrier and at the call's return and the slowest host time in the call (protocols.py).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ except ImportError:
 from bench_inputs import E, H, K, ep_config, make_inputs  # noqa: E402
 from bench_launch import init_rank, run_world  # noqa: E402
 from deepep_rows import DeepEP  # noqa: E402
-from protocols import Protocols, measure  # noqa: E402
+from protocols import PROTOCOLS, Protocols, measure  # noqa: E402
 
 # (dispatch_kernel, combine_kernel) pairs; "auto" is what a user gets by default
 PAIRS = (("split", "split"), ("split", "fused"), ("split", "pipelined"), ("fused", "pipelined"), ("split", "pull"),
@@ -68,7 +71,7 @@ def rank_main(rank, world, port, args, q):
     init_rank(rank, world, port)
     inp = make_inputs(args.case, rank, world)
     # hidden: a cold call whose host work is hidden behind a GPU sleep (cold - hidden = the host's share)
-    proto = Protocols(args.warmup, args.iters, ("cold", "queued", "hidden"))
+    proto = Protocols(args.warmup, args.iters, tuple(args.protocols))
     ref = ep_plugin.EPBuffer(None, ep_config("torch", 24), hidden=H)
     ref_out = ref.dispatch(inp.x, inp.idx, inp.w)
     scale = 0.5 + rank  # expert outputs: the received rows scaled per rank, so combine sums distinct values
@@ -82,7 +85,7 @@ def rank_main(rank, world, port, args, q):
         out["rows"].append(r)
         if rank == 0:
             cells = "  ".join(f"{k} " + "/".join(f"{v.get(p + '_us') or float('nan'):6.1f}" for p in proto.kinds)
-                              for k, v in r["ops"].items())
+                              + _skews(v, proto.kinds) for k, v in r["ops"].items())
             print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
 
     runs = []  # (dispatch kernel, combine kernel, pull variant or None, its stage slots or None)
@@ -143,6 +146,13 @@ def rank_main(rank, world, port, args, q):
     dist.destroy_process_group()
 
 
+def _skews(op, kinds):
+    """A row's suffix: protocols.stamp_summary's medians per stamped protocol, where measured."""
+    got = [f"{p} {op[p + '_skew_us']:.0f}/{op[p + '_ret_skew_us']:.0f}/{op[p + '_host_us']:.0f}"
+           for p in kinds if op.get(p + "_skew_us") is not None]
+    return f" [skew after barrier/at return/host us: {', '.join(got)}]" if got else ""
+
+
 def _variant(text):
     """--combine-variant's "V" or "V/S" -> (V, S or None)."""
     v, _, s = str(text).partition("/")
@@ -184,8 +194,11 @@ def main(argv=None):
                     help="dispatch/combine kernel pairs")
     ap.add_argument("--combine-variant", "--pull-variant", nargs="+", default=[], metavar="V[/S]",
                     help="run each pull (or auto) combine pair once per Runtime.pull_variant V (0: as measured so "
-                         "far; +1 / +2 half / quarter stager rows, +4 free load slots), with S stager slots if given")
+                         "far; +1 / +2 half / quarter stager rows, +4 free load slots, +8 contiguous spans per block, +16 x "
+                         "read L2 evict_first), with S stager slots if given")
     ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
+    ap.add_argument("--protocols", nargs="+", default=["cold", "queued", "hidden"], choices=list(PROTOCOLS),
+                    help="protocols.py's; `aligned` (diagnostic) separates the start skew from a cold L2")
     ap.add_argument("--no-deepep", action="store_true")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))

@@ -9,8 +9,19 @@ queued: the host enqueues all iterations back to back after one tiny all-reduce 
     this is the kernels' view (unless the call itself waits on the host).
 host hidden (optional, "hidden"): the cold call's start (L2 flushed, device drained, ranks aligned),
     but the call is enqueued behind a GPU sleep (SLEEP_CYCLES, ~1.5 ms) long enough for the host to
-    queue all of it, so the time is the kernels' own from a cold L2 and aligned GPUs. cold - hidden is
+    queue all of it, so the time is the kernels' own from a cold L2 and GPUs aligned as well as the hosts
+    leave the barrier together (the sleeps start then; see aligned). cold - hidden is
     the host's share of a cold call (a call that waits on the host inside keeps that wait).
+aligned (optional, diagnostic): hidden's start, and then one tiny all-reduce on the stream after the sleep,
+    so every GPU starts the call within NCCL's latency of the others (the queued protocol's alignment) from a
+    flushed L2 with the host hidden. hidden - aligned is what the ranks' start skew costs the call; aligned -
+    queued what a cold L2 (and cold translations) cost it.
+
+cold, hidden and aligned stamp the host clock (CLOCK_MONOTONIC, one clock for every process on the host)
+after the barrier and when the call returns; `measure` reports per protocol the median over iterations of
+the ranks' spread after the barrier (`<p>_skew_us`), of the slowest rank's host time in the call
+(`<p>_host_us`) and of the spread of the calls' returns (`<p>_ret_skew_us`): in a cold call the kernels
+start about when the calls return, so that spread is about the start skew the slowest rank waits out.
 
 Each protocol runs `warmup` untimed calls, then `iters` timed ones; a rank keeps its median. Every
 rank then shares its numbers (`measure`), so all ranks hold the same per-rank lists and the slowest
@@ -22,6 +33,7 @@ untimed combine and the other way round (`measure_low_latency`).
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -30,7 +42,8 @@ import torch.distributed as dist
 FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
 SLEEP_CYCLES = 3_000_000  # ~1.5 ms at H100/H200 clocks: more than any call's host time
 Hook = Optional[Callable[[], object]]  # an untimed call around the timed one
-PROTOCOLS = ("cold", "queued", "hidden")
+PROTOCOLS = ("cold", "queued", "hidden", "aligned")
+STAMPED = ("cold", "hidden", "aligned")  # protocols whose host stamps measure() summarises
 
 
 def _call(fn: Hook) -> None:
@@ -46,6 +59,7 @@ class Protocols:
         self.warmup, self.iters, self.kinds = warmup, iters, tuple(kinds)
         self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self._tok = torch.zeros(1, device="cuda")
+        self.stamps: Dict[str, List[tuple]] = {}  # protocol -> [(ns after the barrier, ns at return)] per call
 
     def _events(self):
         return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -65,21 +79,31 @@ class Protocols:
         """Per-call times (us) of a cold call whose host work is hidden behind a GPU sleep."""
         return self._cold(fn, before, after, hide_host=True)
 
-    def _cold(self, fn, before, after, hide_host: bool) -> List[float]:
+    def aligned(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
+        """Per-call times (us) of a cold call started together on every GPU, host hidden (see the module)."""
+        return self._cold(fn, before, after, hide_host=True, align=True)
+
+    def _cold(self, fn, before, after, hide_host: bool, align: bool = False) -> List[float]:
         self._warm(fn, before, after)
         evs = self._events()
+        stamps = []
         for a, b in evs:
             _call(before)
             self._flush.zero_()
             torch.cuda.synchronize()
             dist.barrier()  # NCCL's barrier also waits on the host for its all-reduce
+            t0 = time.perf_counter_ns()
             if hide_host:
                 torch.cuda._sleep(SLEEP_CYCLES)
+            if align:
+                dist.all_reduce(self._tok)  # on the stream: the GPUs leave it together, behind every sleep
             a.record()
             fn()
+            stamps.append((t0, time.perf_counter_ns()))
             b.record()
             _call(after)
         torch.cuda.synchronize()
+        self.stamps["aligned" if align else "hidden" if hide_host else "cold"] = stamps
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
     def queued(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
@@ -125,14 +149,32 @@ def measure(proto: Protocols, fn: Callable[[], object], protocols=None, *,
             torch.cuda.synchronize()
         except Exception:
             pass
+    stamps = {p: proto.stamps.get(p) for p in protocols if p in STAMPED and not err}
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, err))
-    out: Dict = {"error": next((f"rank {r}: {e}" for r, (_, e) in enumerate(every) if e), None)}
+    dist.all_gather_object(every, (mine, err, stamps))
+    out: Dict = {"error": next((f"rank {r}: {e}" for r, (_, e, _) in enumerate(every) if e), None)}
     for p in protocols:
         for key in (f"{p}_us", f"{p}_min_us"):
-            vals = [m.get(key) for m, _ in every]
+            vals = [m.get(key) for m, _, _ in every]
             out[key] = None if out["error"] or any(v is None for v in vals) else [round(v, 2) for v in vals]
+        if p in STAMPED and not out["error"]:
+            out.update(stamp_summary(p, [s.get(p) for _, _, s in every]))
     return out
+
+
+def stamp_summary(p: str, per_rank) -> Dict:
+    """From each rank's [(after barrier, at return)] ns stamps of protocol p: the medians over iterations of
+    the ranks' spread after the barrier, of the slowest rank's time in the call and of the returns' spread (us)."""
+    if not per_rank or any(not s for s in per_rank) or len({len(s) for s in per_rank}) != 1:
+        return {}
+    its = list(zip(*per_rank))  # per iteration: one (t0, t1) per rank
+
+    def med(f):
+        return round(statistics.median(f(it) for it in its) / 1e3, 2)
+
+    return {f"{p}_skew_us": med(lambda it: max(t0 for t0, _ in it) - min(t0 for t0, _ in it)),
+            f"{p}_host_us": med(lambda it: max(t1 - t0 for t0, t1 in it)),
+            f"{p}_ret_skew_us": med(lambda it: max(t1 for _, t1 in it) - min(t1 for _, t1 in it))}
 
 
 # the low-latency ops, under a prefix per library ("ep_ll.", "deepep_ll."): the full calls, then the two

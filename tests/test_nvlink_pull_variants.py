@@ -1,7 +1,8 @@
 """The pull combine's variants (Runtime.pull_variant, csrc/nvlink/combine_pull_tma.cu) against the torch
 backend, on real NCCL groups of 2 and 4 GPUs: every variant with several stager slot counts gives the same
-y as variant 0 bit for bit (they change which shared-memory slot a row goes through and how the stager
-cuts rows, never the order of a token's sum), and y equals the torch backend's within BF16 rounding.
+y as variant 0 bit for bit (they change which shared-memory slot a row goes through, how the stager
+cuts rows, which block takes which tokens and positions and the L2 policy of x's reads, never the order of a
+token's sum), and y equals the torch backend's within BF16 rounding.
 
 Shapes: the benchmark's (4096 tokens, hidden 7168, 256 experts, top-8: many sub-chunks, every load slot
 reused many times), hidden 2048 (the load ring capped at 32 slots: the full free mask), and hidden 16384
@@ -16,7 +17,8 @@ from tests._dist import spawn
 from tests.reference import make_inputs
 
 WORLDS = (2, 4)
-VARIANTS = (0, 1, 2, 4, 5, 6)  # +1 / +2: stager half / quarter rows; +4: free load slots
+# +1 / +2: stager half / quarter rows; +4: free load slots; +8: contiguous spans per block; +16: x read evict_first
+VARIANTS = (0, 1, 2, 4, 5, 6, 8, 12, 16, 24, 29)
 RING_BYTES = 224 * 1024  # combine_pull_tma.cu kPullRingBytes
 LOAD_MAX_SLOTS = 32
 
@@ -76,9 +78,9 @@ def check_variants(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, slots
 
 def body(rank, world):
     torch.cuda.set_device(rank)
-    # the knob's values: 3 would be split 8, 7 too
+    # the knob's values: 3 would be split 8, 7 and 11 too; 32 is no bit of a variant
     nv = _buf("nvlink", 8 * world, 4, 2048, 512)
-    for bad in (-1, 3, 7, 8):
+    for bad in (-1, 3, 7, 11, 32):
         with pytest.raises(ValueError, match="pull_variant"):
             nv._backend._rt.pull_variant = bad
     nv.close()

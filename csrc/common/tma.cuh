@@ -41,19 +41,35 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// An L2 eviction policy for tma_load's `policy`: the lines a copy brings in are evicted before normal ones
+// (a stream read once).
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t p = 0;
+#ifndef EP_NO_TMA
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+
 // Global -> shared, `bytes` (multiple of 16, both addresses 16-byte aligned); completes on bar, whose
-// phase also expects the bytes.
-__device__ __forceinline__ void tma_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+// phase also expects the bytes. hinted: with the L2 cache policy `policy` (l2_policy_evict_first).
+__device__ __forceinline__ void tma_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar,
+                                         bool hinted = false, uint64_t policy = 0) {
 #ifdef EP_NO_TMA
   __trap();
 #else
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(smem_dst)),
-      "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
+  if (hinted)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
+            "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(smem_dst)),
+                 "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
 #endif
 }
 
@@ -134,10 +150,11 @@ struct BulkRing {
   __device__ bool full() const { return head - tail >= nslot - kLag; }
   __device__ bool empty() const { return head == tail; }
   __device__ int slot_of(int n) const { return n % nslot; }
-  __device__ void load(const void* src, uint32_t bytes) {
+  // hinted / policy: tma_load's
+  __device__ void load(const void* src, uint32_t bytes, bool hinted = false, uint64_t policy = 0) {
     tma_store_wait_read<kLag>();
     const int s = slot_of(head);
-    tma_load(buf + static_cast<size_t>(s) * slot_bytes, src, bytes, &bar[s]);
+    tma_load(buf + static_cast<size_t>(s) * slot_bytes, src, bytes, &bar[s], hinted, policy);
     ++head;
   }
   // The oldest item's data, once loaded (a bulk load in flight always completes: no deadline).

@@ -46,6 +46,16 @@
 //     once they have read a slot; mbarrier parities per slot travel in the descriptor) and loads the own
 //     row after the remote ones. A token still holds its slots until its slowest row, but no token waits
 //     for another's.
+//   +8, spans (session 5, for the cold call): each block's loader takes a contiguous span of 7/8 of the
+//     tokens (then the last eighth from the work queue, for balance) and its stager a contiguous span of
+//     7/8 of each owner's positions (the last eighth strided), so each SM touches ~1/G of x, y and every
+//     area instead of all of them. In variant 0 every SM's loads and stores sweep the whole ~600 MB a
+//     combine touches (x 212 MB, own area 159, peers' areas 159, y 59 at EP4), all ~290 of its 2 MB
+//     pages, with 24-48 SMs each warming its own translations after the cold call's flush; DeepEP's
+//     channels touch contiguous slices. Costs: skewed routing unbalances the spans (the queued eighth
+//     evens out a few %).
+//   +16, evict_first x: the stager's and the own-row reads of x (read once) are L2 evict_first, so the
+//     staged rows the peers are about to read stay in the holder's L2 (their reads are latency-bound).
 // Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
 // token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
@@ -78,9 +88,12 @@ constexpr int kPend = 64;                   // stager: ring items between loaded
 
 // Runtime::pull_variant, passed in launch_combine_pull_tma's diag above its low 4 bits (diag >> 4):
 //   bits 0-1: the stager's item is a row / 2^v (0: whole rows, today's; 1: halves; 2: quarters);
-//   bit 2 (kVarFreeSlots): load slots from a free mask instead of in ring order, own row loaded last.
+//   bit 2 (kVarFreeSlots): load slots from a free mask instead of in ring order, own row loaded last;
+//   bit 3 (kVarSpans): each block owns a contiguous span of 7/8 of the tokens (its loader) and of every
+//     owner's staged positions (its stager), the last eighth queued / strided as in variant 0;
+//   bit 4 (kVarEvictX): the reads of x (staged rows, own rows: read once) are L2 evict_first.
 // Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
-constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kMaxSplit = 4;
+constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kMaxSplit = 4;
 
 struct TokenDesc {
   int t;        // token
@@ -94,6 +107,13 @@ __device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, in
 }
 
 __device__ __forceinline__ void spin_pause() { __nanosleep(20); }
+
+// kVarSpans: block b's share of n items is [span_of(n, b), span_of(n, b + 1)); the last kSpanTail-th of the
+// items are not in the spans (queued or strided, for balance).
+constexpr int kSpanTail = 8;
+__device__ __forceinline__ int span_of(int n, int b) {
+  return static_cast<int>(static_cast<long long>(n) * b / gridDim.x);
+}
 
 template <int MAXW, int U, bool kFree>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -118,6 +138,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int row_bytes = c.hidden * 2;
   const int variant = diag >> 4;
   diag &= 15;
+  const bool spans = variant & kVarSpans, evict_x = variant & kVarEvictX;
+  const uint64_t x_policy = evict_x ? l2_policy_evict_first() : 0;
   // diag & 4 (benchmarks: nvlink_phases.py --pull-profile): blocks 0 and the last print where their loader
   // and stager spent the call, in SM cycles (clock64): waits on a peer's COMBINE_READY, on a free load
   // slot, on a free descriptor, and the whole role.
@@ -150,10 +172,6 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     if (lane == 0) {
       char* area = c.peers[me] + c.off_combine;
       const int npeers = W - 1;
-      int max_subs = 0;
-      for (int o = 0; o < W; ++o)
-        if (o != me) max_subs = max(max_subs, (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub);
-      const int nunits = max_subs * npeers;
       int published = 0;
       auto publish = [&](int done) {  // releases the sub-chunks whose last item is below `done`
         bool fenced = false;
@@ -184,13 +202,13 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       };
       const long long t_stage = tic();
       fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
-      for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
-        const int o = (me + 1 + u % npeers) % W;
-        const int sub = u / npeers, q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
-        if (q0 >= cnt) continue;
+      // owner o's sub-chunk `sub`: x -> shared -> area, its flag once written (publish)
+      auto stage_unit = [&](int o, int sub) {
+        const int q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
+        if (q0 >= cnt) return;
         if (diag & 2) {  // benchmarks: the loads alone
           st_release_sys(ready_at(c, o, me, sub), ce);
-          continue;
+          return;
         }
         // the sub-chunk's rows are contiguous in x and in the area: item j is at j * item_bytes in both
         const int n = min(kCombineSub, cnt - q0) * split;
@@ -200,9 +218,31 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           while (ring.full()) store_oldest();
           dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * item_bytes;
           s_pend[ring.head % kPend] = j == n - 1 ? o * c.combine_subs + sub + 1 : 0;
-          ring.load(src0 + static_cast<size_t>(j) * item_bytes, item_bytes);
+          ring.load(src0 + static_cast<size_t>(j) * item_bytes, item_bytes, evict_x, x_policy);
         }
+      };
+      // Owner k's (o = me + 1 + k) sub-chunks from first[k] on are strided over blocks, the owners interleaved
+      // (all of them in variant 0). kVarSpans: this block first stages sub-chunks [b * F / G, (b + 1) * F / G)
+      // of every owner, F = first[k] = 7/8 of the owner's S sub-chunks, the owners interleaved from one rotated
+      // by block: about the positions an owner's block b loads in its token span (positions rise with tokens),
+      // so a block's pages stay few; the last eighth is strided, as the loaders' last eighth is queued.
+      int first[kMaxRanks], most_tail = 0;
+      for (int k = 0; k < npeers; ++k) {
+        const int o = (me + 1 + k) % W, S = (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub;
+        first[k] = spans ? S - S / kSpanTail : 0;
+        most_tail = max(most_tail, S - first[k]);
       }
+      if (spans) {
+        int most = 0;
+        for (int k = 0; k < npeers; ++k) most = max(most, span_of(first[k], blockIdx.x + 1) - span_of(first[k], blockIdx.x));
+        for (int j = 0; j < most; ++j)
+          for (int kk = 0; kk < npeers; ++kk) {
+            const int k = (kk + blockIdx.x) % npeers, sub = span_of(first[k], blockIdx.x) + j;
+            if (sub < span_of(first[k], blockIdx.x + 1)) stage_unit((me + 1 + k) % W, sub);
+          }
+      }
+      for (int u = blockIdx.x; u < most_tail * npeers; u += gridDim.x)
+        stage_unit((me + 1 + u % npeers) % W, first[u % npeers] + u / npeers);
       while (!ring.empty()) store_oldest();
       tma_store_wait_all();
       publish(ring.tail);
@@ -255,11 +295,25 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       fence_proxy_async();  // the acquired rows before the bulk load reads them
       return true;
     };
+    // the own row at position pos of x (kVarEvictX: evict_first, read once)
+    auto load_own = [&](char* dst, int pos, uint64_t* bar) {
+      tma_load(dst, x + static_cast<size_t>(s_off[me] + pos) * row_bytes, row_bytes, bar, evict_x, x_policy);
+    };
     if (lane == 0) fence_proxy_async();
+    // kVarSpans: chunks [b * F / G, (b + 1) * F / G) in order, F = 7/8 of them (the stager's spans), then
+    // the last eighth from the work queue (for balance: a static span's rows vary by a few %); variant 0:
+    // every chunk from the queue.
+    const int queued0 = spans ? nchunks - nchunks / kSpanTail : 0;
+    int span_next = span_of(queued0, blockIdx.x);
+    const int span_end = span_of(queued0, blockIdx.x + 1);
     while (!failed) {
       int chunk = 0;
-      if (lane == 0) chunk = static_cast<int>(atomicAdd(c.counters + C_QUEUE, 1u));
-      chunk = __shfl_sync(kFull, chunk, 0);
+      if (span_next < span_end) {
+        chunk = span_next++;
+      } else {
+        if (lane == 0) chunk = queued0 + static_cast<int>(atomicAdd(c.counters + C_QUEUE, 1u));
+        chunk = __shfl_sync(kFull, chunk, 0);
+      }
       if (chunk >= nchunks) break;
       const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
       for (int i = lane; i < nt * W; i += 32) s_pos[i] = send_pos[static_cast<size_t>(t0) * W + i];
@@ -302,8 +356,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
             }
             if (own >= 0 && !failed) {
               const int ls = claim();
-              tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + own) * row_bytes,
-                       row_bytes, &s_lbar[ls]);
+              load_own(load_buf + static_cast<size_t>(ls) * row_bytes, own, &s_lbar[ls]);
               d.ls[me] = static_cast<unsigned char>(ls | (((par >> ls) & 1u) << 7));
               par ^= 1u << ls;
               d.present |= 1 << me;
@@ -325,8 +378,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
                 const long long ts = tic();
                 while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
                 p_slot += tic() - ts;
-                tma_load(load_buf + static_cast<size_t>(ls) * row_bytes, x + static_cast<size_t>(s_off[me] + pos) * row_bytes,
-                         row_bytes, &s_lbar[ls]);
+                load_own(load_buf + static_cast<size_t>(ls) * row_bytes, pos, &s_lbar[ls]);
                 d.present |= 1 << r;
                 ++item;
                 continue;
