@@ -33,8 +33,8 @@ wait $TV
 say "test_nvlink_pull_variants.py (2 and 4 GPUs) rc=$?: $(tail -1 "$W/tests_variants.log")"
 grep -hE "^(FAILED|ERROR)" "$W"/tests*.log | head -10 | tee -a "$L"
 
-left=$(( 145 - ($(date +%s) - T0) ))
-[ $left -gt 60 ] && left=60
+left=$(( ${CC_BUDGET_S:-145} - ($(date +%s) - T0) ))
+[ $left -gt ${CC_AB_MAX_S:-60} ] && left=${CC_AB_MAX_S:-60}
 if [ $left -gt 20 ]; then
   timeout -k 5 $left python3 benchmarks/bench_kernels.py --world 4 --sms 24 48 --pairs auto/pull auto/fused --combine-only \
     --combine-variant 0/4 8/4 16/4 24/4 12/4 0/4 --protocols cold queued hidden aligned --out "$W" > "$W/ab.log" 2>&1
