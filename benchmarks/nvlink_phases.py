@@ -90,12 +90,12 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
     def pull_variant(slots, diag, variant=0):  # comm.combine_kernel pull with Runtime.pull_stage_slots /
         def call():                            # pull_diag / pull_variant set
-            old = rt.pull_stage_slots
+            old, old_variant = rt.pull_stage_slots, rt.pull_variant
             rt.pull_stage_slots, rt.pull_diag, rt.pull_variant = slots, diag, variant
             try:
                 mode("combine_mode", "pull", lambda: buf.combine(first.x, first.handle))()
             finally:
-                rt.pull_stage_slots, rt.pull_diag, rt.pull_variant = old, 0, 0
+                rt.pull_stage_slots, rt.pull_diag, rt.pull_variant = old, 0, old_variant
         return call
 
     cases = {

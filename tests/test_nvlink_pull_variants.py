@@ -56,7 +56,7 @@ def check_variants(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, slots
     full = torch.zeros_like(a.x)
     full[:R] = rows
     be, rt = nv._backend, nv._backend._rt
-    mode0, slots0 = be.combine_mode, rt.pull_stage_slots
+    mode0, slots0, variant0 = be.combine_mode, rt.pull_stage_slots, rt.pull_variant
     be.combine_mode = "pull"
     base = None
     try:
@@ -73,7 +73,7 @@ def check_variants(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, slots
                         base = y.clone()
                     assert torch.equal(y, base), ctx + ": not bit for bit variant 0's"
     finally:
-        be.combine_mode, rt.pull_stage_slots, rt.pull_variant = mode0, slots0, 0
+        be.combine_mode, rt.pull_stage_slots, rt.pull_variant = mode0, slots0, variant0
 
 
 def body(rank, world):

@@ -91,7 +91,9 @@ constexpr int kPend = 64;                   // stager: ring items between loaded
 //   bit 2 (kVarFreeSlots): load slots from a free mask instead of in ring order, own row loaded last;
 //   bit 3 (kVarSpans): each block owns a contiguous span of 7/8 of the tokens (its loader) and of every
 //     owner's staged positions (its stager), the last eighth queued / strided as in variant 0;
-//   bit 4 (kVarEvictX): the reads of x (staged rows, own rows: read once) are L2 evict_first.
+//   bit 4 (kVarEvictX): the reads of x (staged rows, own rows: read once) are L2 evict_first -- the default
+//     (Runtime::pull_variant_ = 16) since session 5: 2% faster queued and aligned at EP4 24 SMs, level at 48;
+//     +8 (spans) lost 18-36% in the same run (benchmarks/NOTES_nvlink.md, "Cold combine at EP4, session 5").
 // Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
 constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kMaxSplit = 4;
 

@@ -44,8 +44,8 @@ void bind_nvlink(py::module_& m) {
                     "prints its loader's and stager's wait cycles")
       .def_property("pull_variant", &Runtime::pull_variant, &Runtime::set_pull_variant,
                     "the pull combine's variant for A/B runs (same y): +1 / +2 stager moves half / quarter rows, "
-                    "+4 load slots from a free mask, +8 contiguous spans per block, +16 x read L2 evict_first; 0 as "
-                    "measured so far")
+                    "+4 load slots from a free mask, +8 contiguous spans per block, +16 x read L2 evict_first (the default: "
+                    "16; 0 is the kernel as measured before session 5)")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"))
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
