@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "common/error.h"
+#include "layout/contract_order.h"
 #include "layout/layout.h"
 #include "layout/merge_repeats.h"
 #include "python/bindings.h"
@@ -47,6 +48,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out_idx"), py::arg("out_weights"), py::arg("num_tokens"),
       py::arg("num_topk"), py::arg("stream"),
       "A later slot naming an earlier slot's expert -> -1; weights summed per expert (0 pointers: no weights)");
+  m.def(
+      "contract_order",
+      [](uintptr_t recv_off, uintptr_t recv_src, int nodes, int per_node, int max_tokens, int rows, uintptr_t counts,
+         uintptr_t pos, uintptr_t stream) {
+        ep::launch_contract_order(ptr<const int>(recv_off), ptr<const int>(recv_src), nodes, per_node, max_tokens, rows,
+                                  ptr<int64_t>(counts), ptr<int64_t>(pos), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("recv_off"), py::arg("recv_src"), py::arg("nodes"), py::arg("per_node"), py::arg("max_tokens"),
+      py::arg("rows"), py::arg("counts"), py::arg("pos"), py::arg("stream"),
+      "The internode contract order: rows per source rank (int64 [nodes*per_node]) and each row's position (int64 "
+      "[rows]) from the inner dispatch's recv_off (int32 [per_node + 1]) and recv_src (int32 [rows])");
   ep::bind_nvlink(m);
   // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
 #ifdef EP_WITH_NVSHMEM

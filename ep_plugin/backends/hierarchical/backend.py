@@ -72,8 +72,35 @@ def contract_positions(recv_counts: torch.Tensor, nodes: int, per_node: int, row
     return torch.where(valid, contract_start[bc] + i - inner_start[bc], i)
 
 
+@functools.lru_cache(maxsize=1)
+def _contract_kernel():
+    """_C.contract_order where the extension has it (a build older than the kernel does not), else None."""
+    from ... import _ext
+
+    return getattr(_ext.get_c(), "contract_order", None) if _ext.has_c() else None
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int, max_tokens: int,
                    rows: int):
+    """contract_order_torch's result; on the GPU one launch (csrc/layout/contract_order.cu) instead of ~17
+    small ops, which kept the fresh 2x2 dispatch's stream waiting on the host."""
+    kernel = _contract_kernel() if recv_src.is_cuda and _raw_stream is not None else None
+    if (kernel is None or recv_off.dtype != torch.int32 or recv_src.dtype != torch.int32
+            or recv_off.numel() != per_node + 1 or not recv_src.is_contiguous() or not recv_off.is_contiguous()):
+        return contract_order_torch(recv_off, recv_src, nodes, per_node, max_tokens, rows)
+    dev = recv_src.device
+    counts = torch.empty(nodes * per_node, dtype=torch.int64, device=dev)
+    pos = torch.empty(rows, dtype=torch.int64, device=dev)
+    kernel(recv_off.data_ptr(), recv_src.data_ptr(), nodes, per_node, max_tokens, rows, counts.data_ptr(),
+           pos.data_ptr(), _raw_stream(dev.index))
+    return counts, pos
+
+
+def contract_order_torch(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int,
+                         max_tokens: int, rows: int):
     """(recv_counts [W] int64, positions [rows] int64), read off the inner exchange on the device (no
     exchange of counts, no host wait): row i came from forwarder l (recv_off[l] <= i < recv_off[l + 1],
     recv_off [P + 1]) out of its slot recv_src[i] = s*M + t, i.e. from rank g = s*P + l, and goes to
