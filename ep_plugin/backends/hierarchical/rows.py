@@ -24,7 +24,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     for size, dtype in _WORDS:
         if size >= t.element_size() and row_bytes % size == 0 and t.data_ptr() % size == 0:
-            return t.reshape(t.shape[0], row_bytes // t.element_size()).view(dtype)
+            if t.dim() > 2:  # rows of one dimension first (2-D, the usual case, costs one view op on the host)
+                t = t.reshape(t.shape[0], row_bytes // t.element_size())
+            return t.view(dtype)
     return t
 
 
