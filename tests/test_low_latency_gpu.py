@@ -234,11 +234,16 @@ def body_held_copy(rank, world, out_dir):
 
 
 # The direct dispatch's variant bits (engine.kernel_flags; csrc/nvshmem/ll_device.cuh): row-major FP8 scales,
-# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait.
-# Each alone, then all together.
+# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait,
+# store addresses made once with FP8 scales stored by a group's lanes, the first row's loads at entry.
+# Each alone, the lean stores on the default (64) with and without the others it meets, then all together
+# (where kScalesRowMajor leaves the lanes' scale stores out: LEAN_SETS puts them in a CUDA graph).
 SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
-ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD
-DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, ALL_DIRECT_FLAGS]
+LEAN_STORES, EARLY_ROW = 256, 512
+ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW
+LEAN_SETS = [COUNT_WORDS | LEAN_STORES, COUNT_WORDS | LEAN_STORES | PRELOAD | EARLY_ROW,
+             COUNT_WORDS | LEAN_STORES | FP8_WIDE]
+DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, *LEAN_SETS, ALL_DIRECT_FLAGS]
 
 
 def body_direct_flags(rank, world, out_dir):
@@ -258,9 +263,9 @@ def body_direct_flags(rank, world, out_dir):
         for flags in DIRECT_FLAG_SETS:
             auto._low_latency.kernel_flags = flags
             kinds = [(True, False)]
-            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD):
+            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW):
                 kinds.append((False, False))
-            if flags == ALL_DIRECT_FLAGS:
+            if flags == ALL_DIRECT_FLAGS or flags & LEAN_STORES:
                 kinds.append((True, True))
             for tokens, mode in CASES:
                 for use_fp8, round_scale in kinds:
@@ -268,7 +273,7 @@ def body_direct_flags(rank, world, out_dir):
                     check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
             seed += 1
             check_case(auto, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
-            if flags == ALL_DIRECT_FLAGS:
+            if flags == ALL_DIRECT_FLAGS or flags in LEAN_SETS[:2]:
                 seed += 1
                 check_case(auto, ref, rank, E_l, K, hidden, [0, M], "random", seed, False, False, hook=True)
                 if hidden == 7168:
@@ -432,6 +437,7 @@ def fault_parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ll_faults")
     parts = []
     for name, body, args in (("mask", body_mask, ()), ("mask_flags", body_mask, (2, ALL_DIRECT_FLAGS)),
+                             ("mask_lean", body_mask, (2, LEAN_SETS[1])),
                              ("timeout", body_timeout, ())):
         (root / name).mkdir()
         parts.append((name, body, (str(root / name), *args)))
@@ -448,6 +454,13 @@ def test_mask_with_direct_dispatch_flags(fault_parts):
     root, parts = fault_parts
     parts["mask_flags"].check()
     _check_results(root / "mask_flags")
+
+
+def test_mask_with_lean_stores(fault_parts):
+    """The lane-stored scales and the early row (with the default's count words) past a left-out rank."""
+    root, parts = fault_parts
+    parts["mask_lean"].check()
+    _check_results(root / "mask_lean")
 
 
 TIMEOUT_S = 2.0
