@@ -54,27 +54,35 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
 }
 
 
-// y's unit j of a token: the weighted sum of its nk rows' unit j (k order), v[u] = row u's unit j.
-__device__ __forceinline__ int4 weighted_sum(const int4* v, const float* w, int nk) {
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+// acc += w[u] * v[u] for u < min(n, 8), in u (= k) order, the multiply and the add rounded apart.
+__device__ __forceinline__ void accumulate_rows(float (&acc)[8], const int4* v, const float* w, int n) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
-    if (u >= nk) break;
+    if (u >= n) break;
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+    const float wu = w[u];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w[u], f.x));
-      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w[u], f.y));
+      acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wu, f.x));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wu, f.y));
     }
   }
+}
+
+__device__ __forceinline__ int4 to_bf16_unit(const float (&acc)[8]) {
   int4 out;
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
   return out;
+}
+
+// y's unit j of a token: the weighted sum of its nk <= 8 rows' unit j (k order), v[u] = row u's unit j.
+__device__ __forceinline__ int4 weighted_sum(const int4* v, const float* w, int nk) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  accumulate_rows(acc, v, w, nk);
+  return to_bf16_unit(acc);
 }
 
 // kLoadsAhead: a token's units j and j + blockDim.x (j = threadIdx.x), up to 8 rows each, all 16 loads
@@ -197,24 +205,9 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
         for (int u = 0; u < 8; ++u)
           if (q0 + u < nk)
             v[u] = ld_nc_v4(s_row[q0 + u] + j);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (q0 + u >= nk) break;
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-          const float w = s_w[q0 + u];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
-            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
-          }
-        }
+        accumulate_rows(acc, v, s_w + q0, nk - q0);
       }
-      int4 out;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      y[static_cast<long long>(t) * n16 + j] = out;
+      y[static_cast<long long>(t) * n16 + j] = to_bf16_unit(acc);
     }
     __syncthreads();
   }
