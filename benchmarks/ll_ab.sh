@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The FP8 direct dispatch's lean-store bits and the combine receive's loads ahead (engine.kernel_flags 256,
-# 512, 1024; docs/LOW_LATENCY.md, "The FP8 dispatch against DeepEP's: bytes, floor, lean stores") against
-# the default (64), on a 4-GPU host after
+# The FP8 direct dispatch's lean-store bits, the combine receive's loads ahead and the 8-deep row copies
+# (engine.kernel_flags 256, 512, 1024, 2048; docs/LOW_LATENCY.md, "The FP8 dispatch against DeepEP's:
+# bytes, floor, lean stores") against the default (64), on a 4-GPU host after
 # the builds (benchmarks/device_build.sh; DeepEP v1.2.1 at /tmp/deepep). Budget LL_AB_BUDGET_S (145 s);
 # every step under `timeout`, and a step that no longer fits is skipped:
 #   1. bench_decode_pair.py at EP2 (GPUs 0,1), then EP4 (0-3): DeepEP V1 in a process of its own, then ours
-#      in one process -- default (64), lean (64|256), early (64|128|256|512), ahead (64|1024), all_new
-#      (64|128|256|512|1024), lean_wide (64|256|32), and default again last (the drift of the machine between
-#      the first and the last variant) -- graph cold and graph queued, BF16 and FP8; EP2 also traces the
-#      kernels of default, all_new and DeepEP (--profile 3);
+#      in one process -- default (64), lean (64|256), early (64|128|256|512), ahead (64|1024), copy8
+#      (64|2048), all_new (64|128|256|512|1024|2048), and default again last (the drift of the machine
+#      between the first and the last variant) -- graph cold and graph queued, BF16 and FP8; EP2 also traces
+#      the kernels of default, all_new and DeepEP (--profile 3);
 #   2. the merge: the table, and each variant's ratios to DeepEP and to default (< 1: faster);
 #   3. tests/test_low_latency_gpu.py at EP2 with the time left (each new bit against the torch reference:
 #      FP8 with and without round_scale, BF16, hooks, CUDA graphs, a masked rank; bit-exact outputs).
@@ -26,7 +26,7 @@ T0=$(date +%s)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's ep_plugin (built in place by device_build.sh)
 [ -d /tmp/deepep ] && export PYTHONPATH=$PYTHONPATH:/tmp/deepep
 VARIANTS="default lean:eng.kernel_flags=320 early:eng.kernel_flags=960 ahead:eng.kernel_flags=1088"
-VARIANTS="$VARIANTS all_new:eng.kernel_flags=1984 lean_wide:eng.kernel_flags=352 default_again:eng.kernel_flags=64"
+VARIANTS="$VARIANTS copy8:eng.kernel_flags=2112 all_new:eng.kernel_flags=4032 default_again:eng.kernel_flags=64"
 PROTOCOLS="graph_cold graph_queued"
 left() { echo $(( B - ($(date +%s) - T0) )); }
 say() { echo "$*" | tee -a "$LOG"; }

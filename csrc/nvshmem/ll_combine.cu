@@ -8,6 +8,9 @@
 // a thread whose token has two 16-byte units per thread (H <= 16 * blockDim, K <= 8) issues the loads of
 // both units' rows before any sum, instead of one unit's after the other's. The sums are the same, in the
 // same k order: the output is bit-identical.
+// kCopy8 (the send half): a warp's share of a row (~448 units at H = 7168 when rows are fewer than
+// warps) is 14 units per lane, i.e. four rounds of load-then-store at 4 loads in flight, each round one
+// HBM latency before its stores can go; at 8 in flight it is two.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -19,7 +22,7 @@ namespace ll {
 namespace {
 
 __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slot, const int* recv_count,
-                          bool skip_self, int* smem, bool* any_rdma) {
+                          bool skip_self, int* smem, bool* any_rdma, bool copy8) {
   const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
   const int MK = M * c.max_topk;
   int* s_cnt = smem;
@@ -44,7 +47,10 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
     char* base = c.peer[s];
     // P2P: straight into the source's row; RDMA: into this rank's staging row, then a put
     char* row = base != nullptr ? base + off : c.heap + c.comb_stage + in_row * c.hidden * 2;
-    warp_copy_units<4>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
+    if (copy8)
+      warp_copy_units<8>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
+    else
+      warp_copy_units<4>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
     if (base == nullptr) {  // compiled, not run here (no NIC on the GPU machines)
       __syncwarp();
       nvshmemx_putmem_nbi_warp(c.heap + off, row, static_cast<size_t>(c.hidden) * 2, s);
@@ -223,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma);
+    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, (phases & kCopy8) != 0);
     if (any_rdma) nvshmem_quiet();
     if (last_block(ticket(c, kTicketCombSend))) {
       signal_ranks(c, c.comb_flag[p], epoch);
