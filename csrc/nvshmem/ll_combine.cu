@@ -221,6 +221,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 
 }  // namespace
 
+template <bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
                const float* weights, int T, int K, int phases, int4* y, const int* self_pos) {
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, (phases & kCopy8) != 0);
+    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0);
     if (any_rdma) nvshmem_quiet();
     if (last_block(ticket(c, kTicketCombSend))) {
       signal_ranks(c, c.comb_flag[p], epoch);
@@ -240,11 +241,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (phases & kRecv) {
     __syncthreads();
     reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
-                  (phases & kLoadsAhead) != 0);
+                  kDeep && (phases & kLoadsAhead) != 0);
     if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
       c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
   }
 }
+
+template __global__ void combine<false>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
+                                        int, int, int4*, const int*);
+template __global__ void combine<true>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
+                                       int, int, int4*, const int*);
 
 }  // namespace ll
 }  // namespace ep
