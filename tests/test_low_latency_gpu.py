@@ -234,11 +234,19 @@ def body_held_copy(rank, world, out_dir):
 
 
 # The direct dispatch's variant bits (engine.kernel_flags; csrc/nvshmem/ll_device.cuh): row-major FP8 scales,
-# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait.
-# Each alone, then all together.
+# token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait,
+# store addresses made once with FP8 scales stored by a group's lanes, the first row's loads at entry, and
+# the combine receive's loads ahead (picks before the signal wait, a thread's rows all in flight), and 8
+# loads in flight per lane in the row copies (combine send; the slot path's dispatch receive).
+# Each alone, the lean stores on the default (64) with and without the others it meets, then all together
+# (where kScalesRowMajor leaves the lanes' scale stores out: LEAN_SETS puts them in a CUDA graph).
 SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
-ALL_DIRECT_FLAGS = SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD
-DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, ALL_DIRECT_FLAGS]
+LEAN_STORES, EARLY_ROW, LOADS_AHEAD, COPY8 = 256, 512, 1024, 2048
+ALL_DIRECT_FLAGS = (SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW
+                    | LOADS_AHEAD | COPY8)
+LEAN_SETS = [COUNT_WORDS | LEAN_STORES, COUNT_WORDS | LEAN_STORES | PRELOAD | EARLY_ROW | LOADS_AHEAD | COPY8,
+             COUNT_WORDS | LEAN_STORES | FP8_WIDE]
+DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, *LEAN_SETS, ALL_DIRECT_FLAGS]
 
 
 def body_direct_flags(rank, world, out_dir):
@@ -247,7 +255,8 @@ def body_direct_flags(rank, world, out_dir):
     hooks (the split launches: the receive half alone, on every block when it has rows to fix up),
     and with all bits in a CUDA graph. The bits change between calls of one engine, as every rank
     changes them alike (each bit has regions of its own, so no call reads another variant's words).
-    Then kFp8Wide, the one bit the slot path (output_buffers 0) reads, on an engine of that path."""
+    Then kFp8Wide, the one dispatch send bit the slot path (output_buffers 0) reads, on an engine of that
+    path, with kCopy8 (its receive copy and the combine send) and the combine's kLoadsAhead."""
     seed = 500
     for E_l, K, hidden in ((144, 8, 7168), (2, 3, 256)):
         auto, ref = _buf("auto", E_l, K, hidden, output_buffers=2), _buf("torch", E_l, K, hidden)
@@ -258,9 +267,9 @@ def body_direct_flags(rank, world, out_dir):
         for flags in DIRECT_FLAG_SETS:
             auto._low_latency.kernel_flags = flags
             kinds = [(True, False)]
-            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD):
+            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW | LOADS_AHEAD | COPY8):
                 kinds.append((False, False))
-            if flags == ALL_DIRECT_FLAGS:
+            if flags == ALL_DIRECT_FLAGS or flags & LEAN_STORES:
                 kinds.append((True, True))
             for tokens, mode in CASES:
                 for use_fp8, round_scale in kinds:
@@ -268,7 +277,7 @@ def body_direct_flags(rank, world, out_dir):
                     check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
             seed += 1
             check_case(auto, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
-            if flags == ALL_DIRECT_FLAGS:
+            if flags == ALL_DIRECT_FLAGS or flags in LEAN_SETS[:2]:
                 seed += 1
                 check_case(auto, ref, rank, E_l, K, hidden, [0, M], "random", seed, False, False, hook=True)
                 if hidden == 7168:
@@ -280,7 +289,7 @@ def body_direct_flags(rank, world, out_dir):
         slots = _buf("auto", E_l, K, hidden, output_buffers=0)
         seed += 1
         check_case(slots, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds the engine
-        slots._low_latency.kernel_flags = FP8_WIDE
+        slots._low_latency.kernel_flags = FP8_WIDE | LOADS_AHEAD | COPY8  # the combine's bits act on either path
         for tokens, mode in CASES:
             for round_scale in (False, True):
                 seed += 1
@@ -432,6 +441,7 @@ def fault_parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ll_faults")
     parts = []
     for name, body, args in (("mask", body_mask, ()), ("mask_flags", body_mask, (2, ALL_DIRECT_FLAGS)),
+                             ("mask_lean", body_mask, (2, LEAN_SETS[1])),
                              ("timeout", body_timeout, ())):
         (root / name).mkdir()
         parts.append((name, body, (str(root / name), *args)))
@@ -448,6 +458,14 @@ def test_mask_with_direct_dispatch_flags(fault_parts):
     root, parts = fault_parts
     parts["mask_flags"].check()
     _check_results(root / "mask_flags")
+
+
+def test_mask_with_lean_stores(fault_parts):
+    """The lane-stored scales, the early row, the combine's loads ahead and the 8-deep copies (with the
+    default's count words) past a left-out rank."""
+    root, parts = fault_parts
+    parts["mask_lean"].check()
+    _check_results(root / "mask_lean")
 
 
 TIMEOUT_S = 2.0

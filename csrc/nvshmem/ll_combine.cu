@@ -1,6 +1,16 @@
 // Low-latency combine: each received row goes back to its source at (token, k); the source sums
 // its tokens' K rows with their weights (float32, k ascending, multiply and add rounded apart, as
 // the reference does) into BF16. One kernel does either half or both (kSend|kRecv).
+//
+// kLoadsAhead (a variant bit, ll_device.cuh): the receive half's latency chain per token is the picks'
+// loads (id, weight), then the rows' loads, then the sums, then the store; with the bit the block's first
+// token's picks are loaded before the wait for the signals (inputs of this rank: nothing to wait for), and
+// a thread whose token has two 16-byte units per thread (H <= 16 * blockDim, K <= 8) issues the loads of
+// both units' rows before any sum, instead of one unit's after the other's. The sums are the same, in the
+// same k order: the output is bit-identical.
+// kCopy8 (the send half): a warp's share of a row (~448 units at H = 7168 when rows are fewer than
+// warps) is 14 units per lane, i.e. four rounds of load-then-store at 4 loads in flight, each round one
+// HBM latency before its stores can go; at 8 in flight it is two.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -12,7 +22,7 @@ namespace ll {
 namespace {
 
 __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slot, const int* recv_count,
-                          bool skip_self, int* smem, bool* any_rdma) {
+                          bool skip_self, int* smem, bool* any_rdma, bool copy8) {
   const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
   const int MK = M * c.max_topk;
   int* s_cnt = smem;
@@ -37,7 +47,10 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
     char* base = c.peer[s];
     // P2P: straight into the source's row; RDMA: into this rank's staging row, then a put
     char* row = base != nullptr ? base + off : c.heap + c.comb_stage + in_row * c.hidden * 2;
-    warp_copy_units<4>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
+    if (copy8)
+      warp_copy_units<8>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
+    else
+      warp_copy_units<4>(src, reinterpret_cast<int4*>(row), part * chunk, min(n16, (part + 1) * chunk), lane);
     if (base == nullptr) {  // compiled, not run here (no NIC on the GPU machines)
       __syncwarp();
       nvshmemx_putmem_nbi_warp(c.heap + off, row, static_cast<size_t>(c.hidden) * 2, s);
@@ -47,10 +60,59 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
 }
 
 
+// acc += w[u] * v[u] for u < min(n, 8), in u (= k) order, the multiply and the add rounded apart.
+__device__ __forceinline__ void accumulate_rows(float (&acc)[8], const int4* v, const float* w, int n) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    if (u >= n) break;
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+    const float wu = w[u];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wu, f.x));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wu, f.y));
+    }
+  }
+}
+
+__device__ __forceinline__ int4 to_bf16_unit(const float (&acc)[8]) {
+  int4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return out;
+}
+
+// y's unit j of a token: the weighted sum of its nk <= 8 rows' unit j (k order), v[u] = row u's unit j.
+__device__ __forceinline__ int4 weighted_sum(const int4* v, const float* w, int nk) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  accumulate_rows(acc, v, w, nk);
+  return to_bf16_unit(acc);
+}
+
+// kLoadsAhead: a token's units j and j + blockDim.x (j = threadIdx.x), up to 8 rows each, all 16 loads
+// issued before the sums. Every thread of the block calls it; n16 <= 2 * blockDim.x, nk <= 8.
+__device__ __forceinline__ void reduce_two_units(const int4* const* rows, const float* s_w, int nk, int n16,
+                                                 int4* y_row) {
+  const int j0 = threadIdx.x, j1 = threadIdx.x + blockDim.x;
+  int4 v0[8], v1[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    if (u < nk) {
+      const int4* row = rows[u];
+      if (j0 < n16) v0[u] = ld_nc_v4(row + j0);
+      if (j1 < n16) v1[u] = ld_nc_v4(row + j1);
+    }
+  }
+  if (j0 < n16) y_row[j0] = weighted_sum(v0, s_w, nk);  // the weights stay in shared memory: registers
+  if (j1 < n16) y_row[j1] = weighted_sum(v1, s_w, nk);  // hold the 16 units
+}
+
 // serial_prologue (kSerialPrologue): thread 0 gathers a token's picks one k after another (the
-// earlier code, kept for A/B); otherwise warp 0 does it with one lane per k.
+// earlier code, kept for A/B); otherwise warp 0 does it with one lane per k. ahead: kLoadsAhead.
 __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
-                              int4* y, const int4* x, const int* self_pos, bool serial_prologue) {
+                              int4* y, const int4* x, const int* self_pos, bool serial_prologue, bool ahead) {
   const int W = c.world, EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
@@ -59,6 +121,14 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   __shared__ const int4* s_row[32];  // where row q of the token is read
   __shared__ int s_e[32];            // the token's ids (a repeated expert reads its first k's row)
   __shared__ int s_nk;
+  // kLoadsAhead: warp 0's picks of the block's first token, in flight through the signal wait below
+  long long id0 = -1;
+  float w0 = 0.f;
+  const bool picks_ahead = ahead && !serial_prologue && threadIdx.x < K && static_cast<int>(blockIdx.x) < T;
+  if (picks_ahead) {
+    id0 = topk_idx[static_cast<long long>(blockIdx.x) * K + threadIdx.x];
+    w0 = weights[static_cast<long long>(blockIdx.x) * K + threadIdx.x];
+  }
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
   __syncthreads();
@@ -73,9 +143,10 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
         int e = -1;
         float wk = 0.f;
         if (k < K) {
-          const long long id = topk_idx[static_cast<long long>(t) * K + k];
+          const bool first_token = picks_ahead && t == static_cast<int>(blockIdx.x);
+          const long long id = first_token ? id0 : topk_idx[static_cast<long long>(t) * K + k];
           e = (id < 0 || id >= E) ? -1 : static_cast<int>(id);
-          wk = weights[static_cast<long long>(t) * K + k];
+          wk = first_token ? w0 : weights[static_cast<long long>(t) * K + k];
         }
         int first = k;
         for (int q = 0; q < K; ++q) {
@@ -124,6 +195,11 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
     }  // serial_prologue
     __syncthreads();
     const int nk = s_nk;
+    if (ahead && nk <= 8 && n16 <= 2 * static_cast<int>(blockDim.x)) {
+      reduce_two_units(s_row, s_w, nk, n16, y + static_cast<long long>(t) * n16);
+      __syncthreads();
+      continue;
+    }
     for (int j = threadIdx.x; j < n16; j += blockDim.x) {
       float acc[8];
 #pragma unroll
@@ -135,24 +211,9 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
         for (int u = 0; u < 8; ++u)
           if (q0 + u < nk)
             v[u] = ld_nc_v4(s_row[q0 + u] + j);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (q0 + u >= nk) break;
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-          const float w = s_w[q0 + u];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
-            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
-          }
-        }
+        accumulate_rows(acc, v, s_w + q0, nk - q0);
       }
-      int4 out;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      y[static_cast<long long>(t) * n16 + j] = out;
+      y[static_cast<long long>(t) * n16 + j] = to_bf16_unit(acc);
     }
     __syncthreads();
   }
@@ -160,6 +221,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 
 }  // namespace
 
+template <bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
                const float* weights, int T, int K, int phases, int4* y, const int* self_pos) {
@@ -168,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma);
+    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0);
     if (any_rdma) nvshmem_quiet();
     if (last_block(ticket(c, kTicketCombSend))) {
       signal_ranks(c, c.comb_flag[p], epoch);
@@ -178,11 +240,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (phases & kRecv) {
     __syncthreads();
-    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0);
+    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
+                  kDeep && (phases & kLoadsAhead) != 0);
     if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
       c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
   }
 }
+
+template __global__ void combine<false>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
+                                        int, int, int4*, const int*);
+template __global__ void combine<true>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
+                                       int, int, int4*, const int*);
 
 }  // namespace ll
 }  // namespace ep

@@ -52,7 +52,12 @@ constexpr int kPackedInfo = 16;      // token and combine slot in one 8-byte rem
 constexpr int kFp8Wide = 32;         // FP8: 16 bytes per store (two BF16 units per thread)
 constexpr int kCountWords = 64;      // counts tagged with the epoch: a row waits for its expert's words only
 constexpr int kPreload = 128;        // a token's first row loads issued before its wait for the lower ranks' counts
-constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload;
+constexpr int kLeanStores = 256;     // a (token, k)'s row and scale addresses made once; FP8: a group's scale stored by its lanes
+constexpr int kEarlyRow = 512;       // with kPreload: the block's first row loads issued at entry, before the routing loads
+constexpr int kLoadsAhead = 1024;     // combine receive: picks loaded before the signal wait, a thread's rows all in flight
+constexpr int kCopy8 = 2048;          // row copies (combine send, slot-path dispatch receive): 8 loads in flight per lane, not 4
+constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload |
+                             kLeanStores | kEarlyRow | kLoadsAhead | kCopy8;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;

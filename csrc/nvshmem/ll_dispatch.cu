@@ -1,7 +1,8 @@
 // Low-latency dispatch: a copy per (token, expert) into the owner's slot for (expert, this source),
 // then counts and one signal per destination; the receive half packs each expert's rows in source
 // order into the caller's [EL, W*M, H] tensor. One kernel does either half or both (kSend|kRecv).
-// Of the variant bits (ll_device.cuh) only kFp8Wide acts here: 16-byte FP8 stores into the slots.
+// Of the variant bits (ll_device.cuh) only kFp8Wide acts here (16-byte FP8 stores into the slots), and
+// kCopy8 in the receive half: 8 loads in flight per lane in the rows' copy out of the slots, not 4.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -127,7 +128,7 @@ __device__ void send_counts(const Ctx& c, int p, const int* s_topk, int TK, int*
 // The receive half: wait for every source, then pack each expert's rows (source order, then slot
 // order = token order) into out; block 0 writes counts, layout ranges and the statistics.
 template <bool kFp8>
-__device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
+__device__ void receive(const Ctx& c, const DispatchOut& o, int* smem, bool copy8) {
   const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
   const int epoch = ld_volatile(c.state + kDispRecvEpoch);
   const int p = epoch & 1;
@@ -175,7 +176,10 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int* smem) {
     }
     const int4* src = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     int4* dst = reinterpret_cast<int4*>(o.x + out_row * (kFp8 ? c.hidden : c.hidden * 2));
-    warp_copy_units<4>(src, dst, part * chunk, min(units, (part + 1) * chunk), lane);
+    if (copy8)
+      warp_copy_units<8>(src, dst, part * chunk, min(units, (part + 1) * chunk), lane);
+    else
+      warp_copy_units<4>(src, dst, part * chunk, min(units, (part + 1) * chunk), lane);
     if constexpr (kFp8) {
       if (part == 0) {
         const float* sc = reinterpret_cast<const float*>(slot + kHeaderBytes + c.hidden);
@@ -211,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (phases & kRecv) {
     __syncthreads();
-    receive<kFp8>(c, o, smem);
+    receive<kFp8>(c, o, smem, (phases & kCopy8) != 0);
     if (last_block(ticket(c, kTicketDispRecv)) && threadIdx.x == 0)
       c.state[kDispRecvEpoch] = ld_volatile(c.state + kDispRecvEpoch) + 1;
   }

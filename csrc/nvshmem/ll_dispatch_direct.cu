@@ -18,7 +18,16 @@
 //   the received rows' scales into the contract's [EL][H/128][W*M].
 // - kFp8Wide (FP8): a thread casts two adjacent BF16 units and stores 16 FP8 bytes at once.
 // - kPreload: a token's first round of row loads is issued before its slots and the wait for the
-//   lower ranks' counts, so the row is in registers when its destinations are known.
+//   lower ranks' counts, so the row is in registers when its destinations are known. With kEarlyRow
+//   the block's first token's loads are issued at entry, before the routing loads (load_topk), so
+//   those two latencies overlap as well.
+// - kLeanStores: each (token, k) makes its row's address in the owner's set once (shared memory),
+//   instead of every unit's store multiplying it out again (64-bit); with FP8, a 128-channel
+//   group's scale (the same in all its lanes after the amax shuffles) is stored by the group's
+//   lanes, lane i to destination i, at an address also made once. Without it one lane of the group
+//   stores the scale to every destination in turn, taking each address apart with a 64-bit
+//   division on the way, while the warp waits for that lane before its next cast. The same stores
+//   to the same places: the outputs are bit-identical.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
 // half's fix-ups (per local expert, the rows below its count), after the same signals that cover
 // the rows; otherwise the receive half stays block 0's.
@@ -106,26 +115,39 @@ __device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_to
 
 // The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out);
 // unused with kCountWords, where each (token, k) waits for its expert's words.
+// early: the first round of the block's first token (blockIdx.x) when kEarlyRow loaded it at entry.
 template <bool kFp8>
 __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x, const int* s_topk, int T, int K,
-                          int round_scale, const int* s_low, int* self_pos, int flags) {
+                          int round_scale, const int* s_low, int* self_pos, int flags,
+                          const int4 (&early)[kRowInFlight], bool have_early) {
   __shared__ int s_slot[32];
   __shared__ char* s_dst[32];      // the owner's set, or nullptr (nowhere)
   __shared__ long long s_at[32];   // el * W*M + row in that set
+  __shared__ char* s_row[32];      // kLeanStores: the row of (token, k) in the owner's set, or nullptr
+  __shared__ float* s_sc[32];      // kLeanStores: group 0's scale of (token, k) in the owner's set; group g at + g * W*M
   __shared__ __align__(16) float s_scale[kMaxScaleGroups];  // kScalesRowMajor: the row's scales
   const int EL = c.local_experts, WM = c.world * c.max_tokens, S = c.hidden / 128;
   const int n16 = c.hidden / 8;
   const long long row_bytes = kFp8 ? c.hidden : 2ll * c.hidden;
   const bool rm = kFp8 && (flags & kScalesRowMajor);
   const bool wide = kFp8 && (flags & kFp8Wide), preload = (flags & kPreload) != 0;
+  const bool lean = (flags & kLeanStores) != 0, lanes = kFp8 && !rm && lean;
   int4 pre[kRowInFlight] = {};
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     const int4* src = x + static_cast<long long>(t) * n16;
-    if (preload) load_first_round(src, n16, wide, pre);  // in flight through the slots and the count wait
+    if (preload) {  // in flight through the slots and the count wait
+      if (have_early && t == static_cast<int>(blockIdx.x)) {
+#pragma unroll
+        for (int u = 0; u < kRowInFlight; ++u) pre[u] = early[u];
+      } else {
+        load_first_round(src, n16, wide, pre);
+      }
+    }
     token_slots(s_topk, t, K, s_slot);
     if (threadIdx.x < K) {
       const int k = threadIdx.x, e = s_topk[t * K + k];
       char* dst = nullptr;
+      float* sc = nullptr;
       long long at = 0;
       if (e >= 0) {
         int row = s_slot[k];
@@ -143,6 +165,7 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
         if (placed && row < WM) {  // always (a source gives an expert at most M rows): a guard, never past the set
           dst = c.peer[e / EL] + c.out_set[set];
           at = static_cast<long long>(e % EL) * WM + row;
+          sc = reinterpret_cast<float*>(dst + c.set_scales) + static_cast<long long>(e % EL) * S * WM + row;
           const int slot = (c.rank * c.max_tokens + t) * c.max_topk + k;
           if (flags & kPackedInfo) {
             reinterpret_cast<int2*>(dst + c.set_info)[at] = make_int2(t, slot);
@@ -155,6 +178,8 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
       }
       s_dst[k] = dst;
       s_at[k] = at;
+      s_sc[k] = sc;
+      s_row[k] = dst == nullptr ? nullptr : dst + at * row_bytes;
     }
     __syncthreads();
     // an FP8 unit's scale: into shared memory (sent whole below), or straight into the transposed array
@@ -170,19 +195,36 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
         reinterpret_cast<float*>(d + c.set_scales)[(el * S + g) * WM + row] = scale;
       }
     };
+    // the row of (token, k) in its owner's set, or nullptr
+    auto row_of = [&](int k) -> char* {
+      if (lean) return s_row[k];
+      return s_dst[k] == nullptr ? nullptr : s_dst[k] + s_at[k] * row_bytes;
+    };
     auto bf16_store = [&](int j, const int4& v) {
       for (int k = 0; k < K; ++k)
-        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, v);
+        if (char* r = row_of(k)) st_na_v4(reinterpret_cast<int4*>(r) + j, v);
+    };
+    // kLeanStores: lane i of a group of `width` lanes stores the group's scale to destinations i, i + width, ...
+    auto lane_scales = [&](int j, int width, float scale) {
+      const long long g = j / width;
+      for (int k = j % width; k < K; k += width)
+        if (s_sc[k] != nullptr) s_sc[k][g * WM] = scale;
     };
     auto fp8_store = [&](int j, const uint2& q, float scale, bool first) {
       for (int k = 0; k < K; ++k)
-        if (s_dst[k] != nullptr) reinterpret_cast<uint2*>(s_dst[k] + s_at[k] * row_bytes)[j] = q;
-      if (first) put_scale(j / 16, scale);
+        if (char* r = row_of(k)) reinterpret_cast<uint2*>(r)[j] = q;
+      if (lanes)
+        lane_scales(j, 16, scale);
+      else if (first)
+        put_scale(j / 16, scale);
     };
     auto fp8_wide_store = [&](int j, const int4& q, float scale, bool first) {
       for (int k = 0; k < K; ++k)
-        if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + s_at[k] * row_bytes) + j, q);
-      if (first) put_scale(j / 8, scale);
+        if (char* r = row_of(k)) st_na_v4(reinterpret_cast<int4*>(r) + j, q);
+      if (lanes)
+        lane_scales(j, 8, scale);
+      else if (first)
+        put_scale(j / 8, scale);
     };
     if (wide) {
       if (preload)
@@ -293,6 +335,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
+    // kEarlyRow (with kPreload): this block's first row loads go out before the routing's
+    int4 early[kRowInFlight] = {};
+    const bool have_early = (flags & kPreload) && (flags & kEarlyRow) && static_cast<int>(blockIdx.x) < T;
+    if (have_early)
+      load_first_round(x + static_cast<long long>(blockIdx.x) * (c.hidden / 8), c.hidden / 8, kFp8 && (flags & kFp8Wide),
+                       early);
     load_topk(c, topk_idx, T, K, s_topk);
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);
@@ -310,7 +358,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
     }
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
-    if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags);
+    if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags, early,
+                                 have_early);
     if (last_block(ticket(c, kTicketDispSend))) {
       signal_ranks(c, c.disp_flag[p], epoch);
       __syncthreads();

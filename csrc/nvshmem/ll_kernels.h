@@ -30,6 +30,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_direct(Ctx c, const int4
 
 // self_pos (the dispatch's DispatchOut::self_pos, or nullptr): the rows of this rank's own experts are
 // not sent; the receive half reads them from x at self_pos (x then stays valid until it has run).
+// kDeep: compiled with kLoadsAhead's and kCopy8's code (launched when phases carry either bit), so that
+// the kernel without them keeps its own register allocation.
+template <bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1) combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
                            const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y,
                            const int* self_pos);

@@ -156,7 +156,8 @@ Runtime::Runtime(int rank, int world, int num_experts, int max_tokens, int max_t
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch_direct<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::dispatch_direct<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::combine, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::combine<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  EP_CUDA_CHECK(cudaFuncSetAttribute(::ep::ll::combine<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 }
 
 Runtime::~Runtime() { destroy(false); }
@@ -243,7 +244,8 @@ void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uin
                "low-latency combine: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const size_t smem = smem_bytes(0, 0, c.num_experts);
-  launch(::ep::ll::combine, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,
+  auto* kernel = (phases & (kLoadsAhead | kCopy8)) ? ::ep::ll::combine<true> : ::ep::ll::combine<false>;
+  launch(kernel, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,
          reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
          reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
          reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y),

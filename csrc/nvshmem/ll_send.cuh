@@ -49,12 +49,14 @@ __device__ __forceinline__ float abs_max8(const float* f) {
   return a;
 }
 
+// Two channels per conversion (cvt ...e4m3x2): each value is rounded on its own, so the bytes equal
+// one conversion per channel's, in half the instructions and with no byte packing after them.
 __device__ __forceinline__ uint2 to_fp8_8(const float* f, float inv) {
   uint2 q;
-  unsigned char* qb = reinterpret_cast<unsigned char*>(&q);
+  __nv_fp8x2_storage_t* q2 = reinterpret_cast<__nv_fp8x2_storage_t*>(&q);
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
-    qb[i] = static_cast<unsigned char>(__nv_cvt_float_to_fp8(f[i] * inv, __NV_SATFINITE, __NV_E4M3));
+  for (int i = 0; i < 4; ++i)  // channel 2i in the low byte, as the little-endian row stores it
+    q2[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
   return q;
 }
 

@@ -132,7 +132,10 @@ class NvshmemLowLatency(ReportsFaults):
         # Variant bits ORed into both calls' phases, for A/B runs (benchmarks/bench_decode_pair.py); 0 = the
         # default kernels. csrc/nvshmem/ll_device.cuh: 4 the earlier combine prologue; the direct dispatch's
         # 8 row-major FP8 scales, 16 token + slot in one store, 32 16-byte FP8 stores, 64 epoch-tagged counts,
-        # 128 row loads before the count wait.
+        # 128 row loads before the count wait, 256 store addresses made once (FP8 scales stored by a group's
+        # lanes, no 64-bit division), 512 with 128: the first row's loads before the routing's; the combine's
+        # 1024: its receive loads a token's picks before the signal wait and all of a thread's rows at once;
+        # 2048: the row copies (combine send, the slot path's dispatch receive) keep 8 loads in flight per lane.
         # Every rank must set the same bits (the senders' and receivers' layouts must agree).
         # Default 64 (epoch-tagged counts: each row waits only for its own expert's counts), the one bit
         # that won alone in every cell of the A/B on 4x H100 (2026-11-26, results/ll_pair_h100x4_..._s2call6):
