@@ -53,8 +53,12 @@ pair() {  # ranks lib limit_s extra args...
 {
   pair 2 deepep 25 --profile 3
   pair 2 ep_plugin 40 --variants $VARIANTS --profile 3 --profile-variants default all_new
-  pair 4 deepep 25
-  pair 4 ep_plugin 35 --variants $VARIANTS
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 4 ]; then
+    pair 4 deepep 25
+    pair 4 ep_plugin 35 --variants $VARIANTS
+  else
+    say "-- EP4 skipped: fewer than 4 GPUs"
+  fi
 }
 say "== merged (slowest rank's median, us)"
 timeout 30 python3 benchmarks/bench_decode_pair.py --merge "$W"/pair_ep*.json --out "$OUT/ll_ab.json" --plot "$OUT/ll_ab.png" \
