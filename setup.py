@@ -1,8 +1,11 @@
 """Build ep_plugin, compiling csrc/ into ep_plugin._C when nvcc is available.
 
 EP_PLUGIN_BUILD_C=1 forces the compiled module (fails without nvcc), =0 skips it, unset builds it
-whenever nvcc is found. The module takes device pointers and streams as integers and links the
-CUDA runtime statically, so it neither links libtorch nor depends on the torch version.
+whenever nvcc is found. EP_PLUGIN_CHECK_BUILD=1 compiles every file as always, with less optimisation
+(CHECK_BUILD_FLAGS): for a machine that has no GPU to run the kernels and builds _C only to check that
+it builds (scripts/setup.sh sets it there); never for a _C that a GPU will run. The module takes
+device pointers and streams as integers and links the CUDA runtime statically, so it neither links
+libtorch nor depends on the torch version.
 
 The NVSHMEM part (csrc/nvshmem/, csrc/python/nvshmem.cpp) is built when the nvidia-nvshmem-cu<major>
 wheel matching the CUDA major of torch (of nvcc when torch is a CPU build) is installed; otherwise
@@ -27,6 +30,11 @@ ROOT = Path(__file__).parent.resolve()
 # the build's first line divides it by the cores to say about how long it takes.
 COMPILE_CPU_S = 200
 CSRC = ROOT / "csrc"
+# EP_PLUGIN_CHECK_BUILD=1: the same sources through the same compilers (cicc, ptxas, the host compiler),
+# so that a file that fails to build fails here too, but cheaper: ptxas at -O1 instead of -O3 (half the
+# CPU time of the largest kernel file) and the C++ files at -O0 without debug information (-g is
+# Python's own flag: the pybind11 bindings, ~20 CPU-s each at -g -O3, ~10 at -g0 -O0).
+CHECK_BUILD_FLAGS = {"nvcc": ["-Xptxas", "-O1"], "cxx": ["-O0", "-g0"]}
 
 
 def find_cuda_home():
@@ -47,6 +55,10 @@ def want_c_build():
     if flag in ("1", "true", "yes", "on") and cuda is None:
         raise RuntimeError("EP_PLUGIN_BUILD_C=1 but nvcc was not found: set CUDA_HOME or put nvcc on PATH")
     return cuda
+
+
+def check_build():
+    return os.environ.get("EP_PLUGIN_CHECK_BUILD", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cuda_major(cuda):
@@ -218,6 +230,8 @@ class NvccBuildExt(build_ext):
             obj = objdir / ("_".join(cu.relative_to(CSRC).with_suffix("").parts) + ".o")
             cmd = [str(cuda / "bin" / "nvcc"), "-c", str(cu), "-o", str(obj), "-O3", "-std=c++17", gencode,
                    "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-lineinfo", f"-I{CSRC}"]
+            if check_build():
+                cmd += CHECK_BUILD_FLAGS["nvcc"]
             if is_nvshmem_source(cu):  # relocatable device code: NVSHMEM's device API is in a static library
                 cmd += ["-rdc=true", f"-I{nvshmem[0]}"]
                 rdc_objects.append(str(obj))
@@ -230,7 +244,8 @@ class NvccBuildExt(build_ext):
         workers = max(1, os.cpu_count() or 1)
         n_host = len(ext.sources)
         total = len(commands) + n_host + (1 if nvshmem is not None else 0) + 1  # + device link, + link
-        print(f"ep_plugin: compiling _C for sm_{arch}: {len(commands)} CUDA files, {n_host} C++ files"
+        kind = " (a check build: less optimised, not for GPU use)" if check_build() else ""
+        print(f"ep_plugin: compiling _C for sm_{arch}{kind}: {len(commands)} CUDA files, {n_host} C++ files"
               f"{', NVSHMEM part included' if nvshmem is not None else ''}, {workers} at a time "
               f"(about {COMPILE_CPU_S // workers} s on {workers} cores: {COMPILE_CPU_S} s of CPU time)", flush=True)
         progress = Progress(total)
@@ -314,7 +329,7 @@ if cuda_home is not None:
         "ep_plugin._C",
         sources=host_sources(NVSHMEM is not None),
         define_macros=[("EP_WITH_NVSHMEM", "1")] if NVSHMEM is not None else [],
-        extra_compile_args=["-O3", "-std=c++17"],
+        extra_compile_args=["-std=c++17"] + (CHECK_BUILD_FLAGS["cxx"] if check_build() else ["-O3"]),
         libraries=["cudart_static", "dl", "rt", "pthread"],
         language="c++",
     ))

@@ -8,7 +8,8 @@
 #                                   nothing that a machine without a GPU could use.
 #   bash scripts/setup.sh           all of that, plus what the tests (and CI) check: pytest, pytest-xdist, the
 #                                   nvidia-nvshmem-cu<major> wheel and ep_plugin._C compiled with nvcc,
-#                                   NVSHMEM part included, when nvcc is found.
+#                                   NVSHMEM part included, when nvcc is found (without a GPU, a check
+#                                   build: every file compiled, less optimised; setup.py says how).
 #
 # triton: megatron-core imports it on its way to GPTModel for one GPU-only feature (the paged
 # activation stash). Where triton is not installed, a stand-in for that one module is put into
@@ -27,7 +28,7 @@ LIGHT=0
 for arg in "$@"; do
   case $arg in
     --light) LIGHT=1 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup: unknown argument '$arg'; usage: bash scripts/setup.sh [--light]" >&2; exit 2 ;;
   esac
 done
@@ -105,7 +106,7 @@ PYEOF
 # ------------------------------------------------------------------------------ 2-4: NVSHMEM, _C, frameworks
 c_sources_hash() {  # what _C is built from, the NVSHMEM wheel's version included
   { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
-    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90}"
+    echo "arch=${EP_PLUGIN_CUDA_ARCH:-90} check_build=${EP_PLUGIN_CHECK_BUILD:-0}"
     "$PY" -m pip list --disable-pip-version-check 2>/dev/null | grep -i '^nvidia-nvshmem' || true; } | sha256sum | cut -d' ' -f1
 }
 if [ $LIGHT = 0 ]; then
@@ -144,6 +145,16 @@ PYEOF
     *) pip_install "$NVSHMEM_WANT"; step_done "$NVSHMEM_WANT" ;;
   esac
 
+  # No GPU here: nothing can run the kernels, and _C is compiled to check that every file builds (the
+  # NVSHMEM part included), with less optimisation (setup.py's EP_PLUGIN_CHECK_BUILD: ~1/3 less CPU time).
+  # A GPU machine gets the optimised build. An EP_PLUGIN_CHECK_BUILD of the caller's own wins.
+  if [ -z "${EP_PLUGIN_CHECK_BUILD:-}" ]; then
+    if ls /dev/nvidia[0-9]* >/dev/null 2>&1 || nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+      export EP_PLUGIN_CHECK_BUILD=0
+    else
+      export EP_PLUGIN_CHECK_BUILD=1
+    fi
+  fi
   C_HASH_FILE=build/ep_plugin_C.sha256
   C_HASH=$(c_sources_hash)
   if [ "${EP_PLUGIN_BUILD_C:-}" = 0 ]; then
@@ -157,7 +168,8 @@ PYEOF
     # The compile needs only nvcc, pybind11 and the NVSHMEM wheel, all in place now: it runs in the
     # background while the frameworks install (step 4), and the set-up waits for it before step 5.
     # Its lines start with "setup:   _C"; it fails the set-up, with the end of its log, if it fails.
-    step "compiling ep_plugin._C with nvcc in the background, a line per file (full log: build/ep_plugin_C.log)" \
+    if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then C_KIND="a check build (no GPU here), "; else C_KIND=""; fi
+    step "compiling ep_plugin._C with nvcc in the background, ${C_KIND}a line per file (full log: build/ep_plugin_C.log)" \
          "100 s on 2 cores, beside step 4"
     mkdir -p build
     rm -f "$C_HASH_FILE"
