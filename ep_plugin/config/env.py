@@ -13,7 +13,7 @@ EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name
 Unset or empty means no override. :func:`load_config` applies the key overrides last, after the
 file, dict and ``overrides`` argument: the environment wins, so an operator can switch a mode for
 one run without editing YAML or code. A value outside the list is a :class:`ConfigError` that names
-the variable. (``EP_PLUGIN_BUILD_C`` and ``EP_PLUGIN_CUDA_ARCH`` are build switches of setup.py.)
+the variable. (``EP_PLUGIN_BUILD_C``, ``EP_PLUGIN_CUDA_ARCH`` and ``EP_PLUGIN_CHECK_BUILD`` are build switches of setup.py.)
 """
 
 from __future__ import annotations
