@@ -346,7 +346,7 @@ setup(
     install_requires=["torch", "PyYAML", "tqdm"],
     # cu12/cu13: the NVSHMEM wheel for torch's CUDA major (never both: they write the same files).
     # nvshmem-cu12/-cu13 are the older names of the same extras.
-    extras_require={"test": ["pytest", "pytest-xdist"], "cu12": ["nvidia-nvshmem-cu12"], "cu13": ["nvidia-nvshmem-cu13"],
+    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis"], "cu12": ["nvidia-nvshmem-cu12"], "cu13": ["nvidia-nvshmem-cu13"],
                     "nvshmem-cu12": ["nvidia-nvshmem-cu12"], "nvshmem-cu13": ["nvidia-nvshmem-cu13"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": NvccBuildExt},

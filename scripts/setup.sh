@@ -70,9 +70,10 @@ if [ $LIGHT = 1 ]; then
   step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools" "35 s"
   EXTRA=()
 else
-  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest, pytest-xdist" "35 s"
+  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest, pytest-xdist, hypothesis" "35 s"
   # pytest-xdist: on a machine without CUDA the suite runs in two workers (tests/_parallel.py says why)
-  EXTRA=("pybind11>=2.12" pytest pytest-xdist)
+  # hypothesis: the call-form fuzzer (tests/test_fuzz_checks.py), which fails without it rather than skip
+  EXTRA=("pybind11>=2.12" pytest pytest-xdist hypothesis)
 fi
 # torch first and pinned: an unpinned torch would pull the CUDA build and GBs of CUDA packages.
 pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"
