@@ -183,6 +183,25 @@ PYEOF
     trap 'kill -- -"$C_PID" 2>/dev/null || true' EXIT
   fi
   frameworks
+  # DeepSpeed compiles its CPU shared-memory all-reduce op (deepspeed_shm_comm, ~50 CPU-s, once per venv)
+  # when its first process starts on a machine without a GPU: in the tests, inside the first DeepSpeed
+  # test's time. Built here instead, beside the _C compile; best effort (without it DeepSpeed uses gloo).
+  if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then
+    mkdir -p build
+    echo "setup:   DeepSpeed's CPU shared-memory op (deepspeed_shm_comm) compiles beside _C (about 50 CPU-s)"
+    "$PY" - > build/deepspeed_shm_comm.log 2>&1 <<'PYEOF' &
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder.load(verbose=False)
+    print("deepspeed_shm_comm built")
+else:
+    print("deepspeed_shm_comm: not compatible here, not built")
+PYEOF
+    DS_PID=$!
+  fi
   if [ -n "${C_PID:-}" ]; then
     echo "setup: [$C_STEP/$NSTEPS] waiting for the _C compile to finish (its lines go on)"
     C_RC=0
@@ -196,6 +215,10 @@ PYEOF
       tail -n 30 build/ep_plugin_C.log >&2
       exit 1
     fi
+  fi
+  if [ -n "${DS_PID:-}" ]; then
+    wait "$DS_PID" && echo "setup:   $(tail -1 build/deepspeed_shm_comm.log)" \
+      || echo "setup:   DeepSpeed's shared-memory op did not build (build/deepspeed_shm_comm.log); DeepSpeed builds or skips it itself"
   fi
 else
   frameworks

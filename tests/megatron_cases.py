@@ -132,6 +132,17 @@ def cpu_recompute_stand_ins() -> None:
 
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
+    # CheckpointWithoutOutput points each discarded output's storage at its recomputed data with a C++
+    # extension that megatron compiles at first use (load_inline: ~50 CPU-s in every fresh venv, the
+    # largest single cost of a fresh CPU suite). A storage copy gives those storages the same bytes.
+    if hasattr(tp_random, "_get_share_storage"):
+        tp_random._get_share_storage = lambda: _copy_storage
+
+
+def _copy_storage(dst: torch.Tensor, src: torch.Tensor) -> None:
+    d, s = dst.untyped_storage(), src.untyped_storage()
+    d.resize_(s.nbytes())
+    d.copy_(s)
 
 
 def make_config(world, hidden=H, **kw):
@@ -353,6 +364,7 @@ def compare_schedule(rank, world, name, device="cpu"):
 
     import ep_plugin.megatron as epm
 
+    cpu_recompute_stand_ins()  # the combined-1F1B schedule checkpoints the pre-MLP norm (CheckpointWithoutOutput)
     if device != "cpu":  # megatron's combined-1F1B schedule creates its comm stream the same way
         from megatron.core.pipeline_parallel.utils import set_streams
         set_streams()
