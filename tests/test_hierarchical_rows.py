@@ -33,9 +33,14 @@ def test_rows_move_bit_for_bit(dtype, width, rows):
 
 def test_words_are_the_widest_that_fit():
     assert as_words(torch.zeros(4, 7168, dtype=torch.bfloat16)).dtype == torch.int64
-    assert as_words(torch.zeros(4, 6, dtype=torch.bfloat16)).dtype == torch.int32
-    assert as_words(torch.zeros(4, 3, dtype=torch.bfloat16)).dtype == torch.int16
-    odd = torch.zeros(11 * 8, dtype=torch.bfloat16)[1:81].view(10, 8)  # an address 2 bytes past a word
-    assert as_words(odd).dtype == torch.int16
+    assert as_words(torch.zeros(4, 7168 + 2, dtype=torch.bfloat16)).dtype == torch.int32
+    assert as_words(torch.zeros(4, 7168 + 1, dtype=torch.bfloat16)).dtype == torch.bfloat16  # itself
+    assert as_words(torch.zeros(4, 3, dtype=torch.float8_e4m3fn)).dtype == torch.uint8  # FP8: always words
+    short = torch.zeros(4, 56)  # scales: short rows keep their dtype (no host op for a view)
+    assert as_words(short) is short
+    ids = torch.zeros(4, 8, dtype=torch.int64)
+    assert as_words(ids) is ids
+    odd = torch.zeros(11 * 1024, dtype=torch.bfloat16)[1:1025].view(2, 512)  # an address 2 bytes past a word
+    assert as_words(odd).dtype == torch.bfloat16
     assert as_words(torch.zeros(8, 4).t()).shape == (4, 8)  # not contiguous: itself
     assert gather_rows(None, torch.zeros(1, dtype=torch.long)) is None and scatter_rows(None, None) is None
