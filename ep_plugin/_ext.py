@@ -1,4 +1,6 @@
 """Access to the compiled module ep_plugin._C, with one clear error when it is missing."""
+import torch
+
 from .errors import BackendUnavailableError
 
 try:
@@ -23,3 +25,13 @@ def get_c():
     if _C is None:
         raise BackendUnavailableError(f"{HOW_TO_BUILD} (import error: {_IMPORT_ERROR})")
     return _C
+
+
+def c_op(name: str):
+    """_C.<name>, or None where _C is missing or older than that op (the caller then runs torch ops)."""
+    return getattr(_C, name, None)
+
+
+# The current stream's cudaStream_t as an int, without building a torch.cuda.Stream (the kernels' callers
+# pass it on every launch); None on a torch without CUDA bindings.
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -15,11 +15,12 @@ repeats_share_grad (an identity whose backward gives every slot its expert's gra
 """
 from __future__ import annotations
 
-import functools
 from typing import List, Optional
 
 import torch
 
+from ._ext import c_op
+from ._ext import raw_stream as _raw_stream  # a module name of its own: benchmarks count its calls
 from .types import ExpertLayout, padded
 
 
@@ -34,15 +35,6 @@ def capacity(num_recv: int, top_k: int, num_local_experts: int, alignment: int,
 
 
 _EARLIER: dict = {}  # (K, device) -> [K, K] bool, True where slot j comes before slot k
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-@functools.lru_cache(maxsize=1)
-def _merge_kernel():
-    """_C.merge_repeats where the extension has it (a build older than the kernel does not), else None."""
-    from . import _ext
-
-    return getattr(_ext.get_c(), "merge_repeats", None) if _ext.has_c() else None
 
 
 def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
@@ -57,7 +49,7 @@ def merge_repeats(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]):
     if (topk_idx.is_cuda and topk_idx.dtype == torch.int64 and topk_idx.is_contiguous() and _raw_stream is not None
             and (topk_weights is None or (topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
                                           and not (topk_weights.requires_grad and torch.is_grad_enabled())))):
-        kernel = _merge_kernel()
+        kernel = c_op("merge_repeats")
         if kernel is not None:
             idx = torch.empty_like(topk_idx)
             w = None if topk_weights is None else torch.empty_like(topk_weights)

@@ -49,11 +49,15 @@ def torchrun_once(tmp_path_factory, name: str, script: str, args, env: dict, tim
     return res, d
 
 
+# 2 gloo ranks, 30 steps, a stats line every 2 steps, no bar (test_telemetry.py reads the interval from here)
+DEEPSPEED_EXAMPLE_ARGS = ["--steps", "30", "--log-every", "2", "--no-progress"]
+
+
 def deepspeed_example_run(tmp_path_factory):
     """examples/deepspeed/train_moe_ds.py, 2 gloo ranks, 30 steps, a stats line every 2 steps, no bar,
     JSON of the run in {dir}/run.json: test_deepspeed_example.py and test_telemetry.py read it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     return torchrun_once(tmp_path_factory, "deepspeed_example", "examples/deepspeed/train_moe_ds.py",
-                         ["--steps", "30", "--log-every", "2", "--no-progress", "--json", "{dir}/run.json"],
+                         [*DEEPSPEED_EXAMPLE_ARGS, "--json", "{dir}/run.json"],
                          env, timeout=240)

@@ -14,7 +14,7 @@ def _kernel():
         pytest.skip("needs a CUDA GPU")
     import ep_plugin._ext as ext
     assert ext.has_c(), f"ep_plugin._C is not built on a CUDA machine: {ext._IMPORT_ERROR}"
-    assert hb._contract_kernel() is not None, "ep_plugin._C has no contract_order: rebuild it"
+    assert ext.c_op("contract_order") is not None, "ep_plugin._C has no contract_order: rebuild it"
 
 
 def _inner_order(N, P, M, g, density):

@@ -81,7 +81,8 @@ def loop_merge(idx, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("T,K,E", [(0, 8, 16), (1, 2, 4), (257, 8, 6), (4096, 8, 256), (77, 9, 3), (5, 1, 4)])
 def test_merge_repeats_kernel_matches_definition(T, K, E):
-    from ep_plugin.expert_major import _merge_kernel, merge_repeats, merge_repeats_torch
+    from ep_plugin._ext import c_op
+    from ep_plugin.expert_major import merge_repeats, merge_repeats_torch
 
     gen = torch.Generator().manual_seed(T * 13 + K)
     idx = torch.randint(-1, E, (T, K), generator=gen)  # few experts: repeats and repeated -1s everywhere
@@ -95,7 +96,7 @@ def test_merge_repeats_kernel_matches_definition(T, K, E):
     ref_idx, ref_w = merge_repeats_torch(idx, w)  # the torch ops agree with the definition too
     assert torch.equal(ref_idx, want_idx)
     torch.testing.assert_close(ref_w.double(), want_w, rtol=2e-7, atol=0)
-    assert _merge_kernel() is not None, "ep_plugin._C lacks merge_repeats: the GPU path above ran the torch ops"
+    assert c_op("merge_repeats") is not None, "ep_plugin._C lacks merge_repeats: the GPU path above ran the torch ops"
     # weights that record a gradient take the differentiable torch ops
     wg = w.cuda().requires_grad_()
     _, merged = merge_repeats(idx.cuda(), wg)

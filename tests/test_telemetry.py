@@ -24,6 +24,7 @@ from ep_plugin.errors import EPTimeoutError
 from ep_plugin.telemetry import CommStats, RecordingBackend, Report, collect, imbalance, log_to, training_step
 from ep_plugin.telemetry import recorder as recorder_mod
 from tests._dist import read_rank_results, spawn, spawn_parts, write_rank_result
+from tests._shared_run import DEEPSPEED_EXAMPLE_ARGS, deepspeed_example_run
 from tests.fakes import RecordingMonitor
 
 E, H, T, K = 4, 8, 6, 2
@@ -490,7 +491,7 @@ INTERVAL_LINE = re.compile(
 @pytest.mark.parametrize("example,args", [
     ("examples/megatron/pretrain_gpt_moe.py", ["--steps", "4", "--log-every", "2", "--no-progress"]),
     # the run of test_deepspeed_example.py (30 steps; tests/_shared_run.py): one launch for both tests
-    ("examples/deepspeed/train_moe_ds.py", ["--steps", "30", "--log-every", "2", "--no-progress"]),
+    ("examples/deepspeed/train_moe_ds.py", DEEPSPEED_EXAMPLE_ARGS),
 ])
 def test_examples_print_one_stats_line_per_interval(example, args, tmp_path_factory):
     """The Megatron and DeepSpeed examples on CPU (gloo, torch backend): one line per interval with
@@ -499,8 +500,6 @@ def test_examples_print_one_stats_line_per_interval(example, args, tmp_path_fact
 
     pytest.importorskip("megatron.core" if "megatron" in example else "deepspeed")
     if "deepspeed" in example:
-        from tests._shared_run import deepspeed_example_run
-
         proc, _ = deepspeed_example_run(tmp_path_factory)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

@@ -147,27 +147,24 @@ class LowLatencyMixin:
                 num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                 return_recv_hook)
         with _NoTorchFunction():  # see _NoTorchFunction
-            out = self._ll_dispatch_known(*args)
-        return out if out is not None else self._ll_dispatch_checked(*args)
+            key = checks.dispatch_key(*args)
+            known = self._ll_dispatch_forms.find(key)
+            if known is not None:
+                return self._ll_dispatch_known(known, x, topk_idx, cumulative_local_expert_recv_stats)
+        return self._ll_dispatch_checked(key, *args)
 
-    def _ll_dispatch_known(self, x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
-                           hook):
-        """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine; None if new."""
-        key = checks.dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish,
-                                  hook)
-        known = self._ll_dispatch_forms.find(key)
-        if known is None:
-            return None
+    def _ll_dispatch_known(self, known, x, topk_idx, stats):
+        """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine."""
         buf = known[0]
         buf._raise_pending_low_latency()
         return self._ll_dispatch_run(known, buf._ll_dispatch_run(
             buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
 
-    def _ll_dispatch_checked(self, x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
-                             num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):
-        """A dispatch of a new form: every check, then the call, then the form is kept."""
-        key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats, num_max_dispatch_tokens_per_rank,
-                                  num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+    def _ll_dispatch_checked(self, key, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
+                             num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                             async_finish, return_recv_hook):
+        """A dispatch of a new form (its key, from dispatch_key): every check, then the call, then the form is
+        kept."""
         M, E = checks.dispatch_args(self.group_size, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                                     async_finish, return_recv_hook)
@@ -226,15 +223,16 @@ class LowLatencyMixin:
         args = (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 combine_wait_recv_cost_stats)
         with _NoTorchFunction():  # see _NoTorchFunction
-            result = self._ll_combine_known(*args)
-        return result if result is not None else self._ll_combine_checked(*args)
+            key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt,
+                                     zero_copy, async_finish, return_recv_hook)
+            result = self._ll_combine_known(self._ll_combine_forms.find(key), x, topk_idx, topk_weights, handle,
+                                            zero_copy, async_finish, return_recv_hook, out)
+        return result if result is not None else self._ll_combine_checked(key, *args)
 
-    def _ll_combine_known(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                          return_recv_hook, out, wait_stats):
-        """A combine of a form already checked, straight to the engine; None if new (or the handle differs)."""
-        key = checks.combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_copy, async_finish,
-                                 return_recv_hook)
-        buf = self._ll_combine_forms.find(key)
+    def _ll_combine_known(self, buf, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook,
+                          out):
+        """A combine of a form already checked (buf: the EPBuffer its form was kept with, or None), straight to
+        the engine; None if new (or the handle differs)."""
         # the form fixes x's shape, hence the EPBuffer; the handle is checked on every call, as EPBuffer does
         if buf is None or type(handle) is not DeepEPLowLatencyHandle or handle.buffer is not buf:
             return None
@@ -248,11 +246,10 @@ class LowLatencyMixin:
             buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
             bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
 
-    def _ll_combine_checked(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+    def _ll_combine_checked(self, key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                             return_recv_hook, out, combine_wait_recv_cost_stats):
-        """A combine of a new form (or handle): every check, then the call, then the form is kept."""
-        key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, zero_copy,
-                                 async_finish, return_recv_hook)
+        """A combine of a new form or handle (its key, from combine_key): every check, then the call, then the
+        form is kept."""
         checks.combine_args(self.group_size, handle, DeepEPLowLatencyHandle, self._ll_buffers.values(), x, topk_idx,
                             topk_weights, out, combine_wait_recv_cost_stats, use_logfmt, async_finish,
                             return_recv_hook)

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..._ext import c_op
+from ..._ext import raw_stream as _raw_stream
 from ...errors import EPTimeoutError
 from ...types import (BackendState, DispatchOutput, EPEvent, Handle, HostCounts, PinnedRing,
                       counts_from_lists)
@@ -72,22 +74,11 @@ def contract_positions(recv_counts: torch.Tensor, nodes: int, per_node: int, row
     return torch.where(valid, contract_start[bc] + i - inner_start[bc], i)
 
 
-@functools.lru_cache(maxsize=1)
-def _contract_kernel():
-    """_C.contract_order where the extension has it (a build older than the kernel does not), else None."""
-    from ... import _ext
-
-    return getattr(_ext.get_c(), "contract_order", None) if _ext.has_c() else None
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
 def contract_order(recv_off: torch.Tensor, recv_src: torch.Tensor, nodes: int, per_node: int, max_tokens: int,
                    rows: int):
     """contract_order_torch's result; on the GPU one launch (csrc/layout/contract_order.cu) instead of ~17
     small ops, which kept the fresh 2x2 dispatch's stream waiting on the host."""
-    kernel = _contract_kernel() if recv_src.is_cuda and _raw_stream is not None else None
+    kernel = c_op("contract_order") if recv_src.is_cuda and _raw_stream is not None else None
     if (kernel is None or recv_off.dtype != torch.int32 or recv_src.dtype != torch.int32
             or recv_off.numel() != per_node + 1 or not recv_src.is_contiguous() or not recv_off.is_contiguous()):
         return contract_order_torch(recv_off, recv_src, nodes, per_node, max_tokens, rows)
