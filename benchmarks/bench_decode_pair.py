@@ -28,7 +28,9 @@ to the ranks' earliest start marker (host clock, one host: comparable across ran
 those: where a pair's time goes (launch gap, send, the wait for peers inside a receive half, receive,
 the gaps between kernels). Checks: the graph's output equals the eager one; each variant's y (BF16
 and FP8) has a checksum, and ep_plugin variants must agree with each other (they compute the same
-sums in the same order). --cpu runs the eager protocols on gloo with the torch reference engine
+sums in the same order). With --stamps N, each ep_plugin variant and dtype then takes N samples of its
+kernels' phase stamps (benchmarks/ll_stamps.py: inside the dispatch and the combine, per block, when the
+routing was loaded, the rows placed, stored and acknowledged, the signals sent and seen). --cpu runs the eager protocols on gloo with the torch reference engine
 (tiny sizes; for testing this script).
 """
 from __future__ import annotations
@@ -120,6 +122,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="pairs per protocol under the profiler (0: off)")
     ap.add_argument("--profile-variants", nargs="+", default=None, help="the variants to profile (default: all)")
+    ap.add_argument("--stamps", type=int, default=0, metavar="N",
+                    help="N samples of the kernels' phase stamps per variant and dtype (benchmarks/ll_stamps.py; 0: off)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds before the ranks are killed")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_decode_pair.json"))
@@ -450,6 +454,10 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                         d["errors"][f"profile_{p}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 d["traces"] = traces
             del graph
+            if a.stamps and cuda and not profile:
+                import torch.distributed as dist
+                import ll_stamps
+                d["stamps"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 3, timer.sync, dist.barrier)
             rec["dtypes"][dt] = d
         rec["engine"] = pair.engine_info
     finally:
@@ -552,6 +560,8 @@ def merge_ranks(every: List[Dict]) -> Dict:
         row["checksums"] = [d.get("checksum") for d in ds]
         if any("graph_equal" in d for d in ds):
             row["graph_equal"] = all(d.get("graph_equal", False) for d in ds)
+        if any(d.get("stamps") for d in ds):
+            row["stamps"] = [d.get("stamps") for d in ds]
         if any(d.get("traces") for d in ds):
             row["timelines"] = {p: timeline([d["traces"].get(p, []) for d in ds]) for p in d0.get("traces", {})}
         out["dtypes"][dt] = row
@@ -575,6 +585,9 @@ def variant_lines(lib: str, world: int, rec: Dict, timelines_only: bool = False)
         if row["errors"]:
             extra += "  errors: " + "; ".join(f"{k}: {v}" for k, v in row["errors"].items())
         lines.append(f"{head} {dt:4s} {cells}{extra}")
+        if row.get("stamps"):
+            import ll_stamps
+            lines.extend(ll_stamps.lines(row["stamps"]))
     return "\n".join(lines)
 
 

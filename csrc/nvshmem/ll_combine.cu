@@ -132,6 +132,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
   __syncthreads();
+  stamp(c, kStampCombine, kCsSignalsIn);
   const int n16 = c.hidden / 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (!serial_prologue) {
@@ -227,15 +228,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                const float* weights, int T, int K, int phases, int4* y, const int* self_pos) {
   extern __shared__ int smem[];
   if (phases & kSend) {
+    stamp(c, kStampCombine, kCsEntry);
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
     send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0);
     if (any_rdma) nvshmem_quiet();
-    if (last_block(ticket(c, kTicketCombSend))) {
+    stamp(c, kStampCombine, kCsRowsOut);
+    const bool last = last_block(ticket(c, kTicketCombSend));
+    stamp(c, kStampCombine, kCsFenced);
+    if (last) {
       signal_ranks(c, c.comb_flag[p], epoch);
       __syncthreads();
       if (threadIdx.x == 0) c.state[kCombSendEpoch] = epoch + 1;
+      stamp(c, kStampCombine, kCsSignal);
     }
   }
   if (phases & kRecv) {
@@ -244,6 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   kDeep && (phases & kLoadsAhead) != 0);
     if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
       c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
+    stamp(c, kStampCombine, kCsDone);
   }
 }
 

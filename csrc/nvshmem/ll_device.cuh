@@ -89,7 +89,27 @@ struct Ctx {
   int* aborted;
   HostInfo* host;
   unsigned long long timeout_ns;
+  unsigned long long* stamps;  // phase stamps (benchmarks only): [2][kStampBlocks][kStampSlots], or nullptr
 };
+
+// Phase stamps: where a benchmark asked for them (Runtime::set_stamps), thread 0 of each block writes
+// %globaltimer at the phase boundaries of a kernel (kStampDispatch, kStampCombine) into
+// stamps[kernel][block][slot]; every call overwrites them, so a reader sees the last call's. Off (the
+// default) it is a load of a null pointer from the parameters and a branch: nothing on the row path.
+constexpr int kStampSlots = 8, kStampBlocks = 1024;  // a buffer of 2 * 1024 * 8 u64 (128 KiB)
+constexpr int kStampDispatch = 0, kStampCombine = 1;
+// dispatch_direct's slots: entry, routing loaded, the first token's destinations known (the count
+// wait), every row stored, after the block's fence (the stores acknowledged), the signal sent (the last
+// block), the receive half's signals seen, the receive half done
+enum DispatchStamp { kDsEntry = 0, kDsRouting, kDsPlaced, kDsRowsOut, kDsFenced, kDsSignal, kDsSignalsIn, kDsDone };
+// combine's slots: entry, rows sent, after the block's fence, the signal sent (the last block), the
+// receive half's signals seen, the sums done
+enum CombineStamp { kCsEntry = 0, kCsRowsOut, kCsFenced, kCsSignal, kCsSignalsIn, kCsDone };
+
+__device__ __forceinline__ void stamp(const Ctx& c, int kernel, int slot) {
+  if (c.stamps != nullptr && threadIdx.x == 0 && blockIdx.x < kStampBlocks)
+    c.stamps[(kernel * kStampBlocks + blockIdx.x) * kStampSlots + slot] = globaltimer();
+}
 
 __device__ __forceinline__ bool left_out(const Ctx& c, int r) { return ld_volatile(c.state + kMask + r) != 0; }
 

@@ -182,6 +182,7 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
       s_row[k] = dst == nullptr ? nullptr : dst + at * row_bytes;
     }
     __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampDispatch, kDsPlaced);
     // an FP8 unit's scale: into shared memory (sent whole below), or straight into the transposed array
     auto put_scale = [&](int g, float scale) {
       if (rm) {
@@ -253,6 +254,7 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
     }
     __syncthreads();
   }
+  stamp(c, kStampDispatch, kDsRowsOut);
 }
 
 // The receive half: every source's signal; block 0 writes recv_count, layout_range and the stats from
@@ -271,6 +273,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
   for (int s = threadIdx.x; s < W; s += blockDim.x)
     s_ok[s] = !left_out(c, s) && wait_signal(c, c.disp_flag[p], s, epoch + 1, kKernelDispatch);
   __syncthreads();
+  stamp(c, kStampDispatch, kDsSignalsIn);
   if (blockIdx.x == 0) {
     for (int el = threadIdx.x; el < EL; el += blockDim.x) {
       int begin = 0;
@@ -286,6 +289,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
   if (!fixups) {
     __syncthreads();
     if (threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
+    stamp(c, kStampDispatch, kDsDone);
     return;
   }
   char* base = c.heap + c.out_set[set];
@@ -321,6 +325,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
     }
   }
   if (last_block(ticket(c, kTicketDispRecv)) && threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
+  stamp(c, kStampDispatch, kDsDone);
 }
 
 }  // namespace
@@ -332,6 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ int smem[];
   const int flags = phases & kVariantMask;
   if (phases & kSend) {
+    stamp(c, kStampDispatch, kDsEntry);
     const int epoch = ld_volatile(c.state + kDispSendEpoch);
     const int p = epoch & 1;
     int* s_topk = smem;  // [T*K], then the last block's histogram [E]
@@ -342,6 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_first_round(x + static_cast<long long>(blockIdx.x) * (c.hidden / 8), c.hidden / 8, kFp8 && (flags & kFp8Wide),
                        early);
     load_topk(c, topk_idx, T, K, s_topk);
+    stamp(c, kStampDispatch, kDsRouting);
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);
     __shared__ int s_low[kMaxRanks];
@@ -360,10 +367,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
     if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags, early,
                                  have_early);
-    if (last_block(ticket(c, kTicketDispSend))) {
+    const bool last = last_block(ticket(c, kTicketDispSend));
+    stamp(c, kStampDispatch, kDsFenced);
+    if (last) {
       signal_ranks(c, c.disp_flag[p], epoch);
       __syncthreads();
       if (threadIdx.x == 0) c.state[kDispSendEpoch] = epoch + 1;
+      stamp(c, kStampDispatch, kDsSignal);
     }
   }
   if (phases & kRecv) {

@@ -271,6 +271,11 @@ std::vector<uintptr_t> Runtime::set_pointers(int i) const {
           base + static_cast<uintptr_t>(c.set_row_slot)};
 }
 
+void Runtime::set_stamps(uintptr_t stamps) {
+  EP_CHECK(ctx_ != nullptr, "LowLatencyRuntime: used after destroy()");
+  static_cast<Ctx*>(ctx_)->stamps = reinterpret_cast<unsigned long long*>(stamps);
+}
+
 void Runtime::set_num_blocks(int n) {
   EP_CHECK_ARG(n >= 1 && n <= max_blocks_, "LowLatencyRuntime: num_blocks must be in [1, %d], got %d", max_blocks_, n);
   num_blocks_ = n;

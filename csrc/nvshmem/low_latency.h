@@ -49,6 +49,10 @@ class Runtime {
   int num_blocks() const { return num_blocks_; }
   // the grid of the next launches (1..the value built with: every block of a SEND|RECV launch is resident)
   void set_num_blocks(int n);
+  // Phase stamps for benchmarks (ll_device.cuh, "Phase stamps"): the launches from now on write them to
+  // `stamps`, device memory of 2 * 1024 * 8 uint64 (kernel, block, slot); 0 turns them off. A CUDA graph
+  // keeps what its capture saw.
+  void set_stamps(uintptr_t stamps);
   size_t bytes() const { return bytes_; }
   void destroy(bool collective);  // nvshmem_free (collective) unless after a fault
 

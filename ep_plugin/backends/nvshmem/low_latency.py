@@ -318,6 +318,19 @@ class NvshmemLowLatency(ReportsFaults):
     def blocks(self, n: int) -> None:
         self._rt.num_blocks = int(n)
 
+    def phase_stamps(self, on: bool = True):
+        """Benchmarks: the kernels' phase stamps (csrc/nvshmem/ll_device.cuh, "Phase stamps") from the
+        next launch on, into the returned uint64 tensor [2 (dispatch, combine), 1024 (block), 8 (slot)]
+        of %globaltimer ns (0 where nothing ran), each launch overwriting the last; off: None. A CUDA
+        graph keeps the setting of its capture. Only the output-set dispatch and the combine stamp."""
+        if not on:
+            self._rt.set_stamps(0)
+            self._stamps = None
+            return None
+        self._stamps = torch.zeros(2, 1024, 8, dtype=torch.int64, device=self.device)
+        self._rt.set_stamps(self._stamps.data_ptr())
+        return self._stamps
+
     # ------------------------------------------------------------------ dispatch
     # Unfused, the send half is launched first, with nothing but pointers: in a cold call the host's
     # work before the first launch is on the critical path, the allocations after it overlap the send.
