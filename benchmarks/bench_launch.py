@@ -3,8 +3,10 @@ kernel timing out, say) costs the run at most --timeout seconds and never the ro
 """
 from __future__ import annotations
 
+import os
 import queue
 import socket
+import tempfile
 import time
 
 import torch.multiprocessing as mp
@@ -16,12 +18,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def store_path(port: int) -> str:
+    """The rendezvous file of a run: the ranks meet in a FileStore, not on a TCP port -- a port free when
+    chosen can be taken by another socket in the seconds the spawned ranks take to import torch
+    (EADDRINUSE at rank 0's listen, seen on the device machine); `port` only names the run."""
+    return os.path.join(tempfile.gettempdir(), f"ep_plugin_bench_{port}.store")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def run_world(target, world: int, args, on_partial):
     """Spawn target(rank, world, port, args, q) per rank and follow the queue: ("partial", report) goes to
     on_partial, ("done", report) ends the run, ("err", text) is printed. Returns (last report, finished?)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
+    _remove(store_path(port))  # a FileStore must start from no file
     procs = [ctx.Process(target=target, args=(r, world, port, args, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -60,6 +77,7 @@ def run_world(target, world: int, args, on_partial):
         if p.is_alive():
             p.kill()
             p.join(5)
+    _remove(store_path(port))
     return last, complete
 
 
@@ -78,4 +96,4 @@ def init_rank(rank: int, world: int, port: int) -> None:
     kw = {}
     if "device_id" in inspect.signature(dist.init_process_group).parameters:
         kw["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, **kw)
+    dist.init_process_group("nccl", init_method="file://" + store_path(port), rank=rank, world_size=world, **kw)
