@@ -237,15 +237,18 @@ def body_held_copy(rank, world, out_dir):
 # token + slot in one store, 16-byte FP8 stores, epoch-tagged counts, row loads before the count wait,
 # store addresses made once with FP8 scales stored by a group's lanes, the first row's loads at entry, and
 # the combine receive's loads ahead (picks before the signal wait, a thread's rows all in flight), and 8
-# loads in flight per lane in the row copies (combine send; the slot path's dispatch receive).
+# loads in flight per lane in the row copies (combine send; the slot path's dispatch receive), the combine
+# send's rows dealt in a stride order, and the lean routing (the rank mask read once, slots counted by warps).
 # Each alone, the lean stores on the default (64) with and without the others it meets, then all together
 # (where kScalesRowMajor leaves the lanes' scale stores out: LEAN_SETS puts them in a CUDA graph).
 SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
 LEAN_STORES, EARLY_ROW, LOADS_AHEAD, COPY8 = 256, 512, 1024, 2048
+SPREAD_ROWS, LEAN_ROUTING = 4096, 8192
 ALL_DIRECT_FLAGS = (SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW
-                    | LOADS_AHEAD | COPY8)
-LEAN_SETS = [COUNT_WORDS | LEAN_STORES, COUNT_WORDS | LEAN_STORES | PRELOAD | EARLY_ROW | LOADS_AHEAD | COPY8,
-             COUNT_WORDS | LEAN_STORES | FP8_WIDE]
+                    | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LEAN_ROUTING)
+LEAN_SETS = [COUNT_WORDS | LEAN_STORES,
+             COUNT_WORDS | LEAN_STORES | PRELOAD | EARLY_ROW | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LEAN_ROUTING,
+             COUNT_WORDS | LEAN_STORES | FP8_WIDE, COUNT_WORDS | SPREAD_ROWS | LEAN_ROUTING]
 DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, *LEAN_SETS, ALL_DIRECT_FLAGS]
 
 
@@ -267,7 +270,8 @@ def body_direct_flags(rank, world, out_dir):
         for flags in DIRECT_FLAG_SETS:
             auto._low_latency.kernel_flags = flags
             kinds = [(True, False)]
-            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW | LOADS_AHEAD | COPY8):
+            if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW | LOADS_AHEAD | COPY8 | SPREAD_ROWS
+                        | LEAN_ROUTING):
                 kinds.append((False, False))
             if flags == ALL_DIRECT_FLAGS or flags & LEAN_STORES:
                 kinds.append((True, True))
@@ -289,7 +293,8 @@ def body_direct_flags(rank, world, out_dir):
         slots = _buf("auto", E_l, K, hidden, output_buffers=0)
         seed += 1
         check_case(slots, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds the engine
-        slots._low_latency.kernel_flags = FP8_WIDE | LOADS_AHEAD | COPY8  # the combine's bits act on either path
+        # the combine's bits act on either path
+        slots._low_latency.kernel_flags = FP8_WIDE | LOADS_AHEAD | COPY8 | SPREAD_ROWS
         for tokens, mode in CASES:
             for round_scale in (False, True):
                 seed += 1

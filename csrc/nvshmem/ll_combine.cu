@@ -8,6 +8,8 @@
 // a thread whose token has two 16-byte units per thread (H <= 16 * blockDim, K <= 8) issues the loads of
 // both units' rows before any sum, instead of one unit's after the other's. The sums are the same, in the
 // same k order: the output is bit-identical.
+// kSpreadRows (the send half): rows dealt to warps in a stride order (send_rows). The same rows to the same
+// places: the output is bit-identical.
 // kCopy8 (the send half): a warp's share of a row (~448 units at H = 7168 when rows are fewer than
 // warps) is 14 units per lane, i.e. four rounds of load-then-store at 4 loads in flight, each round one
 // HBM latency before its stores can go; at 8 in flight it is two.
@@ -22,7 +24,7 @@ namespace ll {
 namespace {
 
 __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slot, const int* recv_count,
-                          bool skip_self, int* smem, bool* any_rdma, bool copy8) {
+                          bool skip_self, int* smem, bool* any_rdma, bool copy8, bool spread) {
   const int W = c.world, EL = c.local_experts, M = c.max_tokens, WM = W * M;
   const int MK = M * c.max_topk;
   int* s_cnt = smem;
@@ -32,11 +34,18 @@ __device__ void send_rows(const Ctx& c, int p, const int4* x, const int* row_slo
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int n16 = c.hidden / 8;
   const int total = s_off[EL];
-  // NVSHMEM puts send whole rows: one warp per row when some peer needs them
-  const int parts = c.comb_stage >= 0 ? 1 : parts_per_row(total, gridDim.x * warps);
+  // NVSHMEM puts send whole rows: one warp per row when some peer needs them. kSpreadRows: the rows
+  // leave in a stride order, so that a block's warps (consecutive items) hold rows of several sources --
+  // in the received order a block's rows share one source, and the blocks holding peers' rows carry the
+  // whole NVLink traffic while the others, with this rank's own rows (skipped), idle; the parts are
+  // sized by the rows expected to leave (all but ~1/W with skip_self), so that more warps share them.
+  const int leaving = spread && skip_self ? total - total / c.world : total;
+  const int parts = c.comb_stage >= 0 ? 1 : parts_per_row(leaving, gridDim.x * warps);
   const int chunk = (n16 + parts - 1) / parts;
+  const int stride = spread ? coprime_stride(total) : 1;
   for (int i = blockIdx.x * warps + threadIdx.x / 32; i < total * parts; i += gridDim.x * warps) {
-    const int r = i / parts, part = i % parts;
+    const int r = spread ? static_cast<int>(static_cast<long long>(i / parts) * stride % total) : i / parts;
+    const int part = i % parts;
     const int el = find_segment(s_off, EL, r);
     const long long in_row = static_cast<long long>(el) * WM + (r - s_off[el]);
     const int slot = row_slot[in_row];
@@ -232,7 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0);
+    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0,
+              (phases & kSpreadRows) != 0);
     if (any_rdma) nvshmem_quiet();
     stamp(c, kStampCombine, kCsRowsOut);
     const bool last = last_block(ticket(c, kTicketCombSend));

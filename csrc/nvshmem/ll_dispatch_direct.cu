@@ -28,6 +28,9 @@
 //   stores the scale to every destination in turn, taking each address apart with a 64-bit
 //   division on the way, while the warp waits for that lane before its next cast. The same stores
 //   to the same places: the outputs are bit-identical.
+// - kLeanRouting: the rank mask read once per block into shared memory while the ids are in flight (not a
+//   dependent load per id), and a token's slots counted by a warp per pick (one barrier, no atomics).
+//   The same slots: bit-identical outputs.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
 // half's fix-ups (per local expert, the rows below its count), after the same signals that cover
 // the rows; otherwise the receive half stays block 0's.
@@ -143,7 +146,10 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
         load_first_round(src, n16, wide, pre);
       }
     }
-    token_slots(s_topk, t, K, s_slot);
+    if (flags & kLeanRouting)
+      token_slots_by_warps(s_topk, t, K, s_slot);
+    else
+      token_slots(s_topk, t, K, s_slot);
     if (threadIdx.x < K) {
       const int k = threadIdx.x, e = s_topk[t * K + k];
       char* dst = nullptr;
@@ -347,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (have_early)
       load_first_round(x + static_cast<long long>(blockIdx.x) * (c.hidden / 8), c.hidden / 8, kFp8 && (flags & kFp8Wide),
                        early);
-    load_topk(c, topk_idx, T, K, s_topk);
+    load_topk(c, topk_idx, T, K, s_topk, (flags & kLeanRouting) != 0);
     stamp(c, kStampDispatch, kDsRouting);
     // the last block has no token when the grid outnumbers the tokens: it sends the counts
     if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);

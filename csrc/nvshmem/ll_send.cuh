@@ -201,14 +201,32 @@ __device__ inline void token_slots(const int* s_topk, int t, int K, int* slot) {
   __syncthreads();
 }
 
+// kLeanRouting: token_slots' answer with one barrier and no atomics -- a warp per pick k counts the
+// entries of earlier tokens naming its expert, 32 at a time. load_topk has turned every repeat of an
+// expert within a token into -1, so no earlier k of token t names e (token_slots' second term is 0).
+__device__ inline void token_slots_by_warps(const int* s_topk, int t, int K, int* slot) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int k = warp; k < K; k += warps) {
+    const int e = s_topk[t * K + k];
+    int n = 0;
+    if (e >= 0)
+      for (int j = lane; j < t * K; j += 32) n += s_topk[j] == e ? 1 : 0;
+    n = __reduce_add_sync(kFull, n);
+    if (lane == 0) slot[k] = n;
+  }
+  __syncthreads();
+}
+
 // s_topk[T*K] <- topk_idx as ints, -1 where an entry goes nowhere (id -1, out of range, or owned by
 // a left-out rank) or repeats an expert of an earlier k of its token (the contract's one row per
 // (token, expert); combine gives the repeat that row too); ids outside [-1, E) are flagged to the
-// host. By the whole block.
-__device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int T, int K, int* s_topk) {
+// host. By the whole block. lean (kLeanRouting): the rank mask is read once into shared memory while the
+// first ids are in flight, instead of one mask load per id after it arrives (a second round trip).
+__device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int T, int K, int* s_topk, bool lean = false) {
   const int TK = T * K;
   const int E = c.num_experts, EL = c.local_experts;
   constexpr int kInFlight = 4;  // 128 tokens x top-8 = 2 ids per thread: loaded together, not one by one
+  __shared__ int s_out[kMaxRanks];  // lean: left_out of each rank
   bool bad = false;
   for (int base = 0; base < TK; base += kInFlight * blockDim.x) {
     long long id[kInFlight];
@@ -217,13 +235,17 @@ __device__ inline void load_topk(const Ctx& c, const int64_t* topk_idx, int T, i
       const int j = base + u * blockDim.x + threadIdx.x;
       id[u] = j < TK ? __ldg(topk_idx + j) : -1;
     }
+    if (lean && base == 0) {  // every thread takes this round (TK > 0), so the barrier is uniform
+      for (int r = threadIdx.x; r < c.world; r += blockDim.x) s_out[r] = left_out(c, r);
+      __syncthreads();
+    }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int j = base + u * blockDim.x + threadIdx.x;
       const long long e = id[u];
       bad |= e < -1 || e >= E;
-      if (j < TK)
-        s_topk[j] = (e >= 0 && e < E && !left_out(c, static_cast<int>(e) / EL)) ? static_cast<int>(e) : -1;
+      const bool ok = e >= 0 && e < E && !(lean ? s_out[static_cast<int>(e) / EL] != 0 : left_out(c, static_cast<int>(e) / EL));
+      if (j < TK) s_topk[j] = ok ? static_cast<int>(e) : -1;
     }
   }
   if (bad && blockIdx.x == 0) reinterpret_cast<volatile HostInfo*>(c.host)->bad_ids = 1;

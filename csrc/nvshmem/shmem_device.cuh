@@ -56,6 +56,23 @@ __device__ __forceinline__ int parts_per_row(int rows, int warps) {
   return p < 1 ? 1 : (p > 8 ? 8 : p);
 }
 
+// A stride s ~ 0.618 n with gcd(s, n) = 1 (n >= 1): r -> r * s mod n visits every row once, and rows
+// next to each other in the received order (one expert, one source) land far apart.
+__device__ __forceinline__ int coprime_stride(int n) {
+  if (n <= 2) return 1;
+  int s = static_cast<int>(0.6180339887f * static_cast<float>(n)) | 1;
+  auto gcd = [](int a, int b) {
+    while (b != 0) {
+      const int t = a % b;
+      a = b;
+      b = t;
+    }
+    return a;
+  };
+  while (gcd(s, n) != 1) s += 2;  // ends below n: n - 1 (n even) or n - 2 (n odd) is coprime with n
+  return s;
+}
+
 // A warp copies 16-byte units [begin, end) of a row, U loads in flight per lane before the stores.
 template <int U>
 __device__ __forceinline__ void warp_copy_units(const int4* src, int4* dst, int begin, int end, int lane) {
