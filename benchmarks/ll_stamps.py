@@ -14,7 +14,7 @@ import statistics
 from typing import Callable, Dict, List, Optional
 
 DISPATCH_SLOTS = ("entry", "routing", "placed", "rows_out", "fenced", "signal", "signals_in", "done")
-COMBINE_SLOTS = ("entry", "rows_out", "fenced", "signal", "signals_in", "done")
+COMBINE_SLOTS = ("entry", "rows_out", "fenced", "signal", "signals_in", "done", "picked", "summed")
 KERNELS = (("dispatch", DISPATCH_SLOTS), ("combine", COMBINE_SLOTS))
 
 

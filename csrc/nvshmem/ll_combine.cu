@@ -204,10 +204,12 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
     }
     }  // serial_prologue
     __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampCombine, kCsPicked);
     const int nk = s_nk;
     if (ahead && nk <= 8 && n16 <= 2 * static_cast<int>(blockDim.x)) {
       reduce_two_units(s_row, s_w, nk, n16, y + static_cast<long long>(t) * n16);
       __syncthreads();
+      if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampCombine, kCsSummed);
       continue;
     }
     for (int j = threadIdx.x; j < n16; j += blockDim.x) {
@@ -226,6 +228,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
       y[static_cast<long long>(t) * n16 + j] = to_bf16_unit(acc);
     }
     __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampCombine, kCsSummed);
   }
 }
 

@@ -105,8 +105,9 @@ constexpr int kStampDispatch = 0, kStampCombine = 1;
 // block), the receive half's signals seen, the receive half done
 enum DispatchStamp { kDsEntry = 0, kDsRouting, kDsPlaced, kDsRowsOut, kDsFenced, kDsSignal, kDsSignalsIn, kDsDone };
 // combine's slots: entry, rows sent, after the block's fence, the signal sent (the last block), the
-// receive half's signals seen, the sums done
-enum CombineStamp { kCsEntry = 0, kCsRowsOut, kCsFenced, kCsSignal, kCsSignalsIn, kCsDone };
+// receive half's signals seen, the sums done (after the block's fence), and inside the receive half the
+// first token's picks known (row addresses and weights in shared memory), its sums stored
+enum CombineStamp { kCsEntry = 0, kCsRowsOut, kCsFenced, kCsSignal, kCsSignalsIn, kCsDone, kCsPicked, kCsSummed };
 
 __device__ __forceinline__ void stamp(const Ctx& c, int kernel, int slot) {
   if (c.stamps != nullptr && threadIdx.x == 0 && blockIdx.x < kStampBlocks)
