@@ -243,12 +243,14 @@ def body_held_copy(rank, world, out_dir):
 # (where kScalesRowMajor leaves the lanes' scale stores out: LEAN_SETS puts them in a CUDA graph).
 SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD = 8, 16, 32, 64, 128
 LEAN_STORES, EARLY_ROW, LOADS_AHEAD, COPY8 = 256, 512, 1024, 2048
-SPREAD_ROWS, LEAN_ROUTING = 4096, 8192
+SPREAD_ROWS, LEAN_ROUTING, LIGHT_TICKETS = 4096, 8192, 16384
 ALL_DIRECT_FLAGS = (SCALES_ROW_MAJOR | PACKED_INFO | FP8_WIDE | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW
-                    | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LEAN_ROUTING)
+                    | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LEAN_ROUTING | LIGHT_TICKETS)
 LEAN_SETS = [COUNT_WORDS | LEAN_STORES,
              COUNT_WORDS | LEAN_STORES | PRELOAD | EARLY_ROW | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LEAN_ROUTING,
-             COUNT_WORDS | LEAN_STORES | FP8_WIDE, COUNT_WORDS | SPREAD_ROWS | LEAN_ROUTING]
+             COUNT_WORDS | LEAN_STORES | FP8_WIDE, COUNT_WORDS | SPREAD_ROWS | LEAN_ROUTING,
+             COUNT_WORDS | LEAN_STORES | LEAN_ROUTING | LIGHT_TICKETS,
+             COUNT_WORDS | LEAN_STORES | LEAN_ROUTING | LIGHT_TICKETS | SCALES_ROW_MAJOR]
 DIRECT_FLAG_SETS = [SCALES_ROW_MAJOR, PACKED_INFO, FP8_WIDE, COUNT_WORDS, PRELOAD, *LEAN_SETS, ALL_DIRECT_FLAGS]
 
 
@@ -271,7 +273,7 @@ def body_direct_flags(rank, world, out_dir):
             auto._low_latency.kernel_flags = flags
             kinds = [(True, False)]
             if flags & (PACKED_INFO | COUNT_WORDS | PRELOAD | LEAN_STORES | EARLY_ROW | LOADS_AHEAD | COPY8 | SPREAD_ROWS
-                        | LEAN_ROUTING):
+                        | LEAN_ROUTING | LIGHT_TICKETS):
                 kinds.append((False, False))
             if flags == ALL_DIRECT_FLAGS or flags & LEAN_STORES:
                 kinds.append((True, True))
@@ -281,7 +283,7 @@ def body_direct_flags(rank, world, out_dir):
                     check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, round_scale)
             seed += 1
             check_case(auto, ref, rank, E_l, K, hidden, [M, 33], "random", seed, True, False, hook=True)
-            if flags == ALL_DIRECT_FLAGS or flags in LEAN_SETS[:2]:
+            if flags == ALL_DIRECT_FLAGS or flags in LEAN_SETS[:2] or flags & LIGHT_TICKETS:
                 seed += 1
                 check_case(auto, ref, rank, E_l, K, hidden, [0, M], "random", seed, False, False, hook=True)
                 if hidden == 7168:
@@ -294,7 +296,7 @@ def body_direct_flags(rank, world, out_dir):
         seed += 1
         check_case(slots, ref, rank, E_l, K, hidden, [M, M], "random", seed, True, False)  # builds the engine
         # the combine's bits act on either path
-        slots._low_latency.kernel_flags = FP8_WIDE | LOADS_AHEAD | COPY8 | SPREAD_ROWS
+        slots._low_latency.kernel_flags = FP8_WIDE | LOADS_AHEAD | COPY8 | SPREAD_ROWS | LIGHT_TICKETS
         for tokens, mode in CASES:
             for round_scale in (False, True):
                 seed += 1

@@ -58,4 +58,37 @@ __device__ inline bool last_block(unsigned* ctr) {
   return s_last != 0;
 }
 
+// last_block with fence.acq_rel.sys instead of fence.sc.sys on both sides of the ticket: each block's
+// stores are released to the last block (fence, then the relaxed ticket), which acquires them (ticket,
+// then fence) before what it publishes.
+__device__ inline bool last_block_acq_rel(unsigned* ctr) {
+  __shared__ int s_last;
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned prev = atomicAdd(ctr, 1u);
+    s_last = (prev == gridDim.x - 1);
+    if (s_last) {
+      atomicExch(ctr, 0u);
+      fence_acq_rel_sys();
+    }
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// The ticket alone, for a last block that publishes nothing the other blocks wrote: it only moves an
+// epoch on that every block read before its ticket (their outputs reach later kernels by stream order).
+__device__ inline bool last_block_unfenced(unsigned* ctr) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned prev = atomicAdd(ctr, 1u);
+    s_last = (prev == gridDim.x - 1);
+    if (s_last) atomicExch(ctr, 0u);
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
 }  // namespace ep

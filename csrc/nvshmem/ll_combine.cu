@@ -8,6 +8,7 @@
 // a thread whose token has two 16-byte units per thread (H <= 16 * blockDim, K <= 8) issues the loads of
 // both units' rows before any sum, instead of one unit's after the other's. The sums are the same, in the
 // same k order: the output is bit-identical.
+// kLightTickets: the send half's ticket behind fence.acq_rel.sys, the receive half's without a fence.
 // kSpreadRows (the send half): rows dealt to warps in a stride order (send_rows). The same rows to the same
 // places: the output is bit-identical.
 // kCopy8 (the send half): a warp's share of a row (~448 units at H = 7168 when rows are fewer than
@@ -248,7 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               (phases & kSpreadRows) != 0);
     if (any_rdma) nvshmem_quiet();
     stamp(c, kStampCombine, kCsRowsOut);
-    const bool last = last_block(ticket(c, kTicketCombSend));
+    const bool light = (phases & kLightTickets) != 0;
+    const bool last = light ? last_block_acq_rel(ticket(c, kTicketCombSend)) : last_block(ticket(c, kTicketCombSend));
     stamp(c, kStampCombine, kCsFenced);
     if (last) {
       signal_ranks(c, c.comb_flag[p], epoch);
@@ -261,8 +263,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
                   kDeep && (phases & kLoadsAhead) != 0);
-    if (last_block(ticket(c, kTicketCombRecv)) && threadIdx.x == 0)
-      c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
+    // kLightTickets: y reaches later kernels by stream order; the ticket only moves the epoch on
+    const bool last = (phases & kLightTickets) ? last_block_unfenced(ticket(c, kTicketCombRecv))
+                                               : last_block(ticket(c, kTicketCombRecv));
+    if (last && threadIdx.x == 0) c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
     stamp(c, kStampCombine, kCsDone);
   }
 }

@@ -58,8 +58,9 @@ constexpr int kLoadsAhead = 1024;     // combine receive: picks loaded before th
 constexpr int kCopy8 = 2048;          // row copies (combine send, slot-path dispatch receive): 8 loads in flight per lane, not 4
 constexpr int kSpreadRows = 4096;     // combine send: rows dealt to warps in a stride order, so every block mixes peers' and own rows
 constexpr int kLeanRouting = 8192;    // direct dispatch: the rank mask read once per block, a token's slots counted by a warp per k
+constexpr int kLightTickets = 16384;  // direct dispatch and combine: send tickets behind fence.acq_rel.sys, receive tickets unfenced
 constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload |
-                             kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting;
+                             kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting | kLightTickets;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;

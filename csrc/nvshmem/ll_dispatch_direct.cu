@@ -31,6 +31,8 @@
 // - kLeanRouting: the rank mask read once per block into shared memory while the ids are in flight (not a
 //   dependent load per id), and a token's slots counted by a warp per pick (one barrier, no atomics).
 //   The same slots: bit-identical outputs.
+// - kLightTickets: the send half's ticket behind fence.acq_rel.sys (a release pattern: rows, fence, ticket;
+//   the last block's fence, then the signal) instead of fence.sc.sys, the receive half's without a fence.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
 // half's fix-ups (per local expert, the rows below its count), after the same signals that cover
 // the rows; otherwise the receive half stays block 0's.
@@ -330,7 +332,10 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
       }
     }
   }
-  if (last_block(ticket(c, kTicketDispRecv)) && threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
+  // kLightTickets: the fix-ups reach later kernels by stream order; the ticket only moves the epoch on
+  const bool last = (flags & kLightTickets) ? last_block_unfenced(ticket(c, kTicketDispRecv))
+                                            : last_block(ticket(c, kTicketDispRecv));
+  if (last && threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
   stamp(c, kStampDispatch, kDsDone);
 }
 
@@ -373,7 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
     if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags, early,
                                  have_early);
-    const bool last = last_block(ticket(c, kTicketDispSend));
+    const bool last = (flags & kLightTickets) ? last_block_acq_rel(ticket(c, kTicketDispSend))
+                                              : last_block(ticket(c, kTicketDispSend));
     stamp(c, kStampDispatch, kDsFenced);
     if (last) {
       signal_ranks(c, c.disp_flag[p], epoch);
