@@ -43,12 +43,13 @@ class _PhaseLog(list):
 
 
 def test_default_variant_bits_reach_the_dispatch(calls):
-    """The engine's default kernel_flags (64: epoch-tagged count words) go to every dispatch launch of the
-    direct (heap-set) path; the combine kernels ignore the dispatch's bits."""
+    """The engine's default kernel_flags (row-major FP8 scales, count words, lean stores and routing, light
+    tickets) go to every dispatch launch of the direct (heap-set) path; the combine kernels ignore the
+    dispatch's bits."""
     buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
     x, idx, w = inputs()
     recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx)
-    assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT == 64
+    assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT == 8 | 64 | 256 | 8192 | 16384
     assert [c[0] for c in calls] == ["dispatch"] and calls.variant_bits == [KERNEL_FLAGS_DEFAULT]
 
 

@@ -75,8 +75,12 @@ MAX_RANKS = 64
 MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 
 
-# csrc/nvshmem/ll_device.cuh's kCountWords: the direct dispatch's epoch-tagged count words
-KERNEL_FLAGS_DEFAULT = 64
+# csrc/nvshmem/ll_device.cuh's variant bits in the default: 8 kScalesRowMajor (FP8 scales leave as one
+# contiguous write per row, transposed on receive), 64 kCountWords (epoch-tagged count words), 256
+# kLeanStores, 8192 kLeanRouting, 16384 kLightTickets (docs/LOW_LATENCY.md, "Phase stamps")
+SCALES_ROW_MAJOR = 8
+MAX_ROW_MAJOR_SCALE_GROUPS = 256  # kMaxScaleGroups: a row's scales pass through shared memory
+KERNEL_FLAGS_DEFAULT = SCALES_ROW_MAJOR | 64 | 256 | 8192 | 16384
 
 class OutputsStillHeldError(RuntimeError):
     """A low-latency dispatch reused an output set whose tensors a caller still holds (module docstring,
@@ -135,14 +139,17 @@ class NvshmemLowLatency(ReportsFaults):
         # 128 row loads before the count wait, 256 store addresses made once (FP8 scales stored by a group's
         # lanes, no 64-bit division), 512 with 128: the first row's loads before the routing's; the combine's
         # 1024: its receive loads a token's picks before the signal wait and all of a thread's rows at once;
-        # 2048: the row copies (combine send, the slot path's dispatch receive) keep 8 loads in flight per lane.
-        # Every rank must set the same bits (the senders' and receivers' layouts must agree).
-        # Default 64 (epoch-tagged counts: each row waits only for its own expert's counts), the one bit
-        # that won alone in every cell of the A/B on 4x H100 (2026-11-26, results/ll_pair_h100x4_..._s2call6):
-        # EP2 BF16 graph cold / queued 95.5 / 82.6 us against 104.0 / 92.5 without it, FP8 91.4 / 79.2
-        # against 124.6 / 84.8; EP4 BF16 133.0 / 106.2 against 146.5 / 117.0. All five bits together (248)
-        # were slower than 64 alone (EP2 BF16 109.7 / 88.6).
-        self.kernel_flags = KERNEL_FLAGS_DEFAULT
+        # 2048: the row copies (combine send, the slot path's dispatch receive) keep 8 loads in flight per lane;
+        # 4096: the combine send deals rows to warps in a stride order; 8192: the dispatch reads the rank
+        # mask once and counts slots by warps; 16384: send tickets behind fence.acq_rel.sys, receive tickets
+        # unfenced. Every rank must set the same bits (the senders' and receivers' layouts must agree).
+        # Default 8|64|256|8192|16384, chosen by the phase stamps and pair A/B of 2026-11-26 (session 6, 2x H100,
+        # docs/LOW_LATENCY.md): EP2 graph queued FP8 70.8 us, BF16 77.6 against 79.9 / 83.2 with 64 alone and
+        # DeepEP's 72.0 / 86.4 in the same call. Row-major scales need hidden / 128 <= 256 (else left out).
+        flags = KERNEL_FLAGS_DEFAULT
+        if hidden // 128 > MAX_ROW_MAJOR_SCALE_GROUPS:
+            flags &= ~SCALES_ROW_MAJOR
+        self.kernel_flags = flags
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
