@@ -40,52 +40,33 @@ __device__ inline void record_timeout(const C& c, int peer, int kernel_id) {
   __threadfence_system();
 }
 
-// True in exactly one block, the last to arrive; all blocks' prior writes are visible to it. The
-// counter is reset there, so the next launch (or CUDA-graph replay) starts from zero.
+// How a block's ticket is fenced (last_block): kSc, __threadfence_system (fence.sc.sys) on both sides;
+// kAcqRel, fence.acq_rel.sys -- enough for a release pattern (each block's stores, fence, the relaxed
+// ticket; the last block's ticket, fence, then what it publishes); kNone, the ticket alone, for a last
+// block that publishes nothing the others wrote (it only moves on an epoch that every block read before
+// its ticket; their outputs reach later kernels by stream order).
+enum class TicketFence { kSc, kAcqRel, kNone };
+
+template <TicketFence F>
+__device__ __forceinline__ void ticket_fence() {
+  if constexpr (F == TicketFence::kSc) __threadfence_system();
+  if constexpr (F == TicketFence::kAcqRel) fence_acq_rel_sys();
+}
+
+// True in exactly one block, the last to arrive; all blocks' prior writes are visible to it (unless F
+// is kNone). The counter is reset there, so the next launch (or CUDA-graph replay) starts from zero.
+template <TicketFence F = TicketFence::kSc>
 __device__ inline bool last_block(unsigned* ctr) {
   __shared__ int s_last;
-  __threadfence_system();
+  ticket_fence<F>();
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned prev = atomicAdd(ctr, 1u);
     s_last = (prev == gridDim.x - 1);
     if (s_last) {
       atomicExch(ctr, 0u);
-      __threadfence_system();
+      ticket_fence<F>();
     }
-  }
-  __syncthreads();
-  return s_last != 0;
-}
-
-// last_block with fence.acq_rel.sys instead of fence.sc.sys on both sides of the ticket: each block's
-// stores are released to the last block (fence, then the relaxed ticket), which acquires them (ticket,
-// then fence) before what it publishes.
-__device__ inline bool last_block_acq_rel(unsigned* ctr) {
-  __shared__ int s_last;
-  fence_acq_rel_sys();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned prev = atomicAdd(ctr, 1u);
-    s_last = (prev == gridDim.x - 1);
-    if (s_last) {
-      atomicExch(ctr, 0u);
-      fence_acq_rel_sys();
-    }
-  }
-  __syncthreads();
-  return s_last != 0;
-}
-
-// The ticket alone, for a last block that publishes nothing the other blocks wrote: it only moves an
-// epoch on that every block read before its ticket (their outputs reach later kernels by stream order).
-__device__ inline bool last_block_unfenced(unsigned* ctr) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned prev = atomicAdd(ctr, 1u);
-    s_last = (prev == gridDim.x - 1);
-    if (s_last) atomicExch(ctr, 0u);
   }
   __syncthreads();
   return s_last != 0;

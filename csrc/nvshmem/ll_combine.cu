@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (any_rdma) nvshmem_quiet();
     stamp(c, kStampCombine, kCsRowsOut);
     const bool light = (phases & kLightTickets) != 0;
-    const bool last = light ? last_block_acq_rel(ticket(c, kTicketCombSend)) : last_block(ticket(c, kTicketCombSend));
+    const bool last = light ? last_block<TicketFence::kAcqRel>(ticket(c, kTicketCombSend))
+                            : last_block(ticket(c, kTicketCombSend));
     stamp(c, kStampCombine, kCsFenced);
     if (last) {
       signal_ranks(c, c.comb_flag[p], epoch);
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
                   kDeep && (phases & kLoadsAhead) != 0);
     // kLightTickets: y reaches later kernels by stream order; the ticket only moves the epoch on
-    const bool last = (phases & kLightTickets) ? last_block_unfenced(ticket(c, kTicketCombRecv))
+    const bool last = (phases & kLightTickets) ? last_block<TicketFence::kNone>(ticket(c, kTicketCombRecv))
                                                : last_block(ticket(c, kTicketCombRecv));
     if (last && threadIdx.x == 0) c.state[kCombRecvEpoch] = ld_volatile(c.state + kCombRecvEpoch) + 1;
     stamp(c, kStampCombine, kCsDone);

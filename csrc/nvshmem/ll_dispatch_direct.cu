@@ -333,7 +333,7 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
     }
   }
   // kLightTickets: the fix-ups reach later kernels by stream order; the ticket only moves the epoch on
-  const bool last = (flags & kLightTickets) ? last_block_unfenced(ticket(c, kTicketDispRecv))
+  const bool last = (flags & kLightTickets) ? last_block<TicketFence::kNone>(ticket(c, kTicketDispRecv))
                                             : last_block(ticket(c, kTicketDispRecv));
   if (last && threadIdx.x == 0) c.state[kDispRecvEpoch] = epoch + 1;
   stamp(c, kStampDispatch, kDsDone);
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
     if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags, early,
                                  have_early);
-    const bool last = (flags & kLightTickets) ? last_block_acq_rel(ticket(c, kTicketDispSend))
+    const bool last = (flags & kLightTickets) ? last_block<TicketFence::kAcqRel>(ticket(c, kTicketDispSend))
                                               : last_block(ticket(c, kTicketDispSend));
     stamp(c, kStampDispatch, kDsFenced);
     if (last) {
