@@ -31,7 +31,8 @@ and FP8) has a checksum, and ep_plugin variants must agree with each other (they
 sums in the same order). With --stamps N, each ep_plugin variant and dtype then takes N samples of its
 kernels' phase stamps (benchmarks/ll_stamps.py: inside the dispatch and the combine, per block, when the
 routing was loaded, the rows placed, stored and acknowledged, the signals sent and seen), queued (the last
-of 3 eager pairs) and cold (one eager pair after the L2 flush and the barrier). --cpu runs the eager protocols on gloo with the torch reference engine
+of 3 eager pairs), cold (one eager pair after the L2 flush and the barrier) and graph cold (the same with
+the pair replayed from a CUDA graph captured with the stamps on). --cpu runs the eager protocols on gloo with the torch reference engine
 (tiny sizes; for testing this script).
 """
 from __future__ import annotations
@@ -461,6 +462,8 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                 d["stamps"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 3, timer.sync, dist.barrier)
                 # cold: L2 flushed, the ranks released by a barrier, one pair (the launch skew shows)
                 d["stamps_cold"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 1, timer.sync, timer.cold_prep)
+                d["stamps_graph_cold"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 1, timer.sync, timer.cold_prep,
+                                                           graph=True)
             rec["dtypes"][dt] = d
         rec["engine"] = pair.engine_info
     finally:
@@ -563,7 +566,7 @@ def merge_ranks(every: List[Dict]) -> Dict:
         row["checksums"] = [d.get("checksum") for d in ds]
         if any("graph_equal" in d for d in ds):
             row["graph_equal"] = all(d.get("graph_equal", False) for d in ds)
-        for key in ("stamps", "stamps_cold"):
+        for key in ("stamps", "stamps_cold", "stamps_graph_cold"):
             if any(d.get(key) for d in ds):
                 row[key] = [d.get(key) for d in ds]
         if any(d.get("traces") for d in ds):
@@ -589,7 +592,7 @@ def variant_lines(lib: str, world: int, rec: Dict, timelines_only: bool = False)
         if row["errors"]:
             extra += "  errors: " + "; ".join(f"{k}: {v}" for k, v in row["errors"].items())
         lines.append(f"{head} {dt:4s} {cells}{extra}")
-        for key, what in (("stamps", "queued"), ("stamps_cold", "cold")):
+        for key, what in (("stamps", "queued"), ("stamps_cold", "cold"), ("stamps_graph_cold", "graph cold")):
             if row.get(key):
                 import ll_stamps
                 lines.append(f"    phase stamps, {what} (us after the rank's first dispatch entry; max over blocks in brackets):")

@@ -41,24 +41,42 @@ def summarize(stamps) -> Dict:
 
 
 def collect(engine, fn: Callable[[], object], samples: int, pairs: int, sync: Callable[[], None],
-            barrier: Callable[[], None]) -> Optional[Dict]:
+            barrier: Callable[[], None], graph: bool = False) -> Optional[Dict]:
     """`samples` samples of `pairs` queued calls of fn (an eager dispatch + combine) with the engine's
     stamps on -> the per-boundary medians over the samples (summarize's keys); None where the engine
-    has no stamps (the torch engine, DeepEP)."""
+    has no stamps (the torch engine, DeepEP). graph: fn captured in a CUDA graph (with the stamps on, which
+    the capture keeps), each call a replay."""
     if engine is None or not hasattr(engine, "phase_stamps") or samples < 1:
         return None
     st = engine.phase_stamps(True)
     rows: List[Dict] = []
+    g = None
     try:
+        call = fn
+        if graph:
+            import torch
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            sync()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            sync()
+            call = g.replay
         for _ in range(samples):
             barrier()
             for _ in range(max(pairs, 1) - 1):
-                fn()
+                call()
             st.zero_()  # on the stream, between the queued pairs
-            fn()
+            call()
             sync()
             rows.append(summarize(st))
     finally:
+        del g
         engine.phase_stamps(False)
     rows = [r for r in rows if r]
     if not rows:
