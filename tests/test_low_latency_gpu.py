@@ -15,6 +15,7 @@ itself.
 """
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -66,12 +67,56 @@ def _no_nvshmem_engine(buf, out_dir, rank) -> bool:
     return True
 
 
-def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0, held_outputs="raise"):
+def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0, held_outputs="raise", source_order="rank"):
     cfg = {"moe": {"num_experts": E_l * WORLD, "topk": K},
            "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s,
                     "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers,
-                                    "held_outputs": held_outputs}}}
+                                    "held_outputs": held_outputs, "source_order": source_order}}}
     return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
+
+
+ARRIVAL_ORDER = 32768  # csrc/nvshmem/ll_device.cuh's kArrivalOrder (comm.low_latency.source_order: arrival)
+
+
+def _arrival(buf):
+    eng = getattr(buf, "_low_latency", None)
+    return bool(eng is not None and getattr(eng, "kernel_flags", 0) & ARRIVAL_ORDER)
+
+
+def _in_rank_order(a, use_fp8):
+    """An arrival-ordered dispatch (recv_x, recv_count, handle) moved into rank order, after checking that
+    its sources' blocks tile each expert's rows [0, count) with no gap or overlap: rows, scales and
+    src_info gathered block by block in rank order, layout_range rewritten with rank-order begins."""
+    x, count, h = a
+    E_l, W = h.layout_range.shape
+    slots = h.src_info.shape[1]
+    lr, cnt = h.layout_range.tolist(), count.tolist()
+    perm, new_lr = [], []
+    for el in range(E_l):
+        blocks = [(v >> 32, v & 0xFFFFFFFF) for v in lr[el]]
+        at = 0
+        for b, n in sorted(bn for bn in blocks if bn[1]):
+            assert b == at, f"expert {el}: source blocks {blocks} do not tile [0, {cnt[el]})"
+            at += n
+        assert at == cnt[el], f"expert {el}: source blocks {blocks} cover {at} rows, count {cnt[el]}"
+        rows, row_lr = [], []
+        for b, n in blocks:
+            row_lr.append((len(rows) << 32) | n)
+            rows.extend(range(b, b + n))
+        perm.append(rows + list(range(len(rows), slots)))
+        new_lr.append(row_lr)
+    dev = count.device
+    perm = torch.tensor(perm, dtype=torch.int64, device=dev)
+    ar = torch.arange(E_l, device=dev).unsqueeze(1)
+    if use_fp8:
+        d, sc = x
+        assert sc.transpose(1, 2).is_contiguous(), "scales must be the transpose of [E_l, H/128, W*M]"
+        x = (d[ar, perm], sc[ar, perm].transpose(1, 2).contiguous().transpose(1, 2))
+    else:
+        x = x[ar, perm]
+    handle = types.SimpleNamespace(layout_range=torch.tensor(new_lr, dtype=h.layout_range.dtype, device=dev),
+                                   src_info=h.src_info[ar, perm])
+    return x, count, handle
 
 
 def _inputs(rank, tokens, hidden, E, K, seed, mode="random"):
@@ -144,10 +189,14 @@ def check_case(auto, ref, rank, E_l, K, hidden, tokens, mode, seed, use_fp8, rou
         a_hook()
     bx, bc, bh, _, _ = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8, round_scale=round_scale,
                                                 return_recv_hook=False)
-    _same_dispatch((ax, ac, ah), (bx, bc, bh), use_fp8, round_scale, ctx)
-    # the same expert outputs (in the common layout) into both combines
+    arrival = _arrival(auto)
+    a = _in_rank_order((ax, ac, ah), use_fp8) if arrival else (ax, ac, ah)
+    _same_dispatch(a, (bx, bc, bh), use_fp8, round_scale, ctx)
+    # the same expert outputs (in the common layout; an arrival-ordered engine gets them in its own, a
+    # function of each row) into both combines
     out = _expert_output(bx, bc, rank, E_l)
-    ya, _, a_hook = auto.low_latency_combine(out, idx, w, ah, return_recv_hook=hook)
+    ya, _, a_hook = auto.low_latency_combine(_expert_output(ax, ac, rank, E_l) if arrival else out, idx, w, ah,
+                                             return_recv_hook=hook)
     if hook:
         _busy()
         a_hook()
@@ -180,11 +229,13 @@ CASES = [  # (tokens per rank, routing)
 ]
 
 
-def body_matches_reference(rank, world, out_dir, output_buffers=0):
-    """output_buffers 2: the engine's outputs are sets in its heap, written by the senders directly."""
+def body_matches_reference(rank, world, out_dir, output_buffers=0, source_order="rank"):
+    """output_buffers 2: the engine's outputs are sets in its heap, written by the senders directly.
+    source_order arrival: each source's block where its reservation put it (compared in rank order)."""
     seed = 0
     for E_l, K, hidden, fp8 in SHAPES:
-        auto, ref = _buf("auto", E_l, K, hidden, output_buffers=output_buffers), _buf("torch", E_l, K, hidden)
+        auto = _buf("auto", E_l, K, hidden, output_buffers=output_buffers, source_order=source_order)
+        ref = _buf("torch", E_l, K, hidden)
         for tokens, mode in CASES:
             for use_fp8, round_scale in ([(False, False)] + ([(True, False), (True, True)] if fp8 else [])):
                 seed += 1
@@ -338,7 +389,8 @@ def check_graph(auto, ref, rank, E_l, K, hidden, use_fp8):
         torch.cuda.synchronize()
         ctx = f"graph replay {s} rank {rank} E_l {E_l} fp8 {use_fp8}"
         bx, bc, bh, _, _ = ref.low_latency_dispatch(x, idx, use_fp8=use_fp8)
-        _same_dispatch((recv_x, count, handle), (bx, bc, bh), use_fp8, False, ctx)
+        a = (recv_x, count, handle)
+        _same_dispatch(_in_rank_order(a, use_fp8) if _arrival(auto) else a, (bx, bc, bh), use_fp8, False, ctx)
         yb, _, _ = ref.low_latency_combine(_expert_output(bx, bc, rank, E_l), idx, w, bh)
         torch.testing.assert_close(y, yb, atol=0, rtol=0, msg=ctx)
     del graph
@@ -361,6 +413,7 @@ def ll_parts(tmp_path_factory):
     if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
         for name, body, args in (("held_copy", body_held_copy, ()), ("sets", body_matches_reference, (2,)),
                                  ("direct_flags", body_direct_flags, ()),
+                                 ("arrival", body_matches_reference, (2, "arrival")),
                                  ("fresh", body_matches_reference, (0,))):
             (root / name).mkdir()
             parts.append((name, body, (str(root / name), *args)))
@@ -387,6 +440,14 @@ def test_held_heap_sets_are_moved_with_their_values(ll_parts):
     root, parts = ll_parts
     parts["held_copy"].check()
     _check_results(root / "held_copy")
+
+
+def test_arrival_order_matches_reference(ll_parts):
+    """comm.low_latency.source_order arrival: every routing case, FP8 and BF16, hooks, CUDA graphs."""
+    _need_nvshmem_engine()
+    root, parts = ll_parts
+    parts["arrival"].check()
+    _check_results(root / "arrival")
 
 
 def test_direct_dispatch_flags_match_reference(ll_parts):

@@ -59,8 +59,10 @@ constexpr int kCopy8 = 2048;          // row copies (combine send, slot-path dis
 constexpr int kSpreadRows = 4096;     // combine send: rows dealt to warps in a stride order, so every block mixes peers' and own rows
 constexpr int kLeanRouting = 8192;    // direct dispatch: the rank mask read once per block, a token's slots counted by a warp per k
 constexpr int kLightTickets = 16384;  // direct dispatch and combine: send tickets behind fence.acq_rel.sys, receive tickets unfenced
+constexpr int kArrivalOrder = 32768;  // direct dispatch: each (source, expert) block reserved at the owner by an atomic, sources in arrival order
 constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload |
-                             kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting | kLightTickets;
+                             kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting | kLightTickets |
+                             kArrivalOrder;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;
@@ -88,6 +90,9 @@ struct Ctx {
   long long cnt_all[2], cnt_flag[2], cnt_word[2], out_set[kMaxSets];
   long long set_scales, set_src_info, set_row_slot;  // offsets inside a set
   long long set_scales_rm, set_info;                 // offsets inside a set (kScalesRowMajor, kPackedInfo)
+  // kArrivalOrder, per parity: the owner's reservation counters [EL], this rank's begins [E] (for its own
+  // blocks, behind arr_ready = epoch + 1), the words (begin << 32) | count [W][E] for the owner's receive
+  long long arr_resv[2], arr_begin[2], arr_ready[2], arr_word[2];
   int* state;
   int* aborted;
   HostInfo* host;

@@ -31,6 +31,12 @@
 // - kLeanRouting: the rank mask read once per block into shared memory while the ids are in flight (not a
 //   dependent load per id), and a token's slots counted by a warp per pick (one barrier, no atomics).
 //   The same slots: bit-identical outputs.
+// - kArrivalOrder: no row waits for another rank. The last block reserves each (this rank, expert) block of
+//   rows at the owner with one atomicAdd on a per-expert counter (reserve_blocks) and hands the begins to
+//   this rank's other blocks through local memory; the owner's receive half writes layout_range from the
+//   (begin, count) words and zeroes the counters. Rows stay packed from 0; the sources' order within an
+//   expert is their arrival order (as DeepEP's), not rank order. Same rows, same sums: only where each
+//   source's block starts differs.
 // - kLightTickets: the send half's ticket behind fence.acq_rel.sys (a release pattern: rows, fence, ticket;
 //   the last block's fence, then the signal) instead of fence.sc.sys, the receive half's without a fence.
 // With kPackedInfo, or kScalesRowMajor on an FP8 call, every block takes a share of the receive
@@ -53,6 +59,10 @@ __device__ __forceinline__ int* cnt_all_at(const Ctx& c, char* base, int p, int 
 
 __device__ __forceinline__ unsigned long long* cnt_word_at(const Ctx& c, char* base, int p, int s, int e) {
   return reinterpret_cast<unsigned long long*>(base + c.cnt_word[p]) + static_cast<long long>(s) * c.num_experts + e;
+}
+
+__device__ __forceinline__ unsigned long long* arr_word_at(const Ctx& c, char* base, int p, int s, int e) {
+  return reinterpret_cast<unsigned long long*>(base + c.arr_word[p]) + static_cast<long long>(s) * c.num_experts + e;
 }
 
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* w) {
@@ -118,6 +128,28 @@ __device__ void broadcast_counts(const Ctx& c, int p, int epoch, const int* s_to
   }
 }
 
+// kArrivalOrder, the last block: this rank's rows per global expert e take a block [begin, begin + n) of
+// the owner's set with one atomicAdd on the owner's counter for e (so sources land in arrival order, and
+// no row waits for another rank's launch); the begins go to this rank's arr_begin[p] for its other blocks
+// (behind arr_ready[p] = epoch + 1), and (begin << 32) | n to the owner's arr_word[p][rank][e], which its
+// receive half reads after this rank's signal.
+__device__ void reserve_blocks(const Ctx& c, int p, int epoch, const int* s_topk, int TK, int* s_hist) {
+  const int E = c.num_experts, EL = c.local_experts;
+  expert_histogram(s_topk, TK, E, s_hist);
+  int* begins = reinterpret_cast<int*>(c.heap + c.arr_begin[p]);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int d = e / EL, n = s_hist[e];
+    if (left_out(c, d)) continue;
+    const int begin = n > 0 ? atomicAdd(reinterpret_cast<int*>(c.peer[d] + c.arr_resv[p]) + e % EL, n) : 0;
+    begins[e] = begin;
+    *reinterpret_cast<volatile unsigned long long*>(arr_word_at(c, c.peer[d], p, c.rank, e)) =
+        (static_cast<unsigned long long>(static_cast<unsigned>(begin)) << 32) | static_cast<unsigned>(n);
+  }
+  __threadfence();  // the begins before the flag, for this rank's other blocks
+  __syncthreads();
+  if (threadIdx.x == 0) st_release_sys(reinterpret_cast<int*>(c.heap + c.arr_ready[p]), epoch + 1);
+}
+
 // The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out);
 // unused with kCountWords, where each (token, k) waits for its expert's words.
 // early: the first round of the block's first token (blockIdx.x) when kEarlyRow loaded it at entry.
@@ -160,7 +192,8 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
       if (e >= 0) {
         int row = s_slot[k];
         bool placed = true;
-        for (int s = 0; s < c.rank && placed; ++s) {
+        if (flags & kArrivalOrder) row += ld_volatile(reinterpret_cast<const int*>(c.heap + c.arr_begin[p]) + e);
+        for (int s = 0; s < c.rank && placed && !(flags & kArrivalOrder); ++s) {
           if (flags & kCountWords) {
             if (left_out(c, s)) continue;
             const int n = wait_count_word(c, p, s, e, epoch);
@@ -286,12 +319,22 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
     for (int el = threadIdx.x; el < EL; el += blockDim.x) {
       int begin = 0;
       for (int s = 0; s < W; ++s) {
+        if (flags & kArrivalOrder) {  // each source's block where its reservation put it
+          const unsigned long long w = s_ok[s] ? ld_volatile_u64(arr_word_at(c, c.heap, p, s, c.rank * EL + el)) : 0ull;
+          const int b = static_cast<int>(w >> 32), n = min(static_cast<int>(w & 0xffffffffull), max(WM - b, 0));
+          o.layout_range[el * W + s] = (static_cast<long long>(b) << 32) | static_cast<long long>(n);
+          begin += n;
+          continue;
+        }
         const int n = s_ok[s] ? min(source_count(c, p, s, c.rank * EL + el, flags), WM - begin) : 0;
         o.layout_range[el * W + s] = (static_cast<long long>(begin) << 32) | static_cast<long long>(n);
         begin += n;
       }
       o.recv_count[el] = begin;
       if (o.recv_stats != nullptr) o.recv_stats[el] += begin;
+      // the counter back to 0 for this parity's next dispatch (no sender reaches it before this rank's
+      // combine of this call, which follows this receive on the stream)
+      if (flags & kArrivalOrder) reinterpret_cast<int*>(c.heap + c.arr_resv[p])[el] = 0;
     }
   }
   if (!fixups) {
@@ -306,8 +349,15 @@ __device__ void receive(const Ctx& c, const DispatchOut& o, int set, int flags) 
     __syncthreads();  // s_rows of the previous expert has been read
     if (threadIdx.x == 0) {
       int begin = 0;
-      for (int s = 0; s < W; ++s)
-        if (s_ok[s]) begin += min(source_count(c, p, s, c.rank * EL + el, flags), WM - begin);
+      for (int s = 0; s < W; ++s) {
+        if (!s_ok[s]) continue;
+        if (flags & kArrivalOrder) {
+          const unsigned long long w = ld_volatile_u64(arr_word_at(c, c.heap, p, s, c.rank * EL + el));
+          begin += min(static_cast<int>(w & 0xffffffffull), max(WM - static_cast<int>(w >> 32), 0));
+        } else {
+          begin += min(source_count(c, p, s, c.rank * EL + el, flags), WM - begin);
+        }
+      }
       s_rows = begin;
     }
     __syncthreads();
@@ -360,13 +410,27 @@ __global__ void __launch_bounds__(kThreads, 1)
                        early);
     load_topk(c, topk_idx, T, K, s_topk, (flags & kLeanRouting) != 0);
     stamp(c, kStampDispatch, kDsRouting);
-    // the last block has no token when the grid outnumbers the tokens: it sends the counts
-    if (blockIdx.x == gridDim.x - 1) broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);
+    // the last block has no token when the grid outnumbers the tokens: it sends the counts (or reserves)
+    const bool arrival = (flags & kArrivalOrder) != 0;
+    if (blockIdx.x == gridDim.x - 1) {
+      if (arrival)
+        reserve_blocks(c, p, epoch, s_topk, T * K, s_topk + T * K);
+      else
+        broadcast_counts(c, p, epoch, s_topk, T * K, s_topk + T * K, flags);
+    }
     __shared__ int s_low[kMaxRanks];
     __shared__ int s_lost;
-    if (threadIdx.x == 0) s_lost = 0;
+    if (threadIdx.x == 0) {
+      s_lost = 0;
+      // kArrivalOrder: a block with tokens waits for its rank's begins (local: the last block's atomics)
+      if (arrival && blockIdx.x != gridDim.x - 1 && static_cast<int>(blockIdx.x) < T) {
+        const unsigned long long deadline = globaltimer() + c.timeout_ns;
+        if (wait_geq(reinterpret_cast<const int*>(c.heap + c.arr_ready[p]), epoch + 1, deadline, c.aborted) != kArrived)
+          s_lost = 1;
+      }
+    }
     __syncthreads();
-    if (!(flags & kCountWords)) {
+    if (!(flags & kCountWords) && !arrival) {
       for (int s = threadIdx.x; s < c.rank; s += blockDim.x) {
         const bool in = !left_out(c, s);
         const bool got = in && wait_signal(c, c.cnt_flag[p], s, epoch + 1, kKernelDispatch);

@@ -25,7 +25,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
   size_t at = 0;
   auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
   long long disp_flag[2], cnt_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2], cnt_all[2];
-  long long cnt_word[2];
+  long long cnt_word[2], arr_resv[2], arr_begin[2], arr_ready[2], arr_word[2];
   for (int p = 0; p < 2; ++p) {
     disp_flag[p] = take(8ull * W);
     cnt_flag[p] = take(8ull * W);
@@ -35,6 +35,10 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
     cnt_all[p] = sets > 0 ? take(4ull * W * E) : -1;
     comb_rows[p] = take(2ull * H * M * KMAX);
     cnt_word[p] = sets > 0 ? take(8ull * W * E) : -1;
+    arr_resv[p] = sets > 0 ? take(4ull * E) : -1;
+    arr_begin[p] = sets > 0 ? take(4ull * E) : -1;
+    arr_ready[p] = sets > 0 ? take(16) : -1;
+    arr_word[p] = sets > 0 ? take(8ull * W * E) : -1;
   }
   // a set: data (BF16 rows; FP8 rows and both forms of their scales in the same bytes), src_info,
   // row_slot, info
@@ -62,6 +66,10 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
       c->cnt_flag[p] = cnt_flag[p];
       c->cnt_all[p] = cnt_all[p];
       c->cnt_word[p] = cnt_word[p];
+      c->arr_resv[p] = arr_resv[p];
+      c->arr_begin[p] = arr_begin[p];
+      c->arr_ready[p] = arr_ready[p];
+      c->arr_word[p] = arr_word[p];
       c->comb_flag[p] = comb_flag[p];
       c->disp_cnt[p] = disp_cnt[p];
       c->disp_slots[p] = disp_slots[p];

@@ -19,6 +19,7 @@ COMBINE_DTYPES = ("bf16",)
 COMBINE_KERNELS = ("auto", "split", "fused", "pipelined", "pull")
 DISPATCH_KERNELS = ("auto", "split", "fused")
 HELD_OUTPUTS = ("raise", "copy")
+SOURCE_ORDERS = ("rank", "arrival")
 VALIDATE_MODES = ("device", "full")
 AUTO = "auto"
 
@@ -59,6 +60,11 @@ class LowLatencyConfig:
     # output_buffers >= 3 (with 2 the previous dispatch's outputs, still bound by the caller, would move
     # every call). Torch-tensor sets give way to a free set either way.
     held_outputs: str = "raise"
+    # The order of the source ranks' row blocks within each local expert's output (layout_range says where
+    # each starts): rank (0, 1, ...: the same every call) or arrival (the order their reservations reached
+    # the owner, as DeepEP's: no rank waits for a lower rank's launch before placing its rows -- a cold call
+    # no longer pays the ranks' launch skew; heap output sets only, docs/LOW_LATENCY.md).
+    source_order: str = "rank"
 
 
 @dataclass

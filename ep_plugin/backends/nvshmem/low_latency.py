@@ -79,6 +79,7 @@ MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 # contiguous write per row, transposed on receive), 64 kCountWords (epoch-tagged count words), 256
 # kLeanStores, 8192 kLeanRouting, 16384 kLightTickets (docs/LOW_LATENCY.md, "Phase stamps")
 SCALES_ROW_MAJOR = 8
+ARRIVAL_ORDER = 32768  # kArrivalOrder: comm.low_latency.source_order arrival
 MAX_ROW_MAJOR_SCALE_GROUPS = 256  # kMaxScaleGroups: a row's scales pass through shared memory
 KERNEL_FLAGS_DEFAULT = SCALES_ROW_MAJOR | 64 | 256 | 8192 | 16384
 
@@ -149,6 +150,8 @@ class NvshmemLowLatency(ReportsFaults):
         flags = KERNEL_FLAGS_DEFAULT
         if hidden // 128 > MAX_ROW_MAJOR_SCALE_GROUPS:
             flags &= ~SCALES_ROW_MAJOR
+        if str(cfg.comm.low_latency.source_order) == "arrival":
+            flags |= ARRIVAL_ORDER
         self.kernel_flags = flags
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a Watch per set
