@@ -275,8 +275,8 @@ class LowLatencyHandle:
 
     W ranks, E_l local experts, M = `comm.low_latency.max_tokens_per_rank`. Local expert e holds the
     rows from source rank s in its slots [begin, begin + count), where begin = `layout_range[e, s] >> 32`
-    and count = `layout_range[e, s] & 0xFFFFFFFF`: sources in rank order from slot 0, each source's
-    rows by token index ascending. A row's `src_info` entry is that token's index on its source rank;
+    and count = `layout_range[e, s] & 0xFFFFFFFF`: sources in rank order from slot 0 (in arrival order
+    with `comm.low_latency.source_order: arrival`), each source's rows by token index ascending. A row's `src_info` entry is that token's index on its source rank;
     entries at and past the expert's total count are garbage. With a receive hook, the tensors are
     valid once the hook has run on the stream.
 
