@@ -595,3 +595,24 @@ def test_torch_sets_skip_a_held_set(calls):
     del kept
     assert dispatch().data_ptr() != also.data_ptr()  # set 0 is free again
     buf.close()
+
+
+def test_source_order_arrival_sets_its_kernel_bit(calls):
+    """comm.low_latency.source_order arrival: the engine adds kArrivalOrder (32768) to the default bits, and
+    the launches carry it; rank (the default) does not; a misspelt value is a ConfigError naming both."""
+    from ep_plugin.backends.nvshmem.low_latency import ARRIVAL_ORDER
+    from ep_plugin.config import load_config
+    from ep_plugin.errors import ConfigError
+    c = cfg(2)
+    c["comm"]["low_latency"]["source_order"] = "arrival"
+    buf = ep_plugin.EPBuffer(None, c, hidden=H)
+    x, idx, _ = inputs()
+    buf.low_latency_dispatch(x, idx)
+    assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT | ARRIVAL_ORDER == KERNEL_FLAGS_DEFAULT + 32768
+    assert calls.variant_bits == [KERNEL_FLAGS_DEFAULT | ARRIVAL_ORDER]
+    buf.close()
+    assert load_config(cfg(2)).comm.low_latency.source_order == "rank"
+    c["comm"]["low_latency"]["source_order"] = "arival"
+    with pytest.raises(ConfigError, match="arrival") as exc:
+        load_config(c)
+    assert "rank" in str(exc.value)
