@@ -89,7 +89,8 @@ step_done
 
 # ------------------------------------------------------------------------------ the frameworks
 frameworks() {
-  step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" "40 s"
+  step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" \
+       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile and DeepSpeed's op")"
   # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
   DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
   "$@"  # what may start once DeepSpeed is in (without --light: its CPU shared-memory op, below)
