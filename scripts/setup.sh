@@ -76,16 +76,26 @@ else
   EXTRA=("pybind11>=2.12" pytest pytest-xdist hypothesis)
 fi
 # torch first and pinned: an unpinned torch would pull the CUDA build and GBs of CUDA packages.
+# Two pips side by side on packages apart (one pip uses one core): torch's own files (--no-deps: ~25 CPU-s
+# with their bytecode) and the rest of the list with torch's requirements (sympy & co., ~30 CPU-s); then
+# one more pip checks the whole list (~3 s), installing whatever torch needs and the second pip missed.
+TORCH_NEEDS=(filelock fsspec jinja2 networkx sympy typing-extensions)
+"$PY" -m pip install -q --disable-pip-version-check --no-deps "torch==2.13.0" &
+TORCH_PID=$!
+pip_install numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${TORCH_NEEDS[@]}" "${EXTRA[@]}"
+with_heartbeat wait "$TORCH_PID"
 pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"
 step_done
 
 # ------------------------------------------------------------------------------ the frameworks
 frameworks() {
-  step "megatron-core 0.19.2, deepspeed 0.19.8 (built without its ops), transformers 5.17.0" "40 s"
-  # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
-  pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+  step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" \
+       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile and DeepSpeed's op")"
   # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
   DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
+  "$@"  # what may start once DeepSpeed is in (without --light: its CPU shared-memory op, below)
+  # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
+  pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
   # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
   pip_install "transformers==5.17.0"
   # megatron-core without triton: the stand-in for its one module that imports triton (see the top).
@@ -171,7 +181,7 @@ PYEOF
     # Its lines start with "setup:   _C"; it fails the set-up, with the end of its log, if it fails.
     if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then C_KIND="a check build (no GPU here), "; else C_KIND=""; fi
     step "compiling ep_plugin._C with nvcc in the background, ${C_KIND}a line per file (full log: build/ep_plugin_C.log)" \
-         "100 s on 2 cores, beside step 4"
+         "60 s on 2 cores, beside step 4"
     mkdir -p build
     rm -f "$C_HASH_FILE"
     C_STEP=$N C_AT=$STEP_AT
@@ -182,11 +192,12 @@ PYEOF
     C_PID=$!
     trap 'kill -- -"$C_PID" 2>/dev/null || true' EXIT
   fi
-  frameworks
   # DeepSpeed compiles its CPU shared-memory all-reduce op (deepspeed_shm_comm, ~50 CPU-s, once per venv)
   # when its first process starts on a machine without a GPU: in the tests, inside the first DeepSpeed
-  # test's time. Built here instead, beside the _C compile; best effort (without it DeepSpeed uses gloo).
-  if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then
+  # test's time. Built here instead, beside the _C compile and the other frameworks' install, as soon as
+  # DeepSpeed is in; best effort (without it DeepSpeed uses gloo).
+  start_deepspeed_op() {
+    [ "$EP_PLUGIN_CHECK_BUILD" = 1 ] || return 0
     mkdir -p build
     echo "setup:   DeepSpeed's CPU shared-memory op (deepspeed_shm_comm) compiles beside _C (about 50 CPU-s)"
     "$PY" - > build/deepspeed_shm_comm.log 2>&1 <<'PYEOF' &
@@ -201,7 +212,8 @@ else:
     print("deepspeed_shm_comm: not compatible here, not built")
 PYEOF
     DS_PID=$!
-  fi
+  }
+  frameworks start_deepspeed_op
   if [ -n "${C_PID:-}" ]; then
     echo "setup: [$C_STEP/$NSTEPS] waiting for the _C compile to finish (its lines go on)"
     C_RC=0
