@@ -204,6 +204,23 @@ class Timer:
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
 
+def capture_graph(fn, warm: int):
+    """fn warmed `warm` times on a side stream, then captured in a CUDA graph: (graph, fn's output)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def make_inputs(rank: int, a, device):
     import torch
     T, H, E, K, R = a.tokens, a.hidden, a.experts, a.topk, a.ranks
@@ -412,17 +429,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
             graph = None
             if cuda and any(p.startswith("graph") for p in a.protocols):
                 try:
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        for _ in range(3):
-                            fn()
-                    torch.cuda.current_stream().wait_stream(s)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        y_g = fn()
-                    torch.cuda.synchronize()
+                    graph, y_g = capture_graph(fn, 3)
                     graph.replay()
                     torch.cuda.synchronize()
                     d["graph_equal"] = bool(torch.equal(y_g, fn()))
@@ -463,7 +470,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                 # cold: L2 flushed, the ranks released by a barrier, one pair (the launch skew shows)
                 d["stamps_cold"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 1, timer.sync, timer.cold_prep)
                 d["stamps_graph_cold"] = ll_stamps.collect(pair.engine(), fn, a.stamps, 1, timer.sync, timer.cold_prep,
-                                                           graph=True)
+                                                           capture=lambda f: capture_graph(f, 2)[0])
             rec["dtypes"][dt] = d
         rec["engine"] = pair.engine_info
     finally:

@@ -41,11 +41,11 @@ def summarize(stamps) -> Dict:
 
 
 def collect(engine, fn: Callable[[], object], samples: int, pairs: int, sync: Callable[[], None],
-            barrier: Callable[[], None], graph: bool = False) -> Optional[Dict]:
+            barrier: Callable[[], None], capture: Optional[Callable] = None) -> Optional[Dict]:
     """`samples` samples of `pairs` queued calls of fn (an eager dispatch + combine) with the engine's
     stamps on -> the per-boundary medians over the samples (summarize's keys); None where the engine
-    has no stamps (the torch engine, DeepEP). graph: fn captured in a CUDA graph (with the stamps on, which
-    the capture keeps), each call a replay."""
+    has no stamps (the torch engine, DeepEP). capture: fn -> a CUDA graph of it, taken with the stamps on
+    (which the capture keeps); each call is then a replay."""
     if engine is None or not hasattr(engine, "phase_stamps") or samples < 1:
         return None
     st = engine.phase_stamps(True)
@@ -53,19 +53,8 @@ def collect(engine, fn: Callable[[], object], samples: int, pairs: int, sync: Ca
     g = None
     try:
         call = fn
-        if graph:
-            import torch
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            sync()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            sync()
+        if capture is not None:
+            g = capture(fn)
             call = g.replay
         for _ in range(samples):
             barrier()
