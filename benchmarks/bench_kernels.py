@@ -150,7 +150,8 @@ def _skews(op, kinds):
     """A row's suffix: protocols.stamp_summary's medians per stamped protocol, where measured."""
     got = [f"{p} {op[p + '_skew_us']:.0f}/{op[p + '_ret_skew_us']:.0f}/{op[p + '_host_us']:.0f}"
            for p in kinds if op.get(p + "_skew_us") is not None]
-    return f" [skew after barrier/at return/host us: {', '.join(got)}]" if got else ""
+    late = f" [late rank's delay {op['skewed_delay_us']:.1f} us]" if op.get("skewed_delay_us") is not None else ""
+    return (f" [skew after barrier/at return/host us: {', '.join(got)}]" if got else "") + late
 
 
 def _variant(text):

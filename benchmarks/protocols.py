@@ -16,6 +16,10 @@ aligned (optional, diagnostic): hidden's start, and then one tiny all-reduce on 
     so every GPU starts the call within NCCL's latency of the others (the queued protocol's alignment) from a
     flushed L2 with the host hidden. hidden - aligned is what the ranks' start skew costs the call; aligned -
     queued what a cold L2 (and cold translations) cost it.
+skewed (optional, diagnostic): aligned's start, then the last rank alone sleeps SKEW_CYCLES more (~50 us)
+    before its call, the others start at once: (skewed - aligned) / the delay is how much of one late rank's
+    delay the slowest rank pays (1: the others wait it out and lose nothing more; above 1: the late start
+    also slows the work after it). The delay, timed on the late rank, is reported as `skewed_delay_us`.
 
 cold, hidden and aligned stamp the host clock (CLOCK_MONOTONIC, one clock for every process on the host)
 after the barrier and when the call returns; `measure` reports per protocol the median over iterations of
@@ -41,9 +45,10 @@ import torch.distributed as dist
 
 FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
 SLEEP_CYCLES = 3_000_000  # ~1.5 ms at H100/H200 clocks: more than any call's host time
+SKEW_CYCLES = 100_000  # the skewed protocol's late start: ~50 us at 1.98 GHz (timed, see skewed_delay_us)
 Hook = Optional[Callable[[], object]]  # an untimed call around the timed one
-PROTOCOLS = ("cold", "queued", "hidden", "aligned")
-STAMPED = ("cold", "hidden", "aligned")  # protocols whose host stamps measure() summarises
+PROTOCOLS = ("cold", "queued", "hidden", "aligned", "skewed")
+STAMPED = ("cold", "hidden", "aligned", "skewed")  # protocols whose host stamps measure() summarises
 
 
 def _call(fn: Hook) -> None:
@@ -60,6 +65,7 @@ class Protocols:
         self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self._tok = torch.zeros(1, device="cuda")
         self.stamps: Dict[str, List[tuple]] = {}  # protocol -> [(ns after the barrier, ns at return)] per call
+        self.delays: List[float] = []  # skewed: the late rank's extra sleep per call (us; empty elsewhere)
 
     def _events(self):
         return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -83,11 +89,18 @@ class Protocols:
         """Per-call times (us) of a cold call started together on every GPU, host hidden (see the module)."""
         return self._cold(fn, before, after, hide_host=True, align=True)
 
-    def _cold(self, fn, before, after, hide_host: bool, align: bool = False) -> List[float]:
+    def skewed(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
+        """Per-call times (us) of an aligned call whose last rank starts SKEW_CYCLES late (see the module)."""
+        late = dist.get_rank() == dist.get_world_size() - 1
+        return self._cold(fn, before, after, hide_host=True, align=True, late=late)
+
+    def _cold(self, fn, before, after, hide_host: bool, align: bool = False, late: Optional[bool] = None
+              ) -> List[float]:
         self._warm(fn, before, after)
         evs = self._events()
+        delays = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in evs] if late else []
         stamps = []
-        for a, b in evs:
+        for i, (a, b) in enumerate(evs):
             _call(before)
             self._flush.zero_()
             torch.cuda.synchronize()
@@ -98,12 +111,19 @@ class Protocols:
             if align:
                 dist.all_reduce(self._tok)  # on the stream: the GPUs leave it together, behind every sleep
             a.record()
+            if late:  # inside the timed span on the late rank too: its own row shows the delay it caused
+                delays[i][0].record()
+                torch.cuda._sleep(SKEW_CYCLES)
+                delays[i][1].record()
             fn()
             stamps.append((t0, time.perf_counter_ns()))
             b.record()
             _call(after)
         torch.cuda.synchronize()
-        self.stamps["aligned" if align else "hidden" if hide_host else "cold"] = stamps
+        name = "skewed" if late is not None else "aligned" if align else "hidden" if hide_host else "cold"
+        self.stamps[name] = stamps
+        if late is not None:
+            self.delays = [x.elapsed_time(y) * 1e3 for x, y in delays]
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
     def queued(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
@@ -143,6 +163,8 @@ def measure(proto: Protocols, fn: Callable[[], object], protocols=None, *,
             t = getattr(proto, p)(fn, before, after)
             mine[f"{p}_us"] = statistics.median(t)
             mine[f"{p}_min_us"] = min(t)
+            if p == "skewed" and proto.delays:
+                mine["skewed_delay_us"] = statistics.median(proto.delays)
     except Exception as exc:  # a broken op must not take the other rows with it
         err = _short(exc)
         try:
@@ -159,6 +181,9 @@ def measure(proto: Protocols, fn: Callable[[], object], protocols=None, *,
             out[key] = None if out["error"] or any(v is None for v in vals) else [round(v, 2) for v in vals]
         if p in STAMPED and not out["error"]:
             out.update(stamp_summary(p, [s.get(p) for _, _, s in every]))
+        if p == "skewed" and not out["error"]:
+            late = [m["skewed_delay_us"] for m, _, _ in every if m.get("skewed_delay_us") is not None]
+            out["skewed_delay_us"] = round(late[0], 2) if late else None
     return out
 
 

@@ -28,3 +28,56 @@ def test_stamp_summary_needs_every_rank_and_equal_counts():
 
 def test_aligned_is_a_protocol():
     assert "aligned" in protocols.PROTOCOLS and set(protocols.STAMPED) <= set(protocols.PROTOCOLS)
+
+
+class _FakeEvent:
+    clock = 0.0
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.clock
+
+    def elapsed_time(self, other):  # ms, as torch's
+        return other.t - self.t
+
+
+def _skewed_run(monkeypatch, rank, world=4):
+    """protocols.Protocols.skewed on a fake GPU whose clock advances only in sleeps (SKEW_CYCLES -> 0.05 ms)
+    and in the call (0.5 ms); returns (times us, delays us, sleeps)."""
+    sleeps = []
+
+    def sleep(cycles):
+        sleeps.append(cycles)
+        _FakeEvent.clock += 0.05 if cycles == protocols.SKEW_CYCLES else 0.0
+
+    def call():
+        _FakeEvent.clock += 0.5
+
+    cuda = protocols.torch.cuda
+    monkeypatch.setattr(cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(cuda, "_sleep", sleep)
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(protocols.dist, "barrier", lambda: None)
+    monkeypatch.setattr(protocols.dist, "all_reduce", lambda t: None)
+    monkeypatch.setattr(protocols.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(protocols.dist, "get_world_size", lambda: world)
+    proto = object.__new__(protocols.Protocols)
+    proto.warmup, proto.iters, proto.kinds = 1, 3, ("skewed",)
+    proto._flush = protocols.torch.zeros(4)
+    proto._tok = protocols.torch.zeros(1)
+    proto.stamps, proto.delays = {}, []
+    times = proto.skewed(call)
+    return times, proto.delays, sleeps
+
+
+def test_skewed_delays_only_the_last_rank(monkeypatch):
+    times, delays, sleeps = _skewed_run(monkeypatch, rank=3)
+    assert [round(t, 3) for t in times] == [550.0] * 3  # the delay is inside the late rank's timed span
+    assert [round(d, 3) for d in delays] == [50.0] * 3
+    assert sleeps.count(protocols.SKEW_CYCLES) == 3 and sleeps.count(protocols.SLEEP_CYCLES) == 3
+    times, delays, sleeps = _skewed_run(monkeypatch, rank=0)
+    assert [round(t, 3) for t in times] == [500.0] * 3 and delays == []
+    assert protocols.SKEW_CYCLES not in sleeps
+    assert "skewed" in protocols.PROTOCOLS and "skewed" in protocols.STAMPED
