@@ -14,15 +14,19 @@ from ep_plugin.integrations.megatron.config import resolve_config
 
 def test_num_sms_auto_by_world_and_batch():
     assert plan_num_sms("auto", 132, world=2, tokens=4096) == 48
-    assert plan_num_sms("auto", 132, world=4, tokens=4096) == AUTO_SMS
+    assert plan_num_sms("auto", 132, world=4, tokens=4096) == 32
+    assert plan_num_sms("auto", 132, world=8, tokens=4096) == AUTO_SMS  # unmeasured at EP8
     assert plan_num_sms("auto", 132, world=2, tokens=128) == AUTO_SMS  # small batches: latency-bound
     assert plan_num_sms("auto", 60, world=2, tokens=4096) == 30  # at most half of a small GPU
     assert plan_num_sms(17, 132) == 17 and plan_num_sms(500, 132) == 132  # an int: as given, clamped
 
 
 def test_combine_auto_pull_needs_sms():
-    assert plan_combine_kernel("auto", 4096, 2, 48) == "pull" and plan_combine_kernel("auto", 4096, 2, 24) == "pipelined"
-    assert plan_combine_kernel("auto", 4096, 4, 24) == "pull" and plan_combine_kernel("auto", 4096, 4, 16) == "fused"
+    assert plan_combine_kernel("auto", 4096, 2, 48) == "pull" and plan_combine_kernel("auto", 4096, 2, 24) == "pull"
+    assert plan_combine_kernel("auto", 4096, 2, 16) == "pipelined"
+    assert plan_combine_kernel("auto", 4096, 4, 24) == "pull" and plan_combine_kernel("auto", 4096, 4, 32) == "pull"
+    # EP4: the push kernel outside [24, 48): below, and from 48 SMs on (the pull combine amplifies a late rank)
+    assert plan_combine_kernel("auto", 4096, 4, 16) == "pipelined" and plan_combine_kernel("auto", 4096, 4, 48) == "pipelined"
     assert plan_combine_kernel("auto", 4096, 8, 48) == "fused"  # unmeasured at EP8
 
 
@@ -30,7 +34,7 @@ def test_pull_stage_slots_by_world():
     assert plan_pull_stage_slots(2) == 5 and plan_pull_stage_slots(4) == 4 and plan_pull_stage_slots(8) == 5
 
 
-@pytest.mark.parametrize("world,tokens,want", [(2, 4096, "pull"), (4, 4096, "pull"), (8, 4096, "fused"),
+@pytest.mark.parametrize("world,tokens,want", [(2, 4096, "pull"), (4, 4096, "pipelined"), (8, 4096, "fused"),
                                                (2, AUTO_COMBINE_MIN_TOKENS - 1, "split"), (4, 128, "split")])
 def test_combine_kernel_auto(world, tokens, want):
     assert plan_combine_kernel("auto", tokens, world) == want
@@ -44,7 +48,7 @@ def test_kernels_as_given_win():
 
 
 @pytest.mark.parametrize("world,sms,want", [(2, 24, "fused"), (2, 48, "fused"), (4, 16, "fused"), (4, 24, "fused"),
-                                            (4, 32, "split"), (8, 48, "split")])
+                                            (4, 32, "fused"), (4, 48, "fused"), (8, 48, "fused")])
 def test_dispatch_kernel_auto(world, sms, want):
     assert plan_dispatch_kernel("auto", world, sms) == want
 

@@ -9,8 +9,10 @@ from typing import Union
 # dispatch + combine with the auto kernels, us): the smallest count within 5% of the fastest measured.
 # EP2: 8 SMs 1212, 24 SMs 674, 48 SMs 628 (24 is 7% off: 48); EP4: 16 SMs 1503, 24 SMs 1446, 48 SMs 1420
 # (24 is 2% off: 24). Small batches are bound by latency and host work, not SMs: 24.
+# EP4 re-measured with the kernels chosen below (4x H100, 2026-11-26 session 7 call 3, cold dispatch + combine,
+# results/kernel_choices_skewed_h100x4_2026-11-26_s7call3.log): 24 SMs 1417, 32 SMs 1345, 48 SMs 1416: 32.
 AUTO_SMS = 24
-AUTO_SMS_BY_WORLD = {2: 48}
+AUTO_SMS_BY_WORLD = {2: 48, 4: 32}
 AUTO_SMS_MIN_TOKENS = 1024  # below this many tokens per rank: AUTO_SMS
 
 
@@ -31,9 +33,14 @@ COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
-# The fewest SMs at which `auto` picks the pull combine, per EP size (EP2: it won with 48 SMs on H200 and H100,
-# lost once at 24 on H100; EP4: it won at 24 and 48 on 4x H100, 2026-11-26 session 3). Other sizes: unmeasured.
-AUTO_PULL_MIN_SMS = {2: 32, 4: 24}
+# The SM counts [lo, hi) at which `auto` picks the pull combine, per EP size. Below lo the push kernels win
+# (EP2 16 SMs: pipelined 331 us queued vs pull 332, cold 372 vs 386-422; EP4 16 SMs: pipelined 659 vs fused 708
+# and pull 779 queued on 4x H200, cold 731 vs 776 / 905 on 4x H100). From hi on the pull combine still leads
+# queued but loses the cold call: one late rank costs it 2.3x its delay at 48 SMs (1.5x at 24) against <= 1x for
+# the push kernels and DeepEP (the `skewed` protocol), so EP4 48 SMs cold reads pull 782 / 718 against pipelined
+# 687 (H100 / H200). EP2 from 24 SMs: pull 288 vs pipelined 353 cold (H100), 298 vs 344 (H200). Other sizes:
+# unmeasured (the fused push combine).
+AUTO_PULL_SMS = {2: (24, 1 << 30), 4: (24, 48)}
 # The pull combine's stager slots (the rest of its 224 KB ring loads rows): at EP4 a token holds up to four
 # load slots, so one more load slot pays (24 SMs, queued, 4x H100: 4 stage slots 587 us, 5 618, 6 669, 3 702);
 # at EP2 5 measured best (3 / 8: 292 / 305 against 244 on 4x H200).
@@ -41,21 +48,18 @@ PULL_STAGE_SLOTS = {2: 5, 4: 4}
 
 
 def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 48) -> str:
-    """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks: as given, or for `auto`
-    what measured fastest (benchmarks/results/bench_kernels_ep*_2026-11-26*.json, 4096 tokens, hidden 7168,
-    cold call): the pull kernel where AUTO_PULL_MIN_SMS says (EP2, 48 SMs: 242 us cold against the
-    pipelined one's 302 on 4x H200, ..._pull_v2_..._s2call2, 278 against 307 on 4x H100, ..._s2call5; EP4 on
-    4x H100, ..._s3call2: 24 SMs 635 against fused 669-686, 48 SMs 604 against 624), else the pipelined one
-    at EP2 (24 SMs on H100: pull 392 against 334; on H200 the pull won, 273 against 340) and the fused one
-    above (EP4, 16 / 24 / 48 SMs: 781 / 714 / 681 us against split's 1005 / 751 / 757 and pipelined's 915 /
-    818 / 707); split below AUTO_COMBINE_MIN_TOKENS."""
+    """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks on `num_sms` SMs: as given, or for
+    `auto` what measured fastest in the cold call (4096 tokens, hidden 7168, top-8 of 256; benchmarks/NOTES_nvlink.md,
+    session 7): the pull kernel inside AUTO_PULL_SMS's range, the pipelined push kernel outside it at EP2 and
+    EP4, the fused push kernel at other sizes; split below AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
     if tokens < AUTO_COMBINE_MIN_TOKENS:
         return "split"
-    if num_sms >= AUTO_PULL_MIN_SMS.get(world, 1 << 30):
+    lo, hi = AUTO_PULL_SMS.get(world, (1 << 30, 1 << 30))
+    if lo <= num_sms < hi:
         return "pull"
-    return "pipelined" if world <= 2 else "fused"
+    return "pipelined" if world <= 4 else "fused"
 
 
 def plan_pull_stage_slots(world: int) -> int:
@@ -64,11 +68,11 @@ def plan_pull_stage_slots(world: int) -> int:
 
 
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
-    """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at EP2 and at 24 SMs or fewer,
-    stage then pull ("split") otherwise (first runs: EP2 24 / 48 SMs fused 319 / 315 us against split's
-    349 / 325; EP4 16 SMs 722 against 765, 48 SMs split 698 against 752. EP4 24 SMs, cold / queued, in
-    three calls of 2026-11-26 session 2: fused 747 / 603, 679 / 603 (4x H200), 717 / 606 (4x H100) against
-    split's 757 / 610, 735-742 / 608, 746 / 622)."""
+    """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at every EP size and SM count. It ties
+    stage-then-pull ("split") at EP2 (16 / 24 / 48 SMs, 4x H200, session 7: 288.6 / 223.4 / 216.3 us queued
+    against 289.1 / 224.2 / 212.5) and leads at EP4 from 32 SMs, where split had been chosen from an older run
+    (48 SMs: 631 vs 648 us per call queued on 4x H200, cold 722-729 vs 739 on 4x H100; 32 SMs: cold 671-727
+    vs 703, queued 611 vs 616). Unmeasured beyond EP4: the same rule."""
     if requested != "auto":
         return requested
-    return "fused" if world <= 2 or num_sms <= 24 else "split"
+    return "fused"
