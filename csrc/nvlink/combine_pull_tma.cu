@@ -56,6 +56,13 @@
 //     evens out a few %).
 //   +16, evict_first x: the stager's and the own-row reads of x (read once) are L2 evict_first, so the
 //     staged rows the peers are about to read stay in the holder's L2 (their reads are latency-bound).
+//   +32, paced loads (session 7, for the cold call): a block's loader takes its next chunk only once the
+//     block's stager has staged at least that fraction of its sub-chunks (less one). With every rank
+//     started together the stage (216 us alone at EP4, 48 SMs) runs ahead of the loads (557 us) and the
+//     pace never binds; but a rank that starts late finds its peers' rows all staged, and its loaders then
+//     run flat out while its own stager -- whose rows every peer is waiting for -- shares the SM's bulk
+//     copies with them: the `skewed` protocol measured one late rank costing the others 1.5x (24 SMs) to
+//     2.3x (48 SMs) its delay. The pace gives the late rank's stage the SM first.
 // Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
 // token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
@@ -95,7 +102,8 @@ constexpr int kPend = 64;                   // stager: ring items between loaded
 //     (Runtime::pull_variant_ = 16) since session 5: 2% faster queued and aligned at EP4 24 SMs, level at 48;
 //     +8 (spans) lost 18-36% in the same run (benchmarks/NOTES_nvlink.md, "Cold combine at EP4, session 5").
 // Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
-constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kMaxSplit = 4;
+constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kVarPace = 32, kMaxSplit = 4;
+constexpr int kPaceDone = 1 << 30;  // s_staged once the stager has published everything
 
 struct TokenDesc {
   int t;        // token
@@ -133,6 +141,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   __shared__ int s_off[kMaxRanks + 1];
   __shared__ int s_fail;
   __shared__ unsigned s_freemask;         // kFree: bit s set while load slot s is free
+  __shared__ int s_staged, s_units;       // kVarPace: units the stager has staged / will stage (-1: not yet known)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
@@ -140,7 +149,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int row_bytes = c.hidden * 2;
   const int variant = diag >> 4;
   diag &= 15;
-  const bool spans = variant & kVarSpans, evict_x = variant & kVarEvictX;
+  const bool spans = variant & kVarSpans, evict_x = variant & kVarEvictX, pace = variant & kVarPace;
   const uint64_t x_policy = evict_x ? l2_policy_evict_first() : 0;
   // diag & 4 (benchmarks: nvlink_phases.py --pull-profile): blocks 0 and the last print where their loader
   // and stager spent the call, in SM cycles (clock64): waits on a peer's COMBINE_READY, on a free load
@@ -163,6 +172,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     s_nd = 0;
     s_end = 0;
     s_freemask = nload >= 32 ? ~0u : (1u << nload) - 1;
+    s_staged = 0;
+    s_units = -1;
   }
   if (tid < kLoadMaxSlots) s_freed[tid] = 0;
   if (tid < kDesc) s_dfree[tid] = 0;
@@ -205,7 +216,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       const long long t_stage = tic();
       fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
       // owner o's sub-chunk `sub`: x -> shared -> area, its flag once written (publish)
+      int units = 0;  // kVarPace: units handed to the ring so far (s_staged, for the loader)
       auto stage_unit = [&](int o, int sub) {
+        if (pace) st_release_cta_shared(&s_staged, units++);  // the previous unit's rows are in the ring
         const int q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
         if (q0 >= cnt) return;
         if (diag & 2) {  // benchmarks: the loads alone
@@ -234,6 +247,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         first[k] = spans ? S - S / kSpanTail : 0;
         most_tail = max(most_tail, S - first[k]);
       }
+      if (pace && !spans) st_release_cta_shared(&s_units, max(0, (most_tail * npeers - static_cast<int>(blockIdx.x) +
+                                                                  static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x)));
       if (spans) {
         int most = 0;
         for (int k = 0; k < npeers; ++k) most = max(most, span_of(first[k], blockIdx.x + 1) - span_of(first[k], blockIdx.x));
@@ -248,6 +263,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       while (!ring.empty()) store_oldest();
       tma_store_wait_all();
       publish(ring.tail);
+      if (pace) st_release_cta_shared(&s_staged, kPaceDone);
       if (prof)
         printf("pull prof rank %d block %d variant %d: stager %lld kcycles\n", me, blockIdx.x, variant,
                (tic() - t_stage) / 1000);
@@ -317,6 +333,12 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         chunk = __shfl_sync(kFull, chunk, 0);
       }
       if (chunk >= nchunks) break;
+      if (pace && !spans && lane == 0) {  // this block's stage at least chunk / nchunks along, less one unit
+        int total;
+        while ((total = ld_acquire_cta_shared(&s_units)) < 0) spin_pause();
+        const long long need = static_cast<long long>(total) * chunk / nchunks - 1;
+        while (ld_acquire_cta_shared(&s_staged) < need) spin_pause();
+      }
       const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
       for (int i = lane; i < nt * W; i += 32) s_pos[i] = send_pos[static_cast<size_t>(t0) * W + i];
       __syncwarp();
