@@ -6,11 +6,17 @@ import gc
 import os
 import socket
 import sys
+import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+RDZV_TIMEOUT_S = float(os.environ.get("EP_TEST_RDZV_S", 300))  # the ranks' store operations, rendezvous included
+FAILED_RANK_GRACE_S = 60.0  # after a rank raised: how long spawn() lets the others finish before stopping them
 
 
 def free_port() -> int:
@@ -35,9 +41,10 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        init = dict(rank=rank, world_size=world_size)
-        if abandon:
-            init["store"] = dist.TCPStore("127.0.0.1", port, is_master=False)
+        # The store is the parent's (spawn): its port was bound before any rank started, so no other process
+        # can take it in between, and a rank that never arrives ends the others' rendezvous in RDZV_TIMEOUT_S.
+        init = dict(rank=rank, world_size=world_size,
+                    store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=RDZV_TIMEOUT_S)))
         if bind_device:
             init["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, **init)
@@ -159,30 +166,56 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     forked = _Forked() if _use_forkserver(backend) else None
     ctx = mp.get_context("forkserver" if forked else "spawn")
     errq = ctx.SimpleQueue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if abandon else None
-    port = store.port if abandon else free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq, abandon, bind_device,
-                                               forked))
+    # The rendezvous store lives here, on a port the OS gave it: a port picked free and bound later by rank 0
+    # could be taken in between by another test's ranks (EADDRINUSE), and the other ranks then waited in
+    # init_process_group for a store that never came (seen under xdist, on CPU and at 4 GPUs).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, errq, abandon,
+                                               bind_device, forked))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    errors, stopped = _wait_ranks(procs, errq, timeout, abandon)
     hung = [i for i, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
-    errors = []
+    for p in procs:
+        p.join(5)
     while not errq.empty():
         errors.append(errq.get())
+    del store
     if errors:
         # Every rank's traceback: the first to fail is often not the first reported.
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
+        note = (f"\n(ranks {hung} were stopped {FAILED_RANK_GRACE_S:.0f} s after rank {errors[0][0]} failed)"
+                if stopped and hung else "")
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)) + note)
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"processes exited with errors: {bad}")
+
+
+def _wait_ranks(procs, errq, timeout: float, abandon: bool):
+    """Wait for the ranks until all have exited, `timeout` has passed, or (unless the group may break on purpose)
+    FAILED_RANK_GRACE_S after a rank reported an exception: its peers are then usually stuck in a collective
+    with it. Returns (the errors read so far, whether the grace ran out). Reads the queue as it goes, so a
+    long traceback never blocks its rank's exit."""
+    deadline = time.monotonic() + timeout
+    errors, failed_at = [], None
+    while any(p.is_alive() for p in procs):
+        while not errq.empty():
+            errors.append(errq.get())
+        now = time.monotonic()
+        if errors and failed_at is None and not abandon:
+            failed_at = now
+        if now >= deadline:
+            return errors, False
+        if failed_at is not None and now - failed_at >= FAILED_RANK_GRACE_S:
+            return errors, True
+        time.sleep(0.05)
+    return errors, False
 
 
 def write_rank_result(out_dir, rank: int, result) -> None:
