@@ -266,13 +266,13 @@ class HierarchicalBackend(Backend):
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
         xf, sf, topk_f, wf, is_in = self._rail_and_routing(rail, x, scales, topk_idx, topk_weights)
         tl.mark("rail_recv")
-        # the slots' flags need the rail's rows: one-rank nodes pack by them now; with an inner exchange
-        # they are launched after it, while the GPU forwards (only combine reads them)
-        slot_valid = (topk_f >= 0).any(1) if self.P == 1 else None
+        # the slots' flags need the rail's rows: one-rank nodes pack by them now (with the order, the counts
+        # per source node and per expert: one launch on GPUs, LocalNode.pack); with an inner exchange they are
+        # launched after it, while the GPU forwards (only combine reads them)
+        if self.P == 1:
+            slot_valid, recv_counts, order, place, num_recv, tpe = self.local.pack(topk_f, self.N, self.M)
         tl.mark("layout")
         if self.P == 1:
-            recv_counts = self._recv_counts(is_in, slot_valid)
-            order, place, num_recv, tpe = self.local.order(topk_f, slot_valid)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
             if exact:

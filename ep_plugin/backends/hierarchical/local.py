@@ -9,13 +9,45 @@ from __future__ import annotations
 
 import torch
 
+from ..._ext import c_op
+from ..._ext import raw_stream as _raw_stream
 from .rows import gather_rows
+
+_MAX_SLOTS, _MAX_EXPERTS, _MAX_NODES = 32768, 1024, 1024  # csrc/layout/local_pack.h
 
 
 class LocalNode:
     def __init__(self, local_experts: int):
         self.local_experts = local_experts
         self._const = {}
+
+    def pack(self, topk_f: torch.Tensor, nodes: int, max_tokens: int):
+        """topk_f [S, K] (S = nodes * max_tokens slots, node-local ids, -1: not here) -> (valid [S] bool,
+        node_counts [nodes] int64: valid slots per source node, then order()'s four results). On the GPU
+        one launch (csrc/layout/local_pack.cu) where the torch form is ~13 (the fresh 2x1 dispatch is
+        host-bound, docs/INTERNODE.md); the same values either way."""
+        S, K = topk_f.shape if topk_f.dim() == 2 else (topk_f.numel(), 1)
+        kernel = c_op("local_pack") if topk_f.is_cuda and _raw_stream is not None else None
+        if (kernel is None or topk_f.dtype != torch.int64 or not topk_f.is_contiguous() or topk_f.dim() != 2
+                or S != nodes * max_tokens or S > _MAX_SLOTS or nodes > _MAX_NODES
+                or not 1 <= self.local_experts <= _MAX_EXPERTS or K < 1):
+            return self.pack_torch(topk_f, nodes, max_tokens)
+        dev = topk_f.device
+        valid = torch.empty(S, dtype=torch.bool, device=dev)
+        ints = torch.empty(2 * S + 1 + self.local_experts + nodes, dtype=torch.int64, device=dev)  # one allocation
+        order, place = ints[:S], ints[S:2 * S]
+        e = 2 * S + 1 + self.local_experts
+        num, tpe, node_counts = ints[2 * S], ints[2 * S + 1:e], ints[e:]
+        kernel(topk_f.data_ptr(), S, K, self.local_experts, max_tokens, valid.data_ptr(), order.data_ptr(),
+               place.data_ptr(), num.data_ptr(), tpe.data_ptr(), node_counts.data_ptr(), _raw_stream(dev.index))
+        return valid, node_counts, order, place, num, tpe
+
+    def pack_torch(self, topk_f: torch.Tensor, nodes: int, max_tokens: int, before: bool = False):
+        """pack() in torch ops (CPU, or no kernel); before=True: with order_torch, the launches of the form
+        before the kernel (benchmarks/bench_internode.py --host-path before)."""
+        valid = (topk_f >= 0).any(1)
+        order, place, num, tpe = (self.order_torch if before else self.order)(topk_f, valid)
+        return (valid, valid.view(nodes, max_tokens).sum(1), order, place, num, tpe)
 
     def order(self, topk_f: torch.Tensor, valid: torch.Tensor):
         """valid [S]: the slots that hold a token -> (order [S]: the slots, valid ones first, each group
