@@ -85,9 +85,23 @@ def stage_timeline(buf, x, idx, w, n: int, flush) -> dict:
         be.timeline = NO_TIMELINE
 
 
+def use_host_path_before() -> None:
+    """The hierarchical backend's host path as it was before session 8's cut (same values, more launches):
+    the eight-op routing mask and the one-rank node's packing in torch ops (no local_pack kernel), for a
+    same-machine A/B (--host-path before). The send counts' lazy sum and the single tpe.long() stay."""
+    import ep_plugin.backends.hierarchical.backend as hb
+    from ep_plugin.backends.hierarchical.local import LocalNode
+
+    hb._in_rank = hb._in_rank_torch
+    LocalNode.pack = lambda self, topk_f, nodes, max_tokens: LocalNode.pack_torch(self, topk_f, nodes, max_tokens,
+                                                                                   before=True)
+
+
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
     try:
         init_rank(rank, world, port)
+        if getattr(args, "host_path", "now") == "before":
+            use_host_path_before()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -151,6 +165,12 @@ def kernel_profile(buf, x, idx, w) -> dict:
     of the nvshmem backend: which kernels the stages are made of."""
     a = buf.dispatch(x, idx, w)
     buf.combine(a.x, a.handle)
+    # the first profiler of a process starts CUPTI (~100 ms, not the same on every rank): a kernel that waits
+    # for its peers (the rail's receive, the nvlink notify) then absorbs their late start -- the 98 ms
+    # "dispatch" and 9.5 ms notify_kernel rank 0 showed for the 2x2 fresh dispatch on 2026-11-26 (session 7).
+    # A throwaway profile first, then the ranks aligned, so the profiled calls start together.
+    kernel_breakdown(torch.cuda.synchronize, n=1, top=1)
+    torch.cuda.synchronize()
     dist.barrier()
     last = {}
 
@@ -219,6 +239,9 @@ def main(argv=None) -> int:
                          "against)")
     ap.add_argument("--cases", default="uniform,node_limited", help="comma-separated, of uniform, node_limited")
     ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 dispatch rows")
+    ap.add_argument("--host-path", choices=("now", "before"), default="now",
+                    help="before: the hierarchical backend's host path before session 8 (torch routing mask and "
+                         "packing, no local_pack kernel), for an A/B on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]
@@ -239,7 +262,7 @@ def main(argv=None) -> int:
         return 2
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "ranks_per_node": args.ranks_per_node,
             "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
-            "backends": args.backends, "timeline_calls": args.timeline,
+            "backends": args.backends, "timeline_calls": args.timeline, "host_path": args.host_path,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "complete": complete, "wall_s": round(time.time() - t0, 1),
             "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}

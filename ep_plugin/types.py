@@ -89,12 +89,16 @@ class HostCounts:
         if device:
             self._capturing = torch.cuda.is_current_stream_capturing()
             if not self._capturing:
-                stream = stream or torch.cuda.current_stream()
                 self._pinned, self._event = ring.take(self)  # reused pinned buffers: no allocation per call
-                with torch.cuda.stream(stream):
-                    for name, t in device.items():
+                if stream is None:  # the current stream: no stream object, no context switch (host time of
+                    for name, t in device.items():  # every fresh dispatch, docs/INTERNODE.md session 8)
                         self._pinned[name].copy_(t, non_blocking=True)
-                self._event.record(stream)
+                    self._event.record()
+                else:
+                    with torch.cuda.stream(stream):
+                        for name, t in device.items():
+                            self._pinned[name].copy_(t, non_blocking=True)
+                    self._event.record(stream)
 
     def materialize(self) -> None:
         """Turn the pinned copies into lists (waits for their copy only)."""

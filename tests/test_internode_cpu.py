@@ -220,3 +220,53 @@ def body_phased_rail(rank, world, P):
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
 def test_routing_mask_launched_under_the_rail_send(internode_runs, world, P):
     internode_runs(world, "phased", P).check()
+
+
+def _slot_ids(S, K, El, p_valid, g, device="cpu"):
+    """[S, K] node-local ids as the rail leaves them: -1 in slots without a token, else some ids of [0, El)."""
+    tf = torch.randint(0, El, (S, K), generator=g)
+    tf[torch.rand(S, K, generator=g) > 0.4] = -1
+    tf[torch.rand(S, generator=g) > p_valid] = -1
+    return tf.to(device)
+
+
+@pytest.mark.parametrize("E,W", [(256, 2), (256, 4), (16, 8), (12, 6), (8, 8)])
+def test_in_rank_matches_the_torch_form(E, W):
+    from ep_plugin.backends.hierarchical.backend import _in_rank, _in_rank_torch
+
+    g = torch.Generator().manual_seed(E + W)
+    for T in (0, 1, 50):
+        idx = torch.randint(-3, E + 4, (T, 8), generator=g)  # ids out of [0, E) too: routed nowhere
+        assert torch.equal(_in_rank(idx, E, W), _in_rank_torch(idx, E, W)), (E, W, T)
+
+
+def _pack_reference(local, topk_f, N, M):
+    valid = (topk_f >= 0).any(1)
+    return (valid, valid.view(N, M).sum(1)) + tuple(local.order_torch(topk_f, valid))
+
+
+def _check_pack(device):
+    from ep_plugin.backends.hierarchical.local import LocalNode
+
+    g = torch.Generator().manual_seed(5)
+    for El, N, M, K in [(1, 2, 3, 1), (4, 2, 7, 8), (128, 2, 4096, 8), (32, 8, 64, 8), (7, 3, 1, 2)]:
+        local = LocalNode(El)
+        for p in (0.0, 0.3, 1.0):
+            tf = _slot_ids(N * M, K, El, p, g, device)
+            got, want = local.pack(tf, N, M), _pack_reference(local, tf, N, M)
+            for name, a, b in zip(("valid", "node_counts", "order", "place", "num", "tpe"), got, want):
+                assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), (El, N, M, K, p, name)
+
+
+def test_local_pack_matches_the_torch_form():
+    """LocalNode.pack (the one-rank node's packing; order() in fewer launches) against the form before."""
+    _check_pack("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the local_pack kernel needs a GPU")
+def test_local_pack_kernel_matches_the_torch_form():
+    from ep_plugin._ext import c_op
+
+    if c_op("local_pack") is None:
+        pytest.skip("ep_plugin._C without local_pack")
+    _check_pack("cuda")

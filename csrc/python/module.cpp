@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "layout/contract_order.h"
 #include "layout/layout.h"
+#include "layout/local_pack.h"
 #include "layout/merge_repeats.h"
 #include "python/bindings.h"
 
@@ -59,6 +60,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("rows"), py::arg("counts"), py::arg("pos"), py::arg("stream"),
       "The internode contract order: rows per source rank (int64 [nodes*per_node]) and each row's position (int64 "
       "[rows]) from the inner dispatch's recv_off (int32 [per_node + 1]) and recv_src (int32 [rows])");
+  m.def(
+      "local_pack",
+      [](uintptr_t topk, int slots, int topk_n, int experts, int max_tokens, uintptr_t valid, uintptr_t order,
+         uintptr_t place, uintptr_t num, uintptr_t per_expert, uintptr_t node_counts, uintptr_t stream) {
+        ep::launch_local_pack(ptr<const int64_t>(topk), slots, topk_n, experts, max_tokens, ptr<bool>(valid),
+                              ptr<int64_t>(order), ptr<int64_t>(place), ptr<int64_t>(num), ptr<int64_t>(per_expert),
+                              ptr<int64_t>(node_counts), reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("topk"), py::arg("slots"), py::arg("topk_n"), py::arg("experts"), py::arg("max_tokens"), py::arg("valid"),
+      py::arg("order"), py::arg("place"), py::arg("num"), py::arg("per_expert"), py::arg("node_counts"),
+      py::arg("stream"),
+      "The one-rank node's packing of the rail's slots: valid, order, place, num, per-expert and per-node counts "
+      "from the node-local ids (int64 [slots, topk])");
   ep::bind_nvlink(m);
   // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
 #ifdef EP_WITH_NVSHMEM

@@ -49,8 +49,28 @@ class HierarchicalState(BackendState):
     slot_row: Optional[torch.Tensor] = None  # one-rank node: received row of each slot (combine gathers)
 
 
+_BOUNDS = {}  # (experts, world, dtype, device) -> the ranks' first expert ids, for _in_rank's bucketize
+
+
 def _in_rank(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
-    """[T, W] bool: the token selects an expert on rank w."""
+    """[T, W] bool: the token selects an expert on rank w. Four host ops (bucketize, zeros, scatter_, a
+    slice; was eight: two compares, an and, a floor division, a where, ...): this runs on the fresh
+    dispatch's host path, ~20-40 us per torch op on the GPU hosts measured (docs/INTERNODE.md). bucketize
+    against [0, E/W, 2E/W, ..., E] gives 0 for ids < 0, w + 1 for ids of rank w and W + 1 for ids >= E:
+    columns 0 and W + 1 collect the ids routed nowhere, as the where to column W did."""
+    key = (num_experts, world, topk_idx.dtype, topk_idx.device)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        bounds = _BOUNDS[key] = torch.arange(0, num_experts + 1, num_experts // world, dtype=topk_idx.dtype,
+                                             device=topk_idx.device)
+    col = torch.bucketize(topk_idx, bounds, right=True)
+    out = torch.zeros((topk_idx.shape[0], world + 2), dtype=torch.bool, device=topk_idx.device)
+    out.scatter_(1, col, True)
+    return out[:, 1:world + 1]
+
+
+def _in_rank_torch(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """_in_rank as it was before (the reference its tests compare against)."""
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
     rank = torch.where(valid, topk_idx // (num_experts // world), world)
     out = torch.zeros((topk_idx.shape[0], world + 1), dtype=torch.bool, device=topk_idx.device)
@@ -166,16 +186,18 @@ class HierarchicalBackend(Backend):
 
     # ------------------------------------------------------------------ helpers
     def _counts(self, is_in: torch.Tensor, recv_counts: torch.Tensor, tpe: torch.Tensor, exact: bool):
-        send = is_in.sum(0)
+        """The handle's host counts. tpe is int64 already (one .long() in _dispatch, not two); the send
+        counts' sum is launched only when they are read (it was one more launch on every fresh dispatch's
+        host path)."""
         if exact or not tpe.is_cuda:
-            return counts_from_lists(send.tolist(), recv_counts.tolist(), tpe.tolist())
+            return counts_from_lists(is_in.sum(0).tolist(), recv_counts.tolist(), tpe.tolist())
         if self._ring is None:
             self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64)})
         # only tokens_per_expert is copied on every dispatch; the per-rank counts are read rarely (the
         # generic weight reduction, DeepEP's host-synced dispatch) and then at the cost of a sync, as
         # the nvlink backend's
-        return HostCounts(device={"tokens_per_expert": tpe.long()}, ring=self._ring,
-                          derived={"send_counts": lambda _c: send.tolist(),
+        return HostCounts(device={"tokens_per_expert": tpe}, ring=self._ring,
+                          derived={"send_counts": lambda _c: is_in.sum(0).tolist(),
                                    "recv_counts": lambda _c: recv_counts.tolist()})
 
     def _recv_counts(self, is_in: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
@@ -244,13 +266,13 @@ class HierarchicalBackend(Backend):
             return self._forward_cached(xf, sf, topk_f, wf, handle, handle.state)
         xf, sf, topk_f, wf, is_in = self._rail_and_routing(rail, x, scales, topk_idx, topk_weights)
         tl.mark("rail_recv")
-        # the slots' flags need the rail's rows: one-rank nodes pack by them now; with an inner exchange
-        # they are launched after it, while the GPU forwards (only combine reads them)
-        slot_valid = (topk_f >= 0).any(1) if self.P == 1 else None
+        # the slots' flags need the rail's rows: one-rank nodes pack by them now (with the order, the counts
+        # per source node and per expert: one launch on GPUs, LocalNode.pack); with an inner exchange they are
+        # launched after it, while the GPU forwards (only combine reads them)
+        if self.P == 1:
+            slot_valid, recv_counts, order, place, num_recv, tpe = self.local.pack(topk_f, self.N, self.M)
         tl.mark("layout")
         if self.P == 1:
-            recv_counts = self._recv_counts(is_in, slot_valid)
-            order, place, num_recv, tpe = self.local.order(topk_f, slot_valid)
             rows = order
             exact = not self.worst_case and not (xf.is_cuda and torch.cuda.is_current_stream_capturing())
             if exact:
@@ -279,9 +301,10 @@ class HierarchicalBackend(Backend):
                                             for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
             state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
             tl.mark("reorder")
+        tpe = tpe.long()  # the inner nvlink backend's may be int32: one launch, not one per use
         handle = Handle(backend=self.name, num_tokens=T, num_recv=out_x.shape[0], num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
-                        num_recv_device=num_recv, num_tokens_per_expert=tpe.long(),
+                        num_recv_device=num_recv, num_tokens_per_expert=tpe,
                         counts=self._counts(is_in, recv_counts, tpe, exact), state=state, exact=exact)
         tl.end("counts")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle)
