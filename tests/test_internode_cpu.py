@@ -263,6 +263,7 @@ def test_local_pack_matches_the_torch_form():
     _check_pack("cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the local_pack kernel needs a GPU")
 def test_local_pack_kernel_matches_the_torch_form():
     from ep_plugin._ext import c_op
