@@ -14,6 +14,10 @@ from ..._ext import raw_stream as _raw_stream
 from .rows import gather_rows
 
 _MAX_SLOTS, _MAX_EXPERTS, _MAX_NODES = 32768, 1024, 1024  # csrc/layout/local_pack.h
+# The local_pack kernel has compiled but never run on a GPU (session 7 had no device time left for it): until
+# tests/test_internode_cpu.py::test_local_pack_kernel_matches_the_torch_form has passed on one, GPUs take the
+# torch form (the same values, tested against the form before on CPU). That test sets this to True.
+USE_LOCAL_PACK_KERNEL = False
 
 
 class LocalNode:
@@ -27,7 +31,7 @@ class LocalNode:
         one launch (csrc/layout/local_pack.cu) where the torch form is ~13 (the fresh 2x1 dispatch is
         host-bound, docs/INTERNODE.md); the same values either way."""
         S, K = topk_f.shape if topk_f.dim() == 2 else (topk_f.numel(), 1)
-        kernel = c_op("local_pack") if topk_f.is_cuda and _raw_stream is not None else None
+        kernel = c_op("local_pack") if USE_LOCAL_PACK_KERNEL and topk_f.is_cuda and _raw_stream is not None else None
         if (kernel is None or topk_f.dtype != torch.int64 or not topk_f.is_contiguous() or topk_f.dim() != 2
                 or S != nodes * max_tokens or S > _MAX_SLOTS or nodes > _MAX_NODES
                 or not 1 <= self.local_experts <= _MAX_EXPERTS or K < 1):
