@@ -3,6 +3,7 @@ reference counts the engine watches, and moving a held heap set's tensors to mem
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 from typing import List
 
@@ -55,15 +56,19 @@ class Watch:
     storage use count (which a caller's view of the tensor raises), taken when the set is made. Counts
     above those at the set's next turn: a caller still holds its outputs, or a view of them."""
 
-    __slots__ = ("objs", "stores", "base")
+    __slots__ = ("objs", "stores", "cdata", "base")
 
     def __init__(self, objs: list):
         self.objs = objs  # the list itself, not a copy: no other list may hold them while the base is taken
         self.stores = [o.untyped_storage() for o in self.objs if isinstance(o, torch.Tensor)] if _use_count else []
+        self.cdata = [st._cdata for st in self.stores]  # kept alive by self.stores
         self.base = self._counts()
 
+    # Every dispatch with output sets asks held() (FP8: 12 counts, BF16: 9): map over C functions, no
+    # Python frame per count (the counts are the same, taken the same way for the base and now).
     def _counts(self) -> List[int]:
-        return [sys.getrefcount(o) for o in self.objs] + [_use_count(st._cdata) for st in self.stores]
+        return list(map(sys.getrefcount, self.objs)) + list(map(_use_count, self.cdata)) if _use_count else \
+            list(map(sys.getrefcount, self.objs))
 
     def held(self) -> bool:
-        return any(now > was for now, was in zip(self._counts(), self.base))
+        return any(map(operator.gt, self._counts(), self.base))
