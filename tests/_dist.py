@@ -4,6 +4,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import signal
 import socket
 import sys
 import time
@@ -15,23 +16,98 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-RDZV_TIMEOUT_S = float(os.environ.get("EP_TEST_RDZV_S", 300))  # the ranks' store operations, rendezvous included
-FAILED_RANK_GRACE_S = 60.0  # after a rank raised: how long spawn() lets the others finish before stopping them
-
-
 def free_port() -> int:
+    """A port that was free when asked: whoever binds it later may find it taken (prefer a store on port 0,
+    as spawn() does, or torchrun_cmd's --standalone)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_device, forked=None):
+def torchrun_cmd(nproc: int, script, *args) -> list:
+    """``python -m torch.distributed.run --nproc-per-node nproc --standalone script args``: the launcher's
+    rendezvous store listens on a port the OS picks as it binds (localhost:0) and the ranks meet there, where
+    ``--master-port $(free_port())`` left the seconds of torchrun's start-up for another process (the other
+    xdist worker's ranks or launch) to take that port or connect to it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            str(script), *map(str, args)]
+
+
+def run_launch(cmd, *, timeout: float, **kw):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw) for a launch whose children
+    hold its output pipes (torchrun's ranks): subprocess.run kills only the launcher at the timeout and then
+    waits for the pipes' end, forever while a rank lives on. Here the launch is a session of its own and the
+    whole session is killed, so a stuck launch fails the test at the timeout with what it printed."""
+    import subprocess
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = p.communicate()
+        raise AssertionError(f"{_current_test()}: {' '.join(map(str, cmd))} still running after {timeout:g}s; "
+                             f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}") from None
+    finally:
+        try:  # a rank the launcher left behind
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    done = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    guard = sys.modules.get("tests.conftest") or sys.modules.get("conftest")
+    if guard is not None and hasattr(guard, "note_output"):  # the "terminate called" guard sees it too
+        guard.note_output(cmd, out, err)
+    return done
+
+
+# ---------------------------------------------------------------------------- the rendezvous, bounded
+# The ranks meet in a TCPStore that spawn() holds in the test's own process, listening on a port the OS
+# chose (port 0) before any rank starts: no port is picked, freed and bound later (free_port()'s window,
+# in which another process, e.g. the other xdist worker's ranks or a torchrun launch, could take or
+# connect to it), and no rank's death takes the store with it. Each rank marks its arrival and waits for
+# the others at most RENDEZVOUS_S; the rank that waits in vain raises, naming the test and the ranks that
+# never came, and spawn() stops the rest: a rank that never starts is a failure in seconds, not a hang.
+RENDEZVOUS_S = float(os.environ.get("EP_TEST_RENDEZVOUS_S", 90))
+# After a rank has failed, how long the others get to finish (or fail and say why) before they are killed:
+# peers of a failed rank often wait in a collective that will never complete.
+FAIL_GRACE_S = float(os.environ.get("EP_TEST_FAIL_GRACE_S", 30))
+
+
+def _arrived(rank: int) -> str:
+    return f"ep_test/arrived/{rank}"
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "(no test)").rsplit(" ", 1)[0]
+
+
+class RendezvousTimeout(RuntimeError):
+    pass
+
+
+def _rendezvous(store, rank, world_size, wait_s, test):
+    store.set(_arrived(rank), "1")
+    try:
+        store.wait([_arrived(r) for r in range(world_size)], timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001  (the store's timeout: say who is missing)
+        missing = [r for r in range(world_size) if not store.check([_arrived(r)])]
+        raise RendezvousTimeout(f"{test}: rank {rank} waited {wait_s:g}s at the rendezvous; rank(s) {missing} of "
+                                f"{world_size} never arrived") from None
+
+
+def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_device, forked=None, rendezvous_s=RENDEZVOUS_S,
+            timeout=300.0, test="(no test)", before_rendezvous=None):
     if forked is not None:
         forked.attach()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits.
+    # A rank stuck past the deadline prints every thread's stack, so a hang shows where it waits; so does
+    # one that spawn() is about to kill (SIGUSR1).
     faulthandler.dump_traceback_later(float(os.environ.get("EP_TEST_STACK_DUMP_S", 240)), file=sys.stderr)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     ok = False
     # Several ranks share the machine's cores: torch's intra-op threads per rank would oversubscribe
     # them (small ops measured ~100x slower with two ranks on two cores). A rank gets its share of the
@@ -39,12 +115,18 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
     # single-threaded, and on the 2-core CI box each rank still has one thread.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     try:
+        if before_rendezvous is not None:
+            before_rendezvous(rank, world_size)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        # The store is the parent's (spawn): its port was bound before any rank started, so no other process
-        # can take it in between, and a rank that never arrives ends the others' rendezvous in RDZV_TIMEOUT_S.
-        init = dict(rank=rank, world_size=world_size,
-                    store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=RDZV_TIMEOUT_S)))
+        # connecting is part of the rendezvous: a rank whose spawn() is gone gives up within rendezvous_s
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=rendezvous_s))
+        _rendezvous(store, rank, world_size, rendezvous_s, test)
+        store.set_timeout(timedelta(seconds=timeout))  # every later wait on it: within the spawn's timeout
+        init = dict(rank=rank, world_size=world_size, store=store)
+        if backend == "gloo":  # a collective never waits longer than the whole spawn may take (gloo's default: 30 min)
+            init["timeout"] = timedelta(seconds=timeout)
         if bind_device:
             init["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, **init)
@@ -103,9 +185,8 @@ class _Forked:
         if not getattr(_Forked, "_started", False):
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-            # Started, and its imports done, before spawn() picks a free port: the port is free when picked
-            # and taken when rank 0 binds it, and the server's imports (~7 s) would widen that window for
-            # another process (another xdist worker's) to take it (EADDRINUSE, seen).
+            # Started, and its imports done (~7 s), before spawn() starts the ranks: otherwise the first
+            # spawn's ranks would spend those seconds of their rendezvous_s waiting for the server.
             warm = ctx.Process(target=_nothing)
             warm.start()
             warm.join()
@@ -154,68 +235,109 @@ class _Forked:
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, abandon: bool = False,
-          bind_device: bool = False) -> None:
+          bind_device: bool = False, rendezvous_s: float = None, before_rendezvous=None) -> None:
     """Run fn(rank, world_size, *args) in world_size processes; re-raise the first failure.
 
     fn must be a module-level function (it is pickled into spawned processes). abandon: the group may
-    break on purpose (a rank stalls, or leaves with os._exit(0)): the store lives in this process, so
-    any rank may die, and the workers exit without the closing barrier and destroy_process_group.
+    break on purpose (a rank stalls, or leaves with os._exit(0)): the workers exit without the closing
+    barrier and destroy_process_group (the store lives in this process, so any rank may die).
     bind_device: NCCL only, bind each rank's GPU at init (eager communicators; torch then makes
     new groups by splitting the world's communicator).
+    Bounded everywhere: the ranks meet within rendezvous_s (RENDEZVOUS_S), all of them finish within
+    timeout, and once one has failed the others get FAIL_GRACE_S; a rank left running is killed (its
+    stacks printed first), and the failure names the test and the ranks that never arrived or never ended.
+    before_rendezvous(rank, world_size): module-level, run by each rank before it meets the others
+    (tests of the rendezvous itself).
     """
+    test = _current_test()
+    rendezvous_s = min(RENDEZVOUS_S if rendezvous_s is None else rendezvous_s, timeout)
     forked = _Forked() if _use_forkserver(backend) else None
     ctx = mp.get_context("forkserver" if forked else "spawn")
     errq = ctx.SimpleQueue()
-    # The rendezvous store lives here, on a port the OS gave it: a port picked free and bound later by rank 0
-    # could be taken in between by another test's ranks (EADDRINUSE), and the other ranks then waited in
-    # init_process_group for a store that never came (seen under xdist, on CPU and at 4 GPUs).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, errq, abandon,
-                                               bind_device, forked))
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, errq, abandon, bind_device,
+                                               forked, rendezvous_s, timeout, test, before_rendezvous))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
-    errors, stopped = _wait_ranks(procs, errq, timeout, abandon)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(5)
+    try:
+        for p in procs:
+            p.start()
+        why = _watch(procs, store, world_size, timeout, rendezvous_s)
+    finally:
+        left = [p for p in procs if p.pid is not None and p.exitcode is None]
+        if left:
+            for p in left:  # every thread's stack into the test's output, then gone
+                _signal(p, signal.SIGUSR1)
+            time.sleep(1.0)
+            for p in left:
+                p.kill()
+            for p in left:
+                p.join(10)
+    arrived = [r for r in range(world_size) if store.check([_arrived(r)])]
+    del store
+    errors = []
     while not errq.empty():
         errors.append(errq.get())
-    del store
+    never = [r for r in range(world_size) if r not in arrived]
+    stopped = [procs.index(p) for p in left]
+    notes = []
+    if never:
+        how = ", ".join(f"rank {r}: " + ("killed while starting" if procs[r] in left
+                                          else f"exit code {procs[r].exitcode}") for r in never)
+        notes.append(f"rank(s) {never} never reached the rendezvous ({how})")
+    if stopped:
+        notes.append(f"rank(s) {stopped} killed: {why}")
     if errors:
         # Every rank's traceback: the first to fail is often not the first reported.
-        note = (f"\n(ranks {hung} were stopped {FAILED_RANK_GRACE_S:.0f} s after rank {errors[0][0]} failed)"
-                if stopped and hung else "")
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)) + note)
-    if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
+        raise AssertionError(f"{test}: " + "; ".join(notes) + ("\n" if notes else "")
+                             + "\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
+    if notes:
+        raise AssertionError(f"{test}: " + "; ".join(notes))
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
-        raise AssertionError(f"processes exited with errors: {bad}")
+        raise AssertionError(f"{test}: processes exited with errors: {bad}")
 
 
-def _wait_ranks(procs, errq, timeout: float, abandon: bool):
-    """Wait for the ranks until all have exited, `timeout` has passed, or (unless the group may break on purpose)
-    FAILED_RANK_GRACE_S after a rank reported an exception: its peers are then usually stuck in a collective
-    with it. Returns (the errors read so far, whether the grace ran out). Reads the queue as it goes, so a
-    long traceback never blocks its rank's exit."""
-    deadline = time.monotonic() + timeout
-    errors, failed_at = [], None
-    while any(p.is_alive() for p in procs):
-        while not errq.empty():
-            errors.append(errq.get())
+def _signal(p, sig):
+    try:
+        os.kill(p.pid, sig)
+    except OSError:
+        pass
+
+
+def _watch(procs, store, world_size, timeout, rendezvous_s) -> str:
+    """Wait for the ranks; return early (with the reason) where waiting longer cannot help: the deadline
+    passed, a rank ended before it reached the rendezvous (the others would wait for it in vain), the
+    rendezvous is overdue, or a rank failed FAIL_GRACE_S ago."""
+    from multiprocessing.connection import wait
+
+    start = time.monotonic()
+    failed_at = None
+    all_arrived = False
+    while True:
+        running = [p for p in procs if p.exitcode is None]
+        if not running:
+            return ""
         now = time.monotonic()
-        if errors and failed_at is None and not abandon:
+        if now - start > timeout:
+            return f"still running after the spawn's timeout ({timeout:g}s)"
+        if not all_arrived:
+            arrived = [store.check([_arrived(r)]) for r in range(world_size)]
+            all_arrived = all(arrived)
+            gone = [r for r, p in enumerate(procs) if not arrived[r] and p.exitcode is not None]
+            if gone:
+                return f"rank(s) {gone} ended before the rendezvous"
+            gave_up = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if not all_arrived and gave_up:  # the rendezvous cannot complete any more
+                return f"rank(s) {gave_up} gave up waiting at the rendezvous"
+            if not all_arrived and now - start > rendezvous_s + 10.0:  # the ranks raise at rendezvous_s themselves
+                return f"the rendezvous still incomplete after {now - start:.0f}s"
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = now
-        if now >= deadline:
-            return errors, False
-        if failed_at is not None and now - failed_at >= FAILED_RANK_GRACE_S:
-            return errors, True
-        time.sleep(0.05)
-    return errors, False
+        if failed_at is not None and now - failed_at > FAIL_GRACE_S:
+            return f"still running {FAIL_GRACE_S:g}s after rank(s) " \
+                   f"{[r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]} failed"
+        wait([p.sentinel for p in running], timeout=0.5)
 
 
 def write_rank_result(out_dir, rank: int, result) -> None:

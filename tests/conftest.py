@@ -35,15 +35,18 @@ _seen_in_subprocess = []
 _run = subprocess.run
 
 
-def _guarded_run(*args, **kwargs):
-    proc = _run(*args, **kwargs)
-    for out in (proc.stdout, proc.stderr):
+def note_output(cmd, *outs):
+    for out in outs:
         if isinstance(out, bytes):
             out = out.decode(errors="replace")
         if isinstance(out, str) and TERMINATE in out:
-            cmd = args[0] if args else kwargs.get("args")
             line = next(x for x in out.splitlines() if TERMINATE in x)
             _seen_in_subprocess.append(f"{cmd!r}: {line.strip()}")
+
+
+def _guarded_run(*args, **kwargs):
+    proc = _run(*args, **kwargs)
+    note_output(args[0] if args else kwargs.get("args"), proc.stdout, proc.stderr)
     return proc
 
 

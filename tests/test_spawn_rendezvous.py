@@ -1,0 +1,52 @@
+"""tests/_dist.py's spawn() never hangs on a rank that does not come: the ranks meet within a bounded
+rendezvous (a TCPStore the test's process holds, on a port the OS chose), and a rank that never arrives,
+or dies before it does, fails the spawn within that bound, naming the test and the rank."""
+import os
+import time
+
+import pytest
+
+from tests._dist import spawn
+
+RENDEZVOUS_S = 3.0
+
+
+def _never_arrives(rank, world):
+    if rank == world - 1:
+        time.sleep(3600)  # a rank stuck before the rendezvous (importing, starting): killed by spawn()
+
+
+def _dies_first(rank, world):
+    if rank == world - 1:
+        os._exit(7)
+
+
+def _nothing(rank, world):
+    pass
+
+
+def test_a_rank_that_never_arrives_fails_the_rendezvous_within_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        spawn(_nothing, 3, timeout=120, rendezvous_s=RENDEZVOUS_S, before_rendezvous=_never_arrives)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "test_a_rank_that_never_arrives_fails_the_rendezvous_within_its_timeout" in msg, msg
+    assert "rank(s) [2] never reached the rendezvous" in msg, msg
+    assert "rank(s) [2] of 3 never arrived" in msg, msg  # what the waiting ranks raised
+    # the ranks' start (forked: ~1 s each on the loaded 2-core box), the wait, and the stack dump before the kill
+    assert elapsed < RENDEZVOUS_S + 20, f"failed after {elapsed:.1f}s: {msg}"
+
+
+def test_a_rank_that_dies_before_the_rendezvous_fails_the_spawn_at_once():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        spawn(_nothing, 3, timeout=120, rendezvous_s=60, before_rendezvous=_dies_first)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "rank(s) [2] never reached the rendezvous (rank 2: exit code 7)" in msg, msg
+    assert elapsed < 30, f"failed after {elapsed:.1f}s (the rendezvous waits 60s): {msg}"
+
+
+def test_a_healthy_spawn_still_passes():
+    spawn(_nothing, 3, timeout=120, rendezvous_s=RENDEZVOUS_S)
