@@ -12,14 +12,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests._dist import free_port
+from tests._dist import run_launch, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-
 
 def session_dir(tmp_path_factory, name: str) -> Path:
     base = tmp_path_factory.getbasetemp()
@@ -28,30 +26,24 @@ def session_dir(tmp_path_factory, name: str) -> Path:
     d.mkdir(exist_ok=True)
     return d
 
-
 def torchrun_once(tmp_path_factory, name: str, script: str, args, env: dict, timeout: float):
     """``torchrun --nproc-per-node 2 script *args`` (args may name {dir}, the run's directory), run once
     per session under name; returns (SimpleNamespace(returncode, stdout, stderr), directory)."""
-    import sys
-
     d = session_dir(tmp_path_factory, name)
     with open(d / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = d / "result.json"
         if not done.exists():
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), str(ROOT / script), *(str(a).format(dir=d) for a in args)]
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            cmd = torchrun_cmd(2, ROOT / script, *(str(a).format(dir=d) for a in args))
+            proc = run_launch(cmd, cwd=ROOT, env=env, timeout=timeout)
             done.write_text(json.dumps(dict(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)))
         res = SimpleNamespace(**json.loads(done.read_text()))
     # the "terminate called" guard (conftest.py) sees only the test that launched it: the others check too
     assert "terminate called" not in res.stdout + res.stderr, res.stderr[-3000:]
     return res, d
 
-
 # 2 gloo ranks, 30 steps, a stats line every 2 steps, no bar (test_telemetry.py reads the interval from here)
 DEEPSPEED_EXAMPLE_ARGS = ["--steps", "30", "--log-every", "2", "--no-progress"]
-
 
 def deepspeed_example_run(tmp_path_factory):
     """examples/deepspeed/train_moe_ds.py, 2 gloo ranks, 30 steps, a stats line every 2 steps, no bar,

@@ -13,8 +13,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -346,7 +344,7 @@ def test_refused_autoep_options():
 
 def _torchrun(script, *args, gpu=False, timeout=400):
     """``torchrun --nproc-per-node 2 script args`` from the repo root (CPU unless gpu); asserts rc 0."""
-    from tests._dist import free_port
+    from tests._dist import run_launch, torchrun_cmd
 
     # this tree first, so that the script imports the ep_plugin under test (and an install
     # elsewhere, or none, does not matter)
@@ -354,9 +352,7 @@ def _torchrun(script, *args, gpu=False, timeout=400):
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(ROOT, script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launch(torchrun_cmd(2, os.path.join(ROOT, script), *args), cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

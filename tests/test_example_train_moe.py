@@ -2,14 +2,12 @@
 NCCL on two GPUs, where the rows travel in BF16 through the nvlink kernels when they are built)."""
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._dist import free_port
+from tests._dist import run_launch, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_moe.py"
@@ -20,9 +18,7 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 def _train(env, *args):
     # this tree first: the example imports the ep_plugin under test, installed or not
     env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), str(EXAMPLE), *args],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_launch(torchrun_cmd(2, EXAMPLE, *args), cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     m = re.search(r"done: .*loss ([\d.]+) -> ([\d.]+).*backend (\w+), rows (\w+)", out.stdout)
     assert m, out.stdout[-2000:] + out.stderr[-2000:]

@@ -496,15 +496,13 @@ INTERVAL_LINE = re.compile(
 def test_examples_print_one_stats_line_per_interval(example, args, tmp_path_factory):
     """The Megatron and DeepSpeed examples on CPU (gloo, torch backend): one line per interval with
     everything comm.stats reports, nothing else per step (no bar, no notices)."""
-    from tests._dist import free_port
+    from tests._dist import run_launch, torchrun_cmd
 
     pytest.importorskip("megatron.core" if "megatron" in example else "deepspeed")
     if "deepspeed" in example:
         proc, _ = deepspeed_example_run(tmp_path_factory)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), os.path.join(ROOT, example), *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+        proc = run_launch(torchrun_cmd(2, os.path.join(ROOT, example), *args), cwd=ROOT, env=_env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     every = int(args[args.index("--log-every") + 1])
