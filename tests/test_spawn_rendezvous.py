@@ -50,3 +50,19 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_spawn_at_once():
 
 def test_a_healthy_spawn_still_passes():
     spawn(_nothing, 3, timeout=120, rendezvous_s=RENDEZVOUS_S)
+
+
+def test_a_launch_past_its_timeout_is_killed_with_its_children():
+    """run_launch (torchrun's launches): at the timeout the launch and the children that hold its output
+    pipes are killed (subprocess.run would kill the launcher only, then wait for the pipes' end)."""
+    import sys
+
+    from tests._dist import run_launch
+
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
+            "print('started', flush=True); time.sleep(120)"
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="still running after 2s") as info:
+        run_launch([sys.executable, "-c", child], timeout=2)
+    assert "started" in str(info.value)
+    assert time.monotonic() - start < 15
