@@ -70,10 +70,10 @@ def run_launch(cmd, *, timeout: float, **kw):
 # connect to it), and no rank's death takes the store with it. Each rank marks its arrival and waits for
 # the others at most RENDEZVOUS_S; the rank that waits in vain raises, naming the test and the ranks that
 # never came, and spawn() stops the rest: a rank that never starts is a failure in seconds, not a hang.
-RENDEZVOUS_S = float(os.environ.get("EP_TEST_RENDEZVOUS_S", 90))
+RENDEZVOUS_S = float(os.environ.get("EP_TEST_RDZV_S", 90))
 # After a rank has failed, how long the others get to finish (or fail and say why) before they are killed:
 # peers of a failed rank often wait in a collective that will never complete.
-FAIL_GRACE_S = float(os.environ.get("EP_TEST_FAIL_GRACE_S", 30))
+FAILED_RANK_GRACE_S = 60.0
 
 
 def _arrived(rank: int) -> str:
@@ -244,7 +244,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     bind_device: NCCL only, bind each rank's GPU at init (eager communicators; torch then makes
     new groups by splitting the world's communicator).
     Bounded everywhere: the ranks meet within rendezvous_s (RENDEZVOUS_S), all of them finish within
-    timeout, and once one has failed the others get FAIL_GRACE_S; a rank left running is killed (its
+    timeout, and once one has failed the others get FAILED_RANK_GRACE_S; a rank left running is killed (its
     stacks printed first), and the failure names the test and the ranks that never arrived or never ended.
     before_rendezvous(rank, world_size): module-level, run by each rank before it meets the others
     (tests of the rendezvous itself).
@@ -262,7 +262,8 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
     try:
         for p in procs:
             p.start()
-        why = _watch(procs, store, world_size, timeout, rendezvous_s)
+        errors = []
+        why = _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors)
     finally:
         left = [p for p in procs if p.pid is not None and p.exitcode is None]
         if left:
@@ -275,7 +276,6 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
                 p.join(10)
     arrived = [r for r in range(world_size) if store.check([_arrived(r)])]
     del store
-    errors = []
     while not errq.empty():
         errors.append(errq.get())
     never = [r for r in range(world_size) if r not in arrived]
@@ -286,7 +286,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
                                           else f"exit code {procs[r].exitcode}") for r in never)
         notes.append(f"rank(s) {never} never reached the rendezvous ({how})")
     if stopped:
-        notes.append(f"rank(s) {stopped} killed: {why}")
+        notes.append(f"ranks {stopped} were stopped {why}")
     if errors:
         # Every rank's traceback: the first to fail is often not the first reported.
         raise AssertionError(f"{test}: " + "; ".join(notes) + ("\n" if notes else "")
@@ -305,38 +305,41 @@ def _signal(p, sig):
         pass
 
 
-def _watch(procs, store, world_size, timeout, rendezvous_s) -> str:
+def _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors) -> str:
     """Wait for the ranks; return early (with the reason) where waiting longer cannot help: the deadline
     passed, a rank ended before it reached the rendezvous (the others would wait for it in vain), the
-    rendezvous is overdue, or a rank failed FAIL_GRACE_S ago."""
+    rendezvous is overdue, or a rank failed FAILED_RANK_GRACE_S ago. Reads errq into errors as it goes,
+    so that a long traceback never blocks its rank's exit."""
     from multiprocessing.connection import wait
 
     start = time.monotonic()
     failed_at = None
     all_arrived = False
     while True:
+        while not errq.empty():
+            errors.append(errq.get())
         running = [p for p in procs if p.exitcode is None]
         if not running:
             return ""
         now = time.monotonic()
         if now - start > timeout:
-            return f"still running after the spawn's timeout ({timeout:g}s)"
+            return f"at the spawn's timeout ({timeout:g} s)"
         if not all_arrived:
             arrived = [store.check([_arrived(r)]) for r in range(world_size)]
             all_arrived = all(arrived)
             gone = [r for r, p in enumerate(procs) if not arrived[r] and p.exitcode is not None]
             if gone:
-                return f"rank(s) {gone} ended before the rendezvous"
+                return f"as rank(s) {gone} ended before the rendezvous"
             gave_up = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if not all_arrived and gave_up:  # the rendezvous cannot complete any more
-                return f"rank(s) {gave_up} gave up waiting at the rendezvous"
+                return f"as rank(s) {gave_up} gave up waiting at the rendezvous"
             if not all_arrived and now - start > rendezvous_s + 10.0:  # the ranks raise at rendezvous_s themselves
-                return f"the rendezvous still incomplete after {now - start:.0f}s"
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = now
-        if failed_at is not None and now - failed_at > FAIL_GRACE_S:
-            return f"still running {FAIL_GRACE_S:g}s after rank(s) " \
-                   f"{[r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]} failed"
+                return f"with the rendezvous still incomplete after {now - start:.0f} s"
+        failed = [r for r, _ in errors] + [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed_at is None and failed:
+            failed_at, first = now, failed[0]
+        if failed_at is not None and now - failed_at > FAILED_RANK_GRACE_S:
+            return f"{FAILED_RANK_GRACE_S:.0f} s after rank {first} failed"
         wait([p.sentinel for p in running], timeout=0.5)
 
 
