@@ -263,7 +263,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 30
         for p in procs:
             p.start()
         errors = []
-        why = _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors)
+        why = _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors, abandon)
     finally:
         left = [p for p in procs if p.pid is not None and p.exitcode is None]
         if left:
@@ -305,10 +305,10 @@ def _signal(p, sig):
         pass
 
 
-def _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors) -> str:
+def _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors, abandon=False) -> str:
     """Wait for the ranks; return early (with the reason) where waiting longer cannot help: the deadline
     passed, a rank ended before it reached the rendezvous (the others would wait for it in vain), the
-    rendezvous is overdue, or a rank failed FAILED_RANK_GRACE_S ago. Reads errq into errors as it goes,
+    rendezvous is overdue, or (unless the group may break on purpose) a rank failed FAILED_RANK_GRACE_S ago. Reads errq into errors as it goes,
     so that a long traceback never blocks its rank's exit."""
     from multiprocessing.connection import wait
 
@@ -336,7 +336,7 @@ def _watch(procs, store, world_size, timeout, rendezvous_s, errq, errors) -> str
             if not all_arrived and now - start > rendezvous_s + 10.0:  # the ranks raise at rendezvous_s themselves
                 return f"with the rendezvous still incomplete after {now - start:.0f} s"
         failed = [r for r, _ in errors] + [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if failed_at is None and failed:
+        if failed_at is None and failed and not abandon:
             failed_at, first = now, failed[0]
         if failed_at is not None and now - failed_at > FAILED_RANK_GRACE_S:
             return f"{FAILED_RANK_GRACE_S:.0f} s after rank {first} failed"
