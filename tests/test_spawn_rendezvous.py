@@ -44,7 +44,9 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_spawn_at_once():
         spawn(_nothing, 3, timeout=120, rendezvous_s=60, before_rendezvous=_dies_first)
     elapsed = time.monotonic() - start
     msg = str(info.value)
-    assert "rank(s) [2] never reached the rendezvous (rank 2: exit code 7)" in msg, msg
+    # rank 2 never arrives and the others are stopped as soon as it ends (a slow one may not have arrived yet)
+    assert "never reached the rendezvous (" in msg and "rank 2: exit code 7" in msg, msg
+    assert "rank(s) [2] ended before the rendezvous" in msg, msg
     assert elapsed < 30, f"failed after {elapsed:.1f}s (the rendezvous waits 60s): {msg}"
 
 
