@@ -126,7 +126,7 @@ COSTS = {
     "test_hierarchical.py::world2": 10,
     "test_buffer.py::world2": 9,
     "test_low_latency.py": 9,
-    "test_spawn_rendezvous.py": 8,  # 2026-11-26, loaded box: 7.5 + 4.8 + ~3 s of mostly waiting
+    "test_spawn_rendezvous.py": 12,  # 2026-11-26, loaded box: 7.5 + 4.8 + ~3 s of mostly waiting, + the failed-rank case
     "test_example_launch.py::test_plain_python_is_told_to_use_torchrun[pretrain_gpt_moe.py]": 9,
     "test_example_launch.py::test_plain_python_is_told_to_use_torchrun[autoep_hf_moe.py]": 9,
     "test_deep_ep_low_latency.py": 9,

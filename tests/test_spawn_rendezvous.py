@@ -1,11 +1,14 @@
 """tests/_dist.py's spawn() never hangs on a rank that does not come: the ranks meet within a bounded
 rendezvous (a TCPStore the test's process holds, on a port the OS chose), and a rank that never arrives,
-or dies before it does, fails the spawn within that bound, naming the test and the rank."""
+or dies before it does, fails the spawn within that bound, naming the test and the rank; a rank that raises
+while its peers wait for it stops them after FAILED_RANK_GRACE_S instead of the spawn's timeout."""
 import os
 import time
 
 import pytest
+import torch.distributed as dist
 
+import tests._dist as _dist
 from tests._dist import spawn
 
 RENDEZVOUS_S = 3.0
@@ -52,6 +55,26 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_spawn_at_once():
 
 def test_a_healthy_spawn_still_passes():
     spawn(_nothing, 3, timeout=120, rendezvous_s=RENDEZVOUS_S)
+
+
+def _one_rank_raises(rank, world):
+    if rank == 0:
+        raise RuntimeError("rank 0 gives up before the barrier")
+    # waits for rank 0, which never comes: on the store, which the parent holds (a gloo barrier would see rank 0's
+    # connections close as its process ends, and fail at once)
+    dist.distributed_c10d._get_default_store().wait(["rank 0 never sets this"])
+
+
+def test_a_failed_rank_stops_its_stuck_peers(monkeypatch):
+    monkeypatch.setattr(_dist, "FAILED_RANK_GRACE_S", 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as err:
+        spawn(_one_rank_raises, 2, timeout=240)
+    took = time.monotonic() - t0
+    text = str(err.value)
+    assert "rank 0 failed" in text and "gives up before the barrier" in text
+    assert "were stopped 2 s after rank 0 failed" in text
+    assert took < 120, took  # the spawn's timeout (240 s) was not waited out
 
 
 def test_a_launch_past_its_timeout_is_killed_with_its_children():
