@@ -79,22 +79,22 @@ class Protocols:
 
     def cold(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) under the cold-call protocol."""
-        return self._cold(fn, before, after, hide_host=False)
+        return self._cold(fn, before, after, "cold", hide_host=False)
 
     def hidden(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) of a cold call whose host work is hidden behind a GPU sleep."""
-        return self._cold(fn, before, after, hide_host=True)
+        return self._cold(fn, before, after, "hidden", hide_host=True)
 
     def aligned(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) of a cold call started together on every GPU, host hidden (see the module)."""
-        return self._cold(fn, before, after, hide_host=True, align=True)
+        return self._cold(fn, before, after, "aligned", hide_host=True, align=True)
 
     def skewed(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) of an aligned call whose last rank starts SKEW_CYCLES late (see the module)."""
         late = dist.get_rank() == dist.get_world_size() - 1
-        return self._cold(fn, before, after, hide_host=True, align=True, late=late)
+        return self._cold(fn, before, after, "skewed", hide_host=True, align=True, late=late)
 
-    def _cold(self, fn, before, after, hide_host: bool, align: bool = False, late: Optional[bool] = None
+    def _cold(self, fn, before, after, name: str, hide_host: bool, align: bool = False, late: bool = False
               ) -> List[float]:
         self._warm(fn, before, after)
         evs = self._events()
@@ -120,9 +120,8 @@ class Protocols:
             b.record()
             _call(after)
         torch.cuda.synchronize()
-        name = "skewed" if late is not None else "aligned" if align else "hidden" if hide_host else "cold"
         self.stamps[name] = stamps
-        if late is not None:
+        if name == "skewed":
             self.delays = [x.elapsed_time(y) * 1e3 for x, y in delays]
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
