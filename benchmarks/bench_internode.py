@@ -86,7 +86,7 @@ def stage_timeline(buf, x, idx, w, n: int, flush) -> dict:
 
 
 def use_host_path_before() -> None:
-    """The hierarchical backend's host path as it was before session 8's cut (same values, more launches):
+    """The hierarchical backend's host path as it was before session 7's cut (same values, more launches):
     the eight-op routing mask and the one-rank node's packing in torch ops (no local_pack kernel), for a
     same-machine A/B (--host-path before). The send counts' lazy sum and the single tpe.long() stay."""
     import ep_plugin.backends.hierarchical.backend as hb
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="uniform,node_limited", help="comma-separated, of uniform, node_limited")
     ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 dispatch rows")
     ap.add_argument("--host-path", choices=("now", "before"), default="now",
-                    help="before: the hierarchical backend's host path before session 8 (torch routing mask and "
+                    help="before: the hierarchical backend's host path before session 7 (torch routing mask and "
                          "packing, no local_pack kernel), for an A/B on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]

@@ -9,6 +9,8 @@ int device tensor. `Handle.state` is a dataclass private to the backend that mad
 """
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -90,15 +92,12 @@ class HostCounts:
             self._capturing = torch.cuda.is_current_stream_capturing()
             if not self._capturing:
                 self._pinned, self._event = ring.take(self)  # reused pinned buffers: no allocation per call
-                if stream is None:  # the current stream: no stream object, no context switch (host time of
-                    for name, t in device.items():  # every fresh dispatch, docs/INTERNODE.md session 8)
+                # on the current stream without a stream object or a context switch (host time of every fresh
+                # dispatch, docs/INTERNODE.md session 7); Event.record(None) records on the current stream
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for name, t in device.items():
                         self._pinned[name].copy_(t, non_blocking=True)
-                    self._event.record()
-                else:
-                    with torch.cuda.stream(stream):
-                        for name, t in device.items():
-                            self._pinned[name].copy_(t, non_blocking=True)
-                    self._event.record(stream)
+                self._event.record(stream)
 
     def materialize(self) -> None:
         """Turn the pinned copies into lists (waits for their copy only)."""
