@@ -14,10 +14,9 @@ from ..._ext import raw_stream as _raw_stream
 from .rows import gather_rows
 
 _MAX_SLOTS, _MAX_EXPERTS, _MAX_NODES = 32768, 1024, 1024  # csrc/layout/local_pack.h
-# The local_pack kernel has compiled but never run on a GPU (session 7 had no device time left for it): until
-# tests/test_internode_cpu.py::test_local_pack_kernel_matches_the_torch_form has passed on one, GPUs take the
-# torch form (the same values, tested against the form before on CPU). That test sets this to True.
-USE_LOCAL_PACK_KERNEL = False
+# The local_pack kernel matched the torch form on 4x H100 (2026-11-27, session 8 call 1) and cut the fresh 2x1
+# dispatch's layout stage from ~400 us to ~50-80 (docs/INTERNODE.md); False routes GPUs through the torch form.
+USE_LOCAL_PACK_KERNEL = True
 
 
 class LocalNode:
