@@ -126,11 +126,18 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                     pull_variant(s, 0, v)()
                 torch.cuda.synchronize()
                 dist.barrier()
-                if rank == 0:
-                    print(f"pull profile: variant {v}, {s} stage slots", flush=True)
-                pull_variant(s, 4, v)()
-                torch.cuda.synchronize()  # device printf flushes here
-                dist.barrier()
+                for late in (0, args.pull_profile_late) if args.pull_profile_late else (0,):
+                    if rank == 0:
+                        print(f"pull profile: variant {v}, {s} stage slots, last rank late by {late} cycles",
+                              flush=True)
+                    # queued behind a sleep, so the host's launch skew is hidden; the last rank then sleeps
+                    # `late` cycles more (the skewed protocol's late rank, seen from inside the kernel)
+                    torch.cuda._sleep(20_000_000)
+                    if late and rank == world - 1:
+                        torch.cuda._sleep(late)
+                    pull_variant(s, 4, v)()
+                    torch.cuda.synchronize()  # device printf flushes here
+                    dist.barrier()
     backend._rt = TimedRuntime(rt, log)
     try:
         for name, fn in cases.items():
@@ -187,6 +194,9 @@ def main() -> None:
                     help="first, one pull combine per --pull-variants / --pull-slots with Runtime.pull_diag 4: blocks 0 "
                          "and last print their loader's and stager's cycles and the loader's waits (ready flags, "
                          "free slots, descriptors)")
+    ap.add_argument("--pull-profile-late", type=int, default=0, metavar="CYCLES",
+                    help="with --pull-profile: each profile twice, the second with the last rank CYCLES late "
+                         "(protocols.SKEW_CYCLES = 100000, ~50 us: the skewed protocol's delay)")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.world:
         raise SystemExit(f"nvlink_phases needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")

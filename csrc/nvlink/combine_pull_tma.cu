@@ -214,6 +214,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         if (ring.tail - lag > published) publish(ring.tail - lag);
       };
       const long long t_stage = tic();
+      const unsigned long long g_stage = prof ? globaltimer() : 0;
       fence_proxy_async();  // peers' reads of this area (acquired above) before the bulk writes
       // owner o's sub-chunk `sub`: x -> shared -> area, its flag once written (publish)
       int units = 0;  // kVarPace: units handed to the ring so far (s_staged, for the loader)
@@ -265,8 +266,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       publish(ring.tail);
       if (pace) st_release_cta_shared(&s_staged, kPaceDone);
       if (prof)
-        printf("pull prof rank %d block %d variant %d: stager %lld kcycles\n", me, blockIdx.x, variant,
-               (tic() - t_stage) / 1000);
+        printf("pull prof rank %d block %d variant %d: stager %lld kcycles, globaltimer us %llu -> %llu\n", me,
+               blockIdx.x, variant, (tic() - t_stage) / 1000, (g_stage / 1000) % 1000000,
+               (globaltimer() / 1000) % 1000000);
     }
   } else if (warp == 0) {  // ---- the loader
     const int nchunks = (T + kChunk - 1) / kChunk;
@@ -283,6 +285,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     unsigned par = 0;  // kFree: bit s, the parity of load slot s's next mbarrier phase
     long long p_ready = 0, p_slot = 0, p_desc = 0;  // diag & 4: cycles waited
     const long long t_load = tic();
+    const unsigned long long g_load = prof ? globaltimer() : 0;
     // kFree: any free load slot (lowest first). Only this thread clears bits, the reducers set them once
     // they have read a slot, so the bit found stays set until the atomicAnd. Never waits on itself: a
     // token waiting for a slot holds at most W - 1 of them, fewer than nload (>= W: combine_pull_tma_fits),
@@ -434,8 +437,9 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     }
     if (lane == 0) st_release_cta_shared(&s_end, 1);
     if (prof && lane == 0)
-      printf("pull prof rank %d block %d variant %d: loader %lld kcycles, waits: ready %lld, slot %lld, desc %lld\n",
-             me, blockIdx.x, variant, (tic() - t_load) / 1000, p_ready / 1000, p_slot / 1000, p_desc / 1000);
+      printf("pull prof rank %d block %d variant %d: loader %lld kcycles, waits: ready %lld, slot %lld, desc %lld; "
+             "globaltimer us %llu -> %llu\n", me, blockIdx.x, variant, (tic() - t_load) / 1000, p_ready / 1000,
+             p_slot / 1000, p_desc / 1000, (g_load / 1000) % 1000000, (globaltimer() / 1000) % 1000000);
   } else {  // ---- the reducers
     const int n16 = row_bytes / 16, nred = kThreads / 32 - 2;
     for (int d = warp - 2;; d += nred) {
