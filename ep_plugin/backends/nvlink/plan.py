@@ -10,9 +10,12 @@ from typing import Union
 # EP2: 8 SMs 1212, 24 SMs 674, 48 SMs 628 (24 is 7% off: 48); EP4: 16 SMs 1503, 24 SMs 1446, 48 SMs 1420
 # (24 is 2% off: 24). Small batches are bound by latency and host work, not SMs: 24.
 # EP4 re-measured with the kernels chosen below (4x H100, 2026-11-26 session 7 call 3, cold dispatch + combine,
-# results/kernel_choices_skewed_h100x4_2026-11-26_s7call3.log): 24 SMs 1417, 32 SMs 1345, 48 SMs 1416: 32.
+# results/kernel_choices_skewed_h100x4_2026-11-26_s7call3.log): 24 SMs 1417, 32 SMs 1345, 48 SMs 1416 (then the
+# pull combine and the split dispatch at 48): 32. With the kernels planned below (stage_pull; pull, pipelined from
+# 48), the auto rows: 4x H200 (session 7 call 4) 24 SMs 1438, 32 SMs 1381, 48 SMs 1354; 4x H100 (session 8 call 2,
+# results/bench_kernels_auto4_h100x4_2026-11-27_s8call2.log) 1417 / 1370 / 1240: 48.
 AUTO_SMS = 24
-AUTO_SMS_BY_WORLD = {2: 48, 4: 32}
+AUTO_SMS_BY_WORLD = {2: 48, 4: 48}
 AUTO_SMS_MIN_TOKENS = 1024  # below this many tokens per rank: AUTO_SMS
 
 
