@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ep_plugin.backends.hierarchical.backend import contract_order, contract_positions
-from ep_plugin.backends.hierarchical.timeline import StageTimeline
+from ep_plugin.backends.hierarchical.timeline import NO_TIMELINE, StageTimeline
 from tests._dist import spawn_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +64,9 @@ def body_timeline(rank, world, P):
 
 
 # world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
-RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2)),
-        2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1)),
+RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2),
+            ("routed", "body_routed_combine", 2)),
+        2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1)),
         6: (("sources", "body_sources_path", 3),)}
 
 
@@ -171,6 +172,62 @@ def test_hierarchical_orders_rows_from_inner_sources(internode_runs, world, P):
     internode_runs(world, "sources", P).check()
 
 
+class _InnerGathering(_InnerWithSources):
+    """_InnerWithSources declaring `combine_gathers` (as the nvlink backend does): the hierarchical combine then
+    hands it x and the reorder's index (Backend.combine_gathered, the torch backend's default: a gather) instead
+    of gathering first. Counts its calls."""
+
+    def __init__(self, inner, P):
+        super().__init__(inner, P)
+        import dataclasses
+
+        self.capabilities = dataclasses.replace(inner.capabilities, combine_gathers=True)
+        self.gathered = 0
+
+    def combine_gathered(self, x, x_rows, handle, async_op=False):
+        self.gathered += 1
+        return self.inner.combine_gathered(x, x_rows, handle, async_op)
+
+
+def body_routed_combine(rank, world, P):
+    """The combine path of session 8 (HierarchicalBackend.fused_combine) on CPU: at P > 1 the inner combine
+    takes x and the reorder's index (cut to x's rows when x is), at P = 1 the rail reads x's rows through the
+    slots' index; against the reference, and bit for bit against the path before (fused_combine False)."""
+    import torch.distributed as dist
+
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K, check_against_reference, check_node_limited, hierarchical_buffer
+
+    buf = hierarchical_buffer(128, P, max_tokens=24)
+    be = buf._backend
+    if P > 1:
+        be.inner = _InnerGathering(be.inner, P)
+    for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20))):
+        check_against_reference(buf, rank, world, 128, tokens, 70 + seed, mode, "cpu")
+    check_node_limited(buf, rank, world, P, "cpu")
+    xs, idxs, ws = make_inputs(world, 17, 128, E, K, 3, torch.bfloat16)
+    a = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    rows = (a.x.float() * (rank + 1) - 0.5).to(torch.bfloat16)
+    n = int(a.handle.num_recv_device)
+    tl = StageTimeline()
+    be.timeline = tl
+    got = [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]  # full and cut rows
+    be.timeline = NO_TIMELINE
+    HierarchicalBackend.fused_combine = False
+    try:
+        want = [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]
+    finally:
+        HierarchicalBackend.fused_combine = True
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (rank, (g.float() - w.float()).abs().max())
+    assert list(tl.summary()["combine"]) == ["reduce_in_node", "rail_recv_sum", "total"], tl.summary()["combine"]
+    if P > 1:
+        assert be.inner.gathered >= 6, be.inner.gathered  # every combine above took the routed path
+    dist.barrier()
+    buf.close()
+
+
 class _PhasedRail:
     """TorchRail with the NVSHMEM rail's on_phase hook (called between its send and receive halves):
     the hierarchical backend then launches the routing mask inside that hook."""
@@ -190,9 +247,9 @@ class _PhasedRail:
         self._phase()
         return self.rail.dispatch(*args)
 
-    def combine(self, *args):
+    def combine(self, *args, **kw):
         self._phase()
-        return self.rail.combine(*args)
+        return self.rail.combine(*args, **kw)
 
 
 def body_phased_rail(rank, world, P):
@@ -220,6 +277,11 @@ def body_phased_rail(rank, world, P):
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
 def test_routing_mask_launched_under_the_rail_send(internode_runs, world, P):
     internode_runs(world, "phased", P).check()
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
+def test_combine_reads_rows_in_place(internode_runs, world, P):
+    internode_runs(world, "routed", P).check()
 
 
 def _slot_ids(S, K, El, p_valid, g, device="cpu"):

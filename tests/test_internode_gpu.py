@@ -56,6 +56,20 @@ def check_cut_combine(buf, res):
     buf.check()
     torch.testing.assert_close(cut.float(), full.float(), atol=1e-2, rtol=1e-2,
                                msg=f"rank {dist.get_rank()}: combine of the {n} valid rows differs from the full x")
+    # the combine path of session 8 (x read in place; at 2x2 the inner reduce stores into the rail peers' rows)
+    # against the passes it replaced (HierarchicalBackend.fused_combine False): the same sums, bit for bit
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    HierarchicalBackend.fused_combine = False
+    try:
+        before = [buf.combine(rows, res.handle), buf.combine(rows[:n].contiguous(), res.handle)]
+        torch.cuda.synchronize()
+        buf.check()
+    finally:
+        HierarchicalBackend.fused_combine = True
+    for now, was in zip((full, cut), before):
+        assert torch.equal(now, was), (f"rank {dist.get_rank()}: combine differs from the path before session 8 by "
+                                       f"{(now.float() - was.float()).abs().max().item()}")
 
 
 def body_contract(rank, world, P):

@@ -62,8 +62,19 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
       const int row0 = s_off[s] + b;  // rows row0 .. row0+nrows-1 come from source s, slots b ..
       char* dst0 = c.peers[s] + c.off_combine + (static_cast<size_t>(me) * c.max_tokens + b) * row_bytes;
       const int total = nrows * n16;
-      const int4* src0 = x + static_cast<size_t>(row0) * n16;  // contiguous rows, contiguous slots
-      warp_copy_rows<kPullU>(total, n16, lane, contiguous(src0), contiguous(reinterpret_cast<int4*>(dst0)));
+      if (c.route.x_rows == nullptr) {
+        const int4* src0 = x + static_cast<size_t>(row0) * n16;  // contiguous rows, contiguous slots
+        warp_copy_rows<kPullU>(total, n16, lane, contiguous(src0), contiguous(reinterpret_cast<int4*>(dst0)));
+      } else {  // rows x[x_rows[row0 + j]] (CombineRoute), resolved once per row by lane j
+        const long long xr = lane < nrows ? static_cast<long long>(x_row(c, row0 + lane)) : 0;
+        warp_copy_rows<kPullU>(
+            total, n16, lane,
+            [&](int j) {
+              const long long r = __shfl_sync(kFull, xr, j);
+              return [=](int vi) { return x + static_cast<size_t>(r) * n16 + (vi - j * n16); };
+            },
+            contiguous(reinterpret_cast<int4*>(dst0)));
+      }
       __threadfence_system();
       __syncwarp();
       const int ch = lane < nrows ? recv_src[row0 + lane] / kChunk : -1;

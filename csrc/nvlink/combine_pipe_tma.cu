@@ -113,7 +113,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         while (ring.full()) store_oldest();
         s_dst[ring.slot_of(ring.head)] = dst0 + static_cast<size_t>(j) * row_bytes;
         s_pend[ring.head % kPend] = PendUnit{s, row0, j == n - 1 ? n : 0};
-        ring.load(x + static_cast<size_t>(row0 + j) * row_bytes, row_bytes);
+        ring.load(x + x_row(c, row0 + j) * row_bytes, row_bytes);  // x[x_rows[i]] where routed (CombineRoute)
       }
     }
     while (!ring.empty()) store_oldest();

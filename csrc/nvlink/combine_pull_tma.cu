@@ -137,6 +137,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   __shared__ int s_dfree[kDesc];          // uses of a descriptor slot consumed
   __shared__ TokenDesc s_desc[kDesc];
   __shared__ int s_pos[kChunk * MAXW];    // loader: send_pos of the chunk
+  __shared__ long long s_xown[kChunk];    // loader, CombineRoute::x_rows: the chunk's own rows in x
   __shared__ int s_nd, s_end;             // descriptors published; 1 once the loader is done
   __shared__ int s_off[kMaxRanks + 1];
   __shared__ int s_fail;
@@ -226,15 +227,23 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           st_release_sys(ready_at(c, o, me, sub), ce);
           return;
         }
-        // the sub-chunk's rows are contiguous in x and in the area: item j is at j * item_bytes in both
+        // the sub-chunk's rows are contiguous in the area (item j at j * item_bytes) and in x, unless the call
+        // routes x (CombineRoute::x_rows: row i is x[x_rows[i]], one index read per row)
         const int n = min(kCombineSub, cnt - q0) * split;
         char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
-        const char* src0 = x + static_cast<size_t>(s_off[o] + q0) * row_bytes;
+        const int i0 = s_off[o] + q0;
+        const char* src0 = x + static_cast<size_t>(i0) * row_bytes;
+        const char* xrow = nullptr;
         for (int j = 0; j < n; ++j) {
           while (ring.full()) store_oldest();
           dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * item_bytes;
           s_pend[ring.head % kPend] = j == n - 1 ? o * c.combine_subs + sub + 1 : 0;
-          ring.load(src0 + static_cast<size_t>(j) * item_bytes, item_bytes, evict_x, x_policy);
+          const int piece = j % split;
+          if (c.route.x_rows == nullptr)
+            xrow = src0 + static_cast<size_t>(j / split) * row_bytes;
+          else if (piece == 0)
+            xrow = x + x_row(c, i0 + j / split) * row_bytes;
+          ring.load(xrow + static_cast<size_t>(piece) * item_bytes, item_bytes, evict_x, x_policy);
         }
       };
       // Owner k's (o = me + 1 + k) sub-chunks from first[k] on are strided over blocks, the owners interleaved
@@ -316,9 +325,11 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       fence_proxy_async();  // the acquired rows before the bulk load reads them
       return true;
     };
-    // the own row at position pos of x (kVarEvictX: evict_first, read once)
-    auto load_own = [&](char* dst, int pos, uint64_t* bar) {
-      tma_load(dst, x + static_cast<size_t>(s_off[me] + pos) * row_bytes, row_bytes, bar, evict_x, x_policy);
+    // the own row at position pos of x (kVarEvictX: evict_first, read once); with CombineRoute::x_rows, row k of the
+    // chunk is x[s_xown[k]], resolved by lane k with the chunk's positions (no index read on the loader's path)
+    auto load_own = [&](char* dst, int k, int pos, uint64_t* bar) {
+      const size_t r = c.route.x_rows != nullptr ? static_cast<size_t>(s_xown[k]) : static_cast<size_t>(s_off[me] + pos);
+      tma_load(dst, x + r * row_bytes, row_bytes, bar, evict_x, x_policy);
     };
     if (lane == 0) fence_proxy_async();
     // kVarSpans: chunks [b * F / G, (b + 1) * F / G) in order, F = 7/8 of them (the stager's spans), then
@@ -344,6 +355,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       }
       const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
       for (int i = lane; i < nt * W; i += 32) s_pos[i] = send_pos[static_cast<size_t>(t0) * W + i];
+      if (c.route.x_rows != nullptr && lane < nt) {
+        const int pos = send_pos[static_cast<size_t>(t0 + lane) * W + me];
+        s_xown[lane] = pos >= 0 ? static_cast<long long>(x_row(c, s_off[me] + pos)) : 0;
+      }
       __syncwarp();
       if (lane == 0) {
         for (int k = 0; k < nt && !failed; ++k) {
@@ -383,7 +398,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
             }
             if (own >= 0 && !failed) {
               const int ls = claim();
-              load_own(load_buf + static_cast<size_t>(ls) * row_bytes, own, &s_lbar[ls]);
+              load_own(load_buf + static_cast<size_t>(ls) * row_bytes, k, own, &s_lbar[ls]);
               d.ls[me] = static_cast<unsigned char>(ls | (((par >> ls) & 1u) << 7));
               par ^= 1u << ls;
               d.present |= 1 << me;
@@ -405,7 +420,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
                 const long long ts = tic();
                 while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
                 p_slot += tic() - ts;
-                load_own(load_buf + static_cast<size_t>(ls) * row_bytes, pos, &s_lbar[ls]);
+                load_own(load_buf + static_cast<size_t>(ls) * row_bytes, k, pos, &s_lbar[ls]);
                 d.present |= 1 << r;
                 ++item;
                 continue;
@@ -478,8 +493,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
           src[r] = reinterpret_cast<const int4*>(load_buf + static_cast<size_t>(ls) * row_bytes);
         }
       }
-      sum_rows_bf16<MAXW, U>(src, reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16, n16, lane,
-                             [](const int4* p) { return *p; });
+      // y's row, or where the call's CombineRoute places the sum (none for a token without rows, or a null block)
+      int4* yrow = y_row(c, reinterpret_cast<int4*>(y), td.t, n16);
+      if (c.route.y_blocks != nullptr && td.present == 0) yrow = nullptr;
+      if (yrow != nullptr) sum_rows_bf16<MAXW, U>(src, yrow, n16, lane, [](const int4* p) { return *p; });
       __syncwarp();  // every lane has read the slots before they are handed back
       if (lane == 0) {
         if constexpr (kFree) {

@@ -30,6 +30,7 @@ combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__
   const int self_lo = recv_off[me];
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
   for (int t = gw; t < T; t += NW) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, self_in_area);
+  fence_routed_sums(c);
   if (last_block(c.counters + C_REDUCE)) {
     if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, me), ce);
     if (tid == 0) c.epochs[E_COMBINE] = ce;

@@ -6,7 +6,7 @@
 //      previous combine out of its combine area, so this rank may overwrite its slots there.
 //   2. copy; the last block releases COMBINE[me] = ce at every peer (the reduce kernel waits on it).
 // Rows this rank sent itself are not copied: the reduce reads them in place. A timeout records the
-// missing peer with K_SEND and returns.
+// missing peer with K_SEND and returns. Row i is x[x_rows[i]] where the call routes x (nvlink.h, CombineRoute).
 #include "common/copy.cuh"
 #include "common/error.h"
 #include "nvlink/device.cuh"
@@ -41,16 +41,18 @@ combine_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ r
   for (int b = k0; b < k1; b += 32) {
     const int nrows = min(32, k1 - b);
     int row = 0, src = 0, slot = 0;
+    long long xr = 0;  // row of x (CombineRoute::x_rows), resolved once per row
     if (lane < nrows) {
       const int k = b + lane;
       row = k < self_lo ? k : k + self_n;  // skip the rows this rank sent itself
       src = find_src(s_off, W, row);
       slot = me * c.max_tokens + (row - s_off[src]);
+      xr = static_cast<long long>(x_row(c, row));
     }
     warp_copy_rows<kPullU>(
         nrows * n16, n16, lane,
         [&](int j) {
-          const int r = __shfl_sync(kFull, row, j);
+          const long long r = __shfl_sync(kFull, xr, j);
           return [=](int vi) { return x + static_cast<size_t>(r) * n16 + (vi - j * n16); };
         },
         [&](int j) {

@@ -60,7 +60,8 @@ __device__ __forceinline__ void sum_rows_bf16(const int4* const (&srcp)[MAXW], i
 }
 
 // Sum of one token's slots (own rows read in place from x, or from this rank's own slot of the
-// combine area when self_in_area), through sum_rows_bf16. The caller has acquired every slot's arrival.
+// combine area when self_in_area), through sum_rows_bf16, into y's row t or where the call's
+// CombineRoute places it. The caller has acquired every slot's arrival.
 template <int MAXW, int U>
 __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restrict__ x,
                                              const int* __restrict__ send_pos, int self_lo,
@@ -70,16 +71,19 @@ __device__ __forceinline__ void reduce_token(const Ctx& c, const int4* __restric
   const size_t row16 = static_cast<size_t>(n16);
   const int4* area = reinterpret_cast<const int4*>(c.peers[me] + c.off_combine);
   const int mypos = lane < W ? send_pos[static_cast<size_t>(t) * W + lane] : -1;
+  // y_blocks (CombineRoute): a token no rank holds a row of has no sum to place, and a null block none
+  int4* yrow = y_row(c, y, t, n16);
+  if (c.route.y_blocks != nullptr && !__any_sync(kFull, mypos >= 0)) yrow = nullptr;
+  if (yrow == nullptr) return;
   const int4* srcp[MAXW];
 #pragma unroll
   for (int r = 0; r < MAXW; ++r) {
     const int p = __shfl_sync(kFull, mypos, r);
-    srcp[r] = (r < W && p >= 0) ? (r == me && !self_in_area ? x + static_cast<size_t>(self_lo + p) * row16
+    srcp[r] = (r < W && p >= 0) ? (r == me && !self_in_area ? x + x_row(c, self_lo + p) * row16
                                           : area + (static_cast<size_t>(r) * c.max_tokens + p) * row16)
                                 : nullptr;
   }
-  sum_rows_bf16<MAXW, U>(srcp, y + static_cast<size_t>(t) * row16, n16, lane,
-                         [](const int4* p) { return ld_nc_v4(p); });
+  sum_rows_bf16<MAXW, U>(srcp, yrow, n16, lane, [](const int4* p) { return ld_nc_v4(p); });
 }
 
 // A reduce unit of the combines that overlap the reduce with the sends (fused, pipelined): waits until
@@ -114,6 +118,7 @@ __device__ __forceinline__ bool reduce_chunk(const Ctx& c, const int4* __restric
 // aborted, and resets the queue for the next combine.
 __device__ inline void finish_queued_combine(const Ctx& c, int ce) {
   const int tid = threadIdx.x;
+  fence_routed_sums(c);
   if (last_block(c.counters + C_FUSED)) {
     if (!ld_volatile(c.aborted)) {
       if (tid < c.world && tid != c.rank) st_release_sys(flag_at(c, tid, F_REDUCE_DONE, c.rank), ce);

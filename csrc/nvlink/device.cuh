@@ -73,5 +73,23 @@ __device__ __forceinline__ int find_src(const int* off, int W, int i) {
   return s;
 }
 
+// Combine's row i of x (CombineRoute::x_rows), as a row number of x.
+__device__ __forceinline__ size_t x_row(const Ctx& c, int i) {
+  return c.route.x_rows != nullptr ? static_cast<size_t>(__ldg(c.route.x_rows + i)) : static_cast<size_t>(i);
+}
+
+// Where combine's sum of token t goes (CombineRoute::y_blocks): y's row t, or a block's row; null: nowhere.
+__device__ __forceinline__ int4* y_row(const Ctx& c, int4* y, int t, int n16) {
+  if (c.route.y_blocks == nullptr) return y + static_cast<size_t>(t) * n16;
+  char* b = c.route.y_blocks[t / c.route.block_tokens];
+  return b != nullptr ? reinterpret_cast<int4*>(b) + static_cast<size_t>(t % c.route.block_tokens) * n16 : nullptr;
+}
+
+// The end of a combine's reduce, by every thread, where the sums went to other buffers (y_blocks): the
+// thread's stores before whatever the caller's next kernel signals.
+__device__ __forceinline__ void fence_routed_sums(const Ctx& c) {
+  if (c.route.y_blocks != nullptr) __threadfence_system();
+}
+
 }  // namespace nvl
 }  // namespace ep

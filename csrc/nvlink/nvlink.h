@@ -28,6 +28,7 @@
 // ep_plugin._C.NvlinkRuntime).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 namespace ep {
 namespace nvl {
@@ -58,6 +59,22 @@ struct HostInfo {
   int tokens_per_expert[1];   // [num_local_experts] (allocated larger)
 };
 
+// Where one combine reads its rows and writes its sums, when not x[i] and y[t] (Runtime::combine's x_rows,
+// y_blocks). Why: the hierarchical backend's combine first gathered its rows back into the inner
+// exchange's order (a pass over every row, 173 us of 1154 at 2x2 on 4x H200) and afterwards copied each
+// sum to its origin's rail rows (the rail's send, 255 us); the combine kernels read and write those rows
+// anyway, so they take the gather and the placement instead (docs/INTERNODE.md, session 8).
+//   x_rows: row i of the combine's input is x[x_rows[i]] (null: x[i]);
+//   y_blocks: token t's sum goes to row t % block_tokens of the buffer at y_blocks[t / block_tokens] (device
+//     memory, any GPU this one can store to; null: y), and a token that no rank holds a row of is not
+//     written (no sum to place); a null block drops its tokens. Each thread that stored a sum ends with a
+//     system fence, so a signal the caller's next kernel on the stream releases covers the sums.
+struct CombineRoute {
+  const int64_t* x_rows;
+  char* const* y_blocks;
+  int block_tokens;
+};
+
 // Everything a kernel needs, passed by value.
 struct Ctx {
   char* peers[kMaxRanks];     // base of every rank's IPC buffer (own included)
@@ -76,6 +93,7 @@ struct Ctx {
   int* aborted;               // local device
   HostInfo* host;             // device view of the host-mapped info
   unsigned long long timeout_ns;
+  CombineRoute route;         // this combine call's (zero in the runtime's own Ctx: set on a per-call copy)
 };
 
 }  // namespace nvl

@@ -236,30 +236,36 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
-                      int num_sms, int mode, uintptr_t stream) {
+                      int num_sms, int mode, uintptr_t stream, uintptr_t x_rows, uintptr_t y_blocks,
+                      int block_tokens) {
   check_open();
   check_tokens(T);
   set_device();
   EP_CHECK_ARG(mode >= kCombineSplit && mode <= kCombinePull, "combine mode must be 0 (split), 1 (fused), "
                "2 (pipelined) or 3 (pull), got %d", mode);
+  EP_CHECK_ARG(y_blocks == 0 || block_tokens > 0, "combine: y_blocks needs block_tokens > 0, got %d", block_tokens);
+  EP_CHECK_ARG(T == 0 || y != 0 || y_blocks != 0, "combine: y or y_blocks is required for %d tokens", T);
   const int blocks = grid_for(num_sms);
+  // the call's route travels in a copy of the context (ctx_'s stays zero: dispatches and combine_expert)
+  Ctx c = ctx_;
+  c.route = CombineRoute{ptr<const int64_t>(x_rows), ptr<char* const>(y_blocks), y_blocks != 0 ? block_tokens : 0};
   if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_)) {
-    launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+    launch_combine_pull_tma(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                             ptr<int4>(y), T, pull_stage_slots_, pull_diag_ | (pull_variant_ << 4), stream_of(stream));
     return;
   }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
-    launch_combine_pipe_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+    launch_combine_pipe_tma(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                             ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
     return;
   }
   if (mode != kCombineSplit) {  // fused, or pipelined / pull where their bulk copies do not apply
-    launch_combine_fused(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+    launch_combine_fused(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                          ptr<const int>(recv_src), ptr<int4>(y), T, stream_of(stream));
     return;
   }
-  launch_combine_send(ctx_, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
-  launch_combine_reduce(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+  launch_combine_send(c, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
+  launch_combine_reduce(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                         ptr<int4>(y), T, false, stream_of(stream));
 }
 

@@ -67,8 +67,11 @@ class Runtime {
   // mode kCombineSplit: send kernel, then reduce kernel; kCombineFused: one kernel, senders signal per
   // 8-token chunk and the source reduces each chunk as soon as it is complete (needs recv_src from the
   // dispatch); kCombinePipelined: the same protocol with bulk-copy sends (fused where they do not apply).
+  // x_rows / y_blocks + block_tokens (0: none): the call's CombineRoute (nvlink.h): rows read as x[x_rows[i]]
+  // (int64 [rows]), sums written to y_blocks[t / block_tokens] (int64 addresses) instead of y (then 0).
   void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
-               int num_sms, int mode, uintptr_t stream);
+               int num_sms, int mode, uintptr_t stream, uintptr_t x_rows = 0, uintptr_t y_blocks = 0,
+               int block_tokens = 0);
 
   // Expert-major receive (expert.cu), replacing pull. Fresh (cached=0): recv_src, out_idx [R_alloc,K],
   // positions [R_alloc,K] int32 and offsets [EL+1] int64 written; scratch holds

@@ -16,6 +16,8 @@
 // - combine, send half: the forwarder sends row i = s*M + t of y_f (where slot_valid[i]) to slot
 //   n*M + t of rank (s, l), then signals each peer. Receive half: waits for the N signals, and the
 //   origin sums, per token, the rows of the nodes its ids select, in float32, nodes ascending.
+//   Placed rows (every rail peer P2P): the caller's kernel, earlier on the stream, has stored those rows
+//   itself at combine_targets(parity of the send) and fenced them; the send half then only signals.
 //
 // Parity. Each kind has its own epochs (device, for signal values: replays of a CUDA graph advance
 // them) and its own two buffers; the buffer of call k is k & 1, counted on the host (calls are
@@ -61,10 +63,16 @@ class Runtime {
   // phases: kSend (1), kRecv (2) or both. The receive half reads no input but K.
   void dispatch(uintptr_t x, uintptr_t scales, uintptr_t topk_idx, uintptr_t weights, int T, int K, int phases,
                 uintptr_t stream);
+  // y_rows (0: none): int64 [N*M], slot i's row is y_f[y_rows[i]]. placed: the send half only signals (y_f and
+  // y_rows 0): the rows are in place (combine_targets), which needs every rail peer over P2P.
   void combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, int T, int K, int phases, uintptr_t y,
-               uintptr_t stream);
+               uintptr_t stream, uintptr_t y_rows = 0, int placed = 0);
   Buffers buffers(int parity) const;
   int next_dispatch_parity() const { return static_cast<int>(disp_recv_calls_ & 1); }
+  // Where combine's send half of parity p puts this node's rows at each rail peer: [N] addresses (the row of
+  // slot s*M + t is at [s] + t * 2H), every one mapped here over P2P; empty unless all_p2p().
+  std::vector<uintptr_t> combine_targets(int parity) const;
+  int next_combine_parity() const { return static_cast<int>(comb_send_calls_ & 1); }
 
   void set_mask(const std::vector<int>& left_out);  // global ranks; clears a recorded timeout (synchronous)
   int error() const;

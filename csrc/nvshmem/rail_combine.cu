@@ -1,7 +1,9 @@
 // Rail combine: the forwarder sends each valid slot's row of y_f back to the token's origin (slot
 // s*M + t goes to rank (s, l), at its slot n*M + t), then signals every live rail peer; the origin
 // sums, per token, the rows of the nodes its ids select, in float32 with nodes ascending, into BF16.
-// One kernel does either half or both (kSend|kRecv); rail.h has the protocol.
+// One kernel does either half or both (kSend|kRecv); rail.h has the protocol. Slot i's row is
+// y_f[y_rows[i]] where the caller passes y_rows (a one-rank node's gather back to slots, read in place);
+// with y_f null the rows are in place already (Runtime::combine_targets) and the send half only signals.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -14,8 +16,8 @@ namespace {
 constexpr int kUnits = 2;  // 16-byte units per lane summed together
 constexpr int kBatch = 4;  // rows (nodes) loaded per unit before the adds
 
-__device__ void send_back(const Ctx& c, int p, const int4* y_f, const uint8_t* slot_valid, const int* s_live,
-                          bool* put) {
+__device__ void send_back(const Ctx& c, int p, const int4* y_f, const int64_t* y_rows, const uint8_t* slot_valid,
+                          const int* s_live, bool* put) {
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32, gwarps = gridDim.x * warps;
   const int M = c.max_tokens, NM = c.nodes * M;
   const int units = c.hidden / 8;
@@ -28,7 +30,7 @@ __device__ void send_back(const Ctx& c, int p, const int4* y_f, const uint8_t* s
     if (!slot_valid[slot] || !s_live[s]) continue;
     const int begin = part * chunk, end = min(units, begin + chunk);
     if (begin >= end) continue;
-    const int4* src = y_f + static_cast<long long>(slot) * units;
+    const int4* src = y_f + (y_rows != nullptr ? __ldg(y_rows + slot) : static_cast<long long>(slot)) * units;
     const long long off = c.comb_rows[p] + (static_cast<long long>(c.node) * M + t) * c.hidden * 2;
     char* base = c.peer[s];
     // P2P: straight into the origin's row; RDMA: into this rank's staging row, then a put
@@ -125,14 +127,14 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
 }  // namespace
 
 __global__ void __launch_bounds__(kThreads, 1)
-    combine(Ctx c, const int4* y_f, const uint8_t* slot_valid, const int64_t* topk, int T, int K, int phases,
-            int send_parity, int recv_parity, int4* y) {
+    combine(Ctx c, const int4* y_f, const int64_t* y_rows, const uint8_t* slot_valid, const int64_t* topk, int T, int K,
+            int phases, int send_parity, int recv_parity, int4* y) {
   __shared__ int s_live[kMaxNodes];
   load_live(c, s_live);
   if (phases & kSend) {
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     bool put = false;
-    send_back(c, send_parity, y_f, slot_valid, s_live, &put);
+    if (y_f != nullptr) send_back(c, send_parity, y_f, y_rows, slot_valid, s_live, &put);
     finish_send(c, put, c.comb_flag[send_parity], epoch, kCombSendEpoch, kTicketCombSend, s_live);
   }
   if (phases & kRecv) {

@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     dispatch(Ctx c, DispatchIn in, int T, int K, int phases, int send_parity, int recv_parity);
 
 __global__ void __launch_bounds__(kThreads, 1)
-    combine(Ctx c, const int4* y_f, const uint8_t* slot_valid, const int64_t* topk, int T, int K, int phases,
-            int send_parity, int recv_parity, int4* y);
+    combine(Ctx c, const int4* y_f, const int64_t* y_rows, const uint8_t* slot_valid, const int64_t* topk, int T, int K,
+            int phases, int send_parity, int recv_parity, int4* y);
 
 }  // namespace rail
 }  // namespace ep

@@ -47,7 +47,8 @@ void bind_nvlink(py::module_& m) {
                     "+4 load slots from a free mask, +8 contiguous spans per block, +16 x read L2 evict_first (the default: "
                     "16; 0 is the kernel as measured before session 5)")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
-           py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"))
+           py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"), py::arg("x_rows") = 0,
+           py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("positions"), py::arg("cached"), py::arg("R_alloc"), py::arg("alignment"),

@@ -40,6 +40,9 @@ class Capabilities:
                                                       # the picks as given (weights whose gradient is recorded
                                                       # through expert_major.repeats_share_grad). Else EPBuffer
                                                       # merges the picks first (expert_major.merge_repeats)
+    combine_gathers: bool = False                     # combine_gathered reads x through the index in its own
+                                                      # kernels (no gather pass before them)
+    combine_to_blocks: bool = False                   # takes combine_to_blocks (sums stored at device addresses)
 
 
 def group_device_problem(group, device: torch.device) -> Optional[str]:
@@ -86,6 +89,24 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: Handle, async_op: bool = False):
         """Send received rows back and sum them per original token: returns (y [T, H], event or None)."""
+
+    def combine_gathered(self, x: torch.Tensor, x_rows: torch.Tensor, handle: Handle, async_op: bool = False):
+        """combine of the rows x[x_rows] (x_rows int64 [R], values in [0, x.shape[0]); only rows this rank
+        received are read): (y [T, H], event or None). The default gathers first; a backend declaring
+        `combine_gathers` reads through the index in its kernels (the hierarchical backend's rows come back
+        in the contract's order and its inner backend wants them in its own)."""
+        return self.combine(x.index_select(0, x_rows), handle, async_op)
+
+    def combine_to_blocks(self, x: torch.Tensor, x_rows: Optional[torch.Tensor], handle: Handle,
+                          y_blocks: torch.Tensor, block_tokens: int, async_op: bool = False):
+        """combine_gathered (x as it is where x_rows is None) whose per-token sums go to memory the caller names
+        instead of a new y: token t's BF16 row is written at address y_blocks[t // block_tokens] +
+        (t % block_tokens) * 2H (y_blocks int64 [n] on this GPU, addresses it can store to, 0: drop those
+        tokens), and a token no rank holds a row of is not written. Returns the event (async_op) or None. Only
+        where `capabilities.combine_to_blocks`: the hierarchical backend's inner combine writes each node's
+        sums straight into the rail peers' receive rows (csrc/nvlink/nvlink.h, CombineRoute)."""
+        raise NotImplementedError(f"the {self.name} backend does not write combine's sums to other buffers "
+                                  "(capabilities.combine_to_blocks is False)")
 
     def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False,
                         local_only: bool = True):

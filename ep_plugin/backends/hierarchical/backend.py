@@ -5,7 +5,9 @@ the same local index there, its rail peer (the "rail": backends/*/rail.py) -- an
 it over NVLink to the ranks of its node that own the experts (the "inner" backend over the node's
 group, nvlink on GPUs). Combine runs the other way: the inner combine sums a token's rows inside
 each node first, then one row per node goes back over the rail, where the origin sums them in
-ascending node order.
+ascending node order. The inner combine reads the rows through the reorder's index and, where every
+rail peer is mapped (P2P), stores each sum straight into its origin's rail rows, so that the rail
+only signals (combine, _combine_routed).
 
 The parts come from the registry by name (no backend imports another): NvshmemBackend is the
 NVSHMEM rail with the nvlink backend inside nodes; tests build the same composition from torch
@@ -148,6 +150,11 @@ class HierarchicalBackend(Backend):
     capabilities = Capabilities(row_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,))
     rail_engine = "torch"
     inner_backend = "torch"
+    # combine without the passes the flat path does not have (session 8, issue 30): the inner combine reads
+    # x through the reorder's index and, where the rail allows it, stores its sums at the rail peers; the
+    # one-rank node's rail reads x in place. False: the gather back to the inner order (or to slots) and
+    # the rail's own copy of the rows, as before (benchmarks/bench_internode.py --combine-path before).
+    fused_combine = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -377,19 +384,53 @@ class HierarchicalBackend(Backend):
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             tl.begin("combine")
             cut = x.shape[0] < handle.num_recv
+            rail = self._marked(st.rail)
+            # the passes cut below read x in place: they need its rows as they are in memory (any mix of ranks
+            # taking them or not is fine: the kernels' protocols are the same either way)
+            direct = self.fused_combine and x.is_contiguous() and x.data_ptr() % 16 == 0
             if self.P == 1:
                 slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
+                if direct and x.shape[0] > 0:  # the rail's send reads each slot's row of x in place: no gather
+                    tl.mark("reduce_in_node")
+                    y = rail.combine(x, st.slot_valid, handle.topk_idx, handle.num_tokens, y_rows=slot_row)
+                    tl.end("rail_recv_sum")
+                    return y, (self._event(s, (x, y)) if async_op else None)
                 y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
             else:  # back to the inner order
                 to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
+                if direct and self.inner.capabilities.combine_gathers:
+                    return self._combine_routed(x, to_inner, handle, st, rail, s, async_op)
                 rows = gather_rows(x, to_inner)
                 tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
                     ev.current_stream_wait()
             tl.mark("reduce_in_node")
-            y = self._marked(st.rail).combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
             tl.end("rail_recv_sum")
+        return y, (self._event(s, (x, y)) if async_op else None)
+
+    def _combine_routed(self, x, to_inner, handle, st, rail, s, async_op):
+        """combine with several ranks per node, where the inner backend gathers in its kernels (combine_gathers):
+        its combine reads x[to_inner] in place (no reorder pass back to the inner order), and where the rail names
+        the rail peers' receive rows (combine_targets: every rail peer over P2P, none masked) and the inner backend
+        can store there (combine_to_blocks), the inner reduce writes each node's sum of slot s*M + t straight
+        into rank (s, l)'s rows, so the rail's send half only signals (no y_f, no copy of the rows). The sums
+        are the same values in the same order as the passes they replace, bit for bit."""
+        tl = self.timeline
+        targets = rail.combine_targets() if self.inner.capabilities.combine_to_blocks else None
+        if targets is not None:
+            ev = self.inner.combine_to_blocks(x, to_inner, st.inner, targets, self.M)
+        else:
+            y_f, ev = self.inner.combine_gathered(x, to_inner, st.inner)
+        if ev is not None:
+            ev.current_stream_wait()
+        tl.mark("reduce_in_node")
+        if targets is not None:
+            y = rail.combine_placed(handle.topk_idx, handle.num_tokens)
+        else:
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+        tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
     # ------------------------------------------------------------------ faults

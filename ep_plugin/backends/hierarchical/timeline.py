@@ -13,7 +13,10 @@ Stages (docs/INTERNODE.md, "Where the time goes"), in call order:
              NVLink dispatch, or the one-rank node's packing) | reorder (to the contract's order)
   combine:   reorder (back to the inner order) | reduce_in_node (inner combine, or the one-rank
              node's gather) | rail_send | rail_recv_sum (the origin's wait and sum)
-A stage a call does not have (reorder with one rank per node) is not marked.
+A stage a call does not have (reorder with one rank per node) is not marked. The combine of session 8
+(HierarchicalBackend.fused_combine) has no reorder (the inner combine reads x through its index); with
+every rail peer over P2P its reduce_in_node also stores the rows at the rail peers and rail_send only
+signals; with one rank per node reduce_in_node is empty (the rail's send reads x in place).
 """
 from __future__ import annotations
 

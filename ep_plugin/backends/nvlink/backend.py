@@ -94,6 +94,7 @@ class NvlinkBackend(Backend):
     capabilities = Capabilities(
         row_dtypes=(torch.bfloat16, torch.float16), fp8=True, combine_dtypes=(torch.bfloat16,),
         max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True, merges_repeats=True,
+        combine_gathers=True, combine_to_blocks=True,
         hidden_rule=f"a multiple of {HIDDEN_ALIGN} in [{HIDDEN_MIN}, {HIDDEN_MAX}]")
 
     @staticmethod
@@ -422,6 +423,45 @@ class NvlinkBackend(Backend):
                          y.data_ptr(), T, self.num_sms,
                          COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp)
         return y, (self._finish(s, (x, y)) if async_op else None)
+
+    def combine_gathered(self, x, x_rows, handle, async_op=False):
+        """combine of x[x_rows], the gather done by the combine kernels' own reads of x (Backend.combine_gathered;
+        csrc/nvlink/nvlink.h, CombineRoute)."""
+        T = handle.num_tokens
+        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
+        ev = self._combine_routed(x, handle, async_op, x_rows, None, 0, y)
+        return y, ev
+
+    def combine_to_blocks(self, x, x_rows, handle, y_blocks, block_tokens, async_op=False):
+        """combine whose sums the kernels store at y_blocks' addresses (Backend.combine_to_blocks): the event
+        (async_op) or None."""
+        if (not isinstance(y_blocks, torch.Tensor) or y_blocks.dtype != torch.int64 or y_blocks.dim() != 1
+                or not y_blocks.is_contiguous() or y_blocks.device != x.device):
+            raise TypeError(f"y_blocks must be a contiguous 1-D int64 tensor of addresses on {x.device}, got "
+                            f"{getattr(y_blocks, 'dtype', type(y_blocks))} {list(getattr(y_blocks, 'shape', ()))}")
+        block_tokens = int(block_tokens)
+        if block_tokens < 1 or y_blocks.numel() * block_tokens < handle.num_tokens:
+            raise ValueError(f"y_blocks ({y_blocks.numel()} blocks of block_tokens={block_tokens}) must hold the "
+                             f"handle's {handle.num_tokens} tokens")
+        return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, None)
+
+    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, y):
+        self.check()
+        st = self._state(handle)
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
+        if x_rows is not None and (x_rows.dtype != torch.int64 or x_rows.dim() != 1 or not x_rows.is_contiguous()
+                                   or x_rows.device != x.device):
+            raise TypeError(f"x_rows must be a contiguous 1-D int64 tensor on {x.device}, got {x_rows.dtype} "
+                            f"{list(x_rows.shape)} on {x_rows.device}")
+        s, sp, _ = self._stream(async_op)
+        T = handle.num_tokens
+        self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
+                         0 if y is None else y.data_ptr(), T, self.num_sms,
+                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp,
+                         0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
+                         block_tokens)
+        return self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None
 
     # ---------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:

@@ -15,6 +15,12 @@ dispatch after next, which in a MoE step (dispatch k, [dispatch k+1], combine k,
 combine k, itself waiting for this rank's combine k. Copy what must live longer. They are never valid
 after close(). All ranks must call with the same K.
 
+Combine takes its rows from y_f (a row per slot), through an index (y_rows: a one-rank node's combine reads
+its received rows in place instead of gathering them back to slots first), or already in place: where every
+rail peer is mapped over P2P, ``combine_targets()`` names the rail peers' receive rows of the next combine
+and a kernel of the caller's (the hierarchical backend's inner combine) stores each node's sums there
+itself; ``combine_placed`` then only signals and receives (no copy of the rows, docs/INTERNODE.md, session 8).
+
 A wait past comm.timeout_s records the missing rail peer in host-mapped memory; check() raises it as
 EPTimeoutError naming its group rank (once), and set_mask() lets the others go on without it.
 """
@@ -104,6 +110,10 @@ class NvshmemRail(ReportsFaults):
         self._rt = C.RailRuntime(self.rank, self.world, P, num_experts, self.M, self.max_topk, hidden,
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]
+        # combine_targets() per parity, made now: a copy to the GPU is not allowed while a CUDA graph is captured
+        self._targets = ([torch.tensor(self._rt.combine_targets(p), dtype=torch.int64, device=self.device)
+                          for p in (0, 1)] if self._rt.all_p2p else [None, None])
+        self._masked = False          # a set_mask() left a rank out: combine sends through its own half
         self._reported = False
         # called with "rail_send" between the send and the receive launch of each call (the backend's
         # stage timeline, hierarchical/timeline.py); None: nothing between them
@@ -164,31 +174,66 @@ class NvshmemRail(ReportsFaults):
 
     # ------------------------------------------------------------------ combine
     def combine(self, y_f: torch.Tensor, slot_valid: torch.Tensor, topk_idx: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
-        """y_f [N*M, H] bf16 (a row per slot this rank forwarded), slot_valid [N*M] bool/uint8, topk_idx
-        [T, K] this rank's dispatch ids -> y [T, H] bf16 (a new tensor)."""
+                num_tokens: int, y_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y_f [N*M, H] bf16 (a row per slot this rank forwarded; with y_rows int64 [N*M], slot i's row is
+        y_f[y_rows[i]] and y_f has any number of rows, y_rows' values in range where slot_valid), slot_valid
+        [N*M] bool/uint8, topk_idx [T, K] this rank's dispatch ids -> y [T, H] bf16 (a new tensor)."""
         NM, H = self.N * self.M, self.hidden
-        T, K = topk_idx.shape
-        if T != num_tokens:
-            raise ValueError(f"num_tokens={num_tokens} but topk_idx has {T} rows")
-        if y_f.dtype != torch.bfloat16 or tuple(y_f.shape) != (NM, H) or not y_f.is_contiguous():
-            raise TypeError(f"y_f must be contiguous bfloat16 [{NM}, {H}], got {y_f.dtype} {list(y_f.shape)}")
+        T, K = self._check_combine(topk_idx, num_tokens)
+        rows_ok = (y_f.shape[1:] == (H,) and y_f.shape[0] > 0) if y_rows is not None else tuple(y_f.shape) == (NM, H)
+        if y_f.dtype != torch.bfloat16 or y_f.dim() != 2 or not rows_ok or not y_f.is_contiguous():
+            raise TypeError(f"y_f must be contiguous bfloat16 [{'R > 0' if y_rows is not None else NM}, {H}], got "
+                            f"{y_f.dtype} {list(y_f.shape)}")
+        if y_rows is not None and (y_rows.dtype != torch.int64 or y_rows.numel() != NM or not y_rows.is_contiguous()
+                                   or y_rows.device != y_f.device):
+            raise TypeError(f"y_rows must be contiguous int64 with {NM} entries on {y_f.device}, got {y_rows.dtype} "
+                            f"{list(y_rows.shape)} on {y_rows.device}")
         if slot_valid.dtype not in (torch.bool, torch.uint8) or slot_valid.numel() != NM \
                 or not slot_valid.is_contiguous():
             raise TypeError(f"slot_valid must be contiguous bool or uint8 with {NM} entries, got "
                             f"{slot_valid.dtype} {list(slot_valid.shape)}")
-        if topk_idx.dtype != torch.int64 or not topk_idx.is_contiguous():
-            raise TypeError(f"topk_idx must be contiguous int64, got {topk_idx.dtype}")
-        if T > self.M or not 1 <= K <= self.max_topk:
-            raise ValueError(f"topk_idx [{T}, {K}] exceeds the rail's max_tokens={self.M} or topk 1..{self.max_topk}")
-        y = torch.empty((T, H), dtype=torch.bfloat16, device=y_f.device)
+        y = torch.empty((T, H), dtype=torch.bfloat16, device=topk_idx.device)
         rt = self._rt
         stream = _current_stream()
-        rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream)
+        rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream,
+                   0 if y_rows is None else y_rows.data_ptr(), 0)
         if self.on_phase is not None:
             self.on_phase("rail_send")
         rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
         return y
+
+    def combine_targets(self) -> Optional[torch.Tensor]:
+        """[N] int64 on this GPU: where the next combine puts this node's rows at each rail peer (the row of slot
+        s*M + t goes to address [s] + t * 2H), for a kernel that stores them there itself before combine_placed;
+        None where they must go through combine's send half (NVSHMEM puts across hosts, a rank left out by
+        set_mask). Valid for the next combine on this rail only (the two parities alternate)."""
+        if self._masked or not self._rt.all_p2p:
+            return None
+        return self._targets[self._rt.next_combine_parity()]
+
+    def combine_placed(self, topk_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """combine whose rows are in place: work enqueued before it on the current stream has stored every valid
+        slot's row at combine_targets() (taken just before) and fenced it. The send half only signals the rail
+        peers; the receive half waits and sums as combine's. -> y [T, H] bf16."""
+        T, K = self._check_combine(topk_idx, num_tokens)
+        y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
+        rt = self._rt
+        stream = _current_stream()
+        rt.combine(0, 0, 0, T, K, SEND, 0, stream, 0, 1)
+        if self.on_phase is not None:
+            self.on_phase("rail_send")
+        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
+        return y
+
+    def _check_combine(self, topk_idx: torch.Tensor, num_tokens: int):
+        T, K = topk_idx.shape
+        if T != num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} but topk_idx has {T} rows")
+        if topk_idx.dtype != torch.int64 or not topk_idx.is_contiguous():
+            raise TypeError(f"topk_idx must be contiguous int64, got {topk_idx.dtype}")
+        if T > self.M or not 1 <= K <= self.max_topk:
+            raise ValueError(f"topk_idx [{T}, {K}] exceeds the rail's max_tokens={self.M} or topk 1..{self.max_topk}")
+        return T, K
 
     # ------------------------------------------------------------------ faults
     def take_bad_expert_ids(self) -> bool:
@@ -197,7 +242,9 @@ class NvshmemRail(ReportsFaults):
     def set_mask(self, ranks: Sequence[int]) -> None:
         """Group ranks to leave out (an empty list clears it); only this rank's rail peers matter."""
         self._rt.set_mask(list(ranks))
+        self._masked = bool(list(ranks))
         self._reported = False
 
     def _release(self) -> None:
         self._views = None  # views of the heap: freed with it
+        self._targets = [None, None]

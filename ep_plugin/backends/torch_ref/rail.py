@@ -9,9 +9,13 @@ on this rank's node n; then topk_f holds its ids on node n made node-local (id -
 others, and wf the matching weights (0 elsewhere). Every other slot has topk_f all -1 and wf 0; its
 xf/sf rows are undefined. Ids outside [-1, E) count as -1 (and are reported by take_bad_expert_ids).
 
-combine(y_f, slot_valid, topk_idx, T) -> y [T, H] bf16: the forwarder (m, l) sends back the row of
-each slot it received (slot_valid); y[t] is the float32 sum, over the nodes m that token t selected
-(ascending m), of forwarder m's row for it, rounded once to bf16; 0 for a token that selected nothing.
+combine(y_f, slot_valid, topk_idx, T, y_rows=None) -> y [T, H] bf16: the forwarder (m, l) sends back the
+row of each slot it received (slot_valid), y_f[i] for slot i, or y_f[y_rows[i]] where y_rows (int64
+[N*M]) is given; y[t] is the float32 sum, over the nodes m that token t selected (ascending m), of
+forwarder m's row for it, rounded once to bf16; 0 for a token that selected nothing.
+
+combine_targets() -> None: this rail has no memory a caller could write the rows into (the NVSHMEM
+rail's combine_targets / combine_placed).
 
 Rows travel as bytes in one all_to_all_single over the whole group (M rows to each rail peer, none
 to anyone else), so it runs on gloo and NCCL alike. The NVSHMEM kernels (backends/nvshmem/rail.py)
@@ -112,8 +116,10 @@ class TorchRail:
         return xf, sf, topk_f, wf
 
     def combine(self, y_f: torch.Tensor, slot_valid: torch.Tensor, topk_idx: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
+                num_tokens: int, y_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         N, M, H = self.N, self.M, y_f.shape[1]
+        if y_rows is not None:
+            y_f = y_f.index_select(0, y_rows)
         send = torch.where(slot_valid.bool().view(N * M, 1), y_f, 0).to(torch.bfloat16)
         back = self._exchange(_bytes(send).view(N, M, -1)).view(N, M, -1).view(torch.bfloat16)
         T = num_tokens
@@ -122,6 +128,9 @@ class TorchRail:
         for m in range(N):  # ascending node: the order the kernels sum in
             acc = torch.where(hit[:, m:m + 1], acc + back[m, :T].float(), acc)
         return acc.to(torch.bfloat16)
+
+    def combine_targets(self) -> None:
+        return None
 
     # the engine interface the NVSHMEM rail shares
     def take_bad_expert_ids(self) -> bool:
