@@ -233,16 +233,18 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
         const int i0 = s_off[o] + q0;
         const char* src0 = x + static_cast<size_t>(i0) * row_bytes;
+        const bool routed = c.route.x_rows != nullptr;
         const char* xrow = nullptr;
         for (int j = 0; j < n; ++j) {
           while (ring.full()) store_oldest();
           dst_of[ring.head % kPend] = dst0 + static_cast<size_t>(j) * item_bytes;
           s_pend[ring.head % kPend] = j == n - 1 ? o * c.combine_subs + sub + 1 : 0;
+          if (!routed) {  // the one stager thread issues every copy: no division on this path
+            ring.load(src0 + static_cast<size_t>(j) * item_bytes, item_bytes, evict_x, x_policy);
+            continue;
+          }
           const int piece = j % split;
-          if (c.route.x_rows == nullptr)
-            xrow = src0 + static_cast<size_t>(j / split) * row_bytes;
-          else if (piece == 0)
-            xrow = x + x_row(c, i0 + j / split) * row_bytes;
+          if (piece == 0) xrow = x + x_row(c, i0 + j / split) * row_bytes;
           ring.load(xrow + static_cast<size_t>(piece) * item_bytes, item_bytes, evict_x, x_policy);
         }
       };
