@@ -125,7 +125,7 @@ __device__ __forceinline__ int span_of(int n, int b) {
   return static_cast<int>(static_cast<long long>(n) * b / gridDim.x);
 }
 
-template <int MAXW, int U, bool kFree>
+template <int MAXW, int U, bool kFree, bool kRouted>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
@@ -233,7 +233,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         char* dst0 = area + (static_cast<size_t>(o) * c.max_tokens + q0) * row_bytes;
         const int i0 = s_off[o] + q0;
         const char* src0 = x + static_cast<size_t>(i0) * row_bytes;
-        const bool routed = c.route.x_rows != nullptr;
+        const bool routed = kRouted && c.route.x_rows != nullptr;
         const char* xrow = nullptr;
         for (int j = 0; j < n; ++j) {
           while (ring.full()) store_oldest();
@@ -330,7 +330,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     // the own row at position pos of x (kVarEvictX: evict_first, read once); with CombineRoute::x_rows, row k of the
     // chunk is x[s_xown[k]], resolved by lane k with the chunk's positions (no index read on the loader's path)
     auto load_own = [&](char* dst, int k, int pos, uint64_t* bar) {
-      const size_t r = c.route.x_rows != nullptr ? static_cast<size_t>(s_xown[k]) : static_cast<size_t>(s_off[me] + pos);
+      const size_t r = kRouted && c.route.x_rows != nullptr ? static_cast<size_t>(s_xown[k])
+                                                            : static_cast<size_t>(s_off[me] + pos);
       tma_load(dst, x + r * row_bytes, row_bytes, bar, evict_x, x_policy);
     };
     if (lane == 0) fence_proxy_async();
@@ -357,7 +358,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       }
       const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
       for (int i = lane; i < nt * W; i += 32) s_pos[i] = send_pos[static_cast<size_t>(t0) * W + i];
-      if (c.route.x_rows != nullptr && lane < nt) {
+      if (kRouted && c.route.x_rows != nullptr && lane < nt) {
         const int pos = send_pos[static_cast<size_t>(t0 + lane) * W + me];
         s_xown[lane] = pos >= 0 ? static_cast<long long>(x_row(c, s_off[me] + pos)) : 0;
       }
@@ -496,8 +497,11 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         }
       }
       // y's row, or where the call's CombineRoute places the sum (none for a token without rows, or a null block)
-      int4* yrow = y_row(c, reinterpret_cast<int4*>(y), td.t, n16);
-      if (c.route.y_blocks != nullptr && td.present == 0) yrow = nullptr;
+      int4* yrow = reinterpret_cast<int4*>(y) + static_cast<size_t>(td.t) * n16;
+      if constexpr (kRouted) {
+        yrow = y_row(c, reinterpret_cast<int4*>(y), td.t, n16);
+        if (c.route.y_blocks != nullptr && td.present == 0) yrow = nullptr;
+      }
       if (yrow != nullptr) sum_rows_bf16<MAXW, U>(src, yrow, n16, lane, [](const int4* p) { return *p; });
       __syncwarp();  // every lane has read the slots before they are handed back
       if (lane == 0) {
@@ -534,8 +538,8 @@ bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
 
 namespace {
 
-template <int MAXW, int U, bool kFree>
-void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
+template <int MAXW, int U, bool kFree, bool kRouted>
+void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
   const size_t smem = static_cast<size_t>(nslot_stage + nload) * row_bytes;
@@ -543,12 +547,23 @@ void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, c
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64 || !smem_set[dev]) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree, kRouted>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U, kFree><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
-                                                                               nslot_stage, nload, diag);
+  combine_pull_tma_kernel<MAXW, U, kFree, kRouted><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
+                                                                                        nslot_stage, nload, diag);
+}
+
+// A routed call (CombineRoute: the hierarchical backend's inner combine) and a plain one compile apart: the plain
+// kernel is the one measured before routes existed (its 24-SM rows read 4-5% slower with the checks compiled in).
+template <int MAXW, int U, bool kFree>
+void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
+                 __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
+  if (c.route.x_rows != nullptr || c.route.y_blocks != nullptr)
+    launch_pull_kernel<MAXW, U, kFree, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
+  else
+    launch_pull_kernel<MAXW, U, kFree, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
 }
 
 }  // namespace
