@@ -6,7 +6,10 @@ long as its slowest stage). Our calls today run their stages one after another o
 (hierarchical/timeline.py names them), so here a call is the sum of its stages:
 
     dispatch  rail_send + rail_recv + layout + forward + reorder + counts
-    combine   reorder + reduce_in_node + rail_send + rail_recv_sum
+    combine   reorder + reduce_in_node + rail_send + rail_recv_sum       (the path before session 8)
+    combine   reduce_in_node + rail_send + rail_recv_sum                 (now: no reorder; at P > 1 the inner
+              combine stores each node's sum at its origin and the rail only signals; at P = 1 the rail's
+              send reads x through the slot index, so there is no gather)
 
 A stage is either fixed (µs: waits, small kernels, host launches) or moves bytes at a rate fitted from
 the measurement (GB/s, fixed costs folded in). Bytes per GPU come from the routing's fan-out
@@ -58,14 +61,15 @@ class StageCosts:
     measured: Dict[str, Dict[str, float]] = field(default_factory=dict)  # shape -> {op: cold µs}
 
 
-# Fitted from the first device run (4x H200, 2026-11-26, benchmarks/results/internode_h200x4_2026-11-26_call2.json,
-# `python -m ep_plugin.plan.stage_model --from <it> --emit`), before this branch's changes. Refit with --emit
-# after the next run.
+# Fitted from session 8's device run (4x H100, 2026-11-27, main after branch inter8: the combine that places its
+# sums, results/internode_2x2_now_h100x4_2026-11-27_s8call4.json, `python -m ep_plugin.plan.stage_model --from
+# <2x2 and 2x1 JSON> --emit`). The first fit (4x H200, 2026-11-26, commit bf92bb2, the combine with its reorder
+# and rail copy) is in docs/COST_MODEL.md. Refit with --emit after the next run.
 MEASURED_2X2 = StageCosts(
-    dispatch={'rail_send': ('rate', 514.6), 'rail_recv': ('fixed', 38.5), 'layout': ('fixed', 102.7), 'forward': ('rate', 364.5), 'reorder': ('rate', 1007.9), 'counts': ('fixed', 24.0)},
-    dispatch_cached={'rail_send': ('rate', 467.7), 'rail_recv': ('fixed', 30.9), 'forward': ('rate', 506.8), 'reorder': ('rate', 1361.2)},
-    combine={'reorder': ('rate', 2709.1), 'reduce_in_node': ('rate', 403.3), 'rail_send': ('rate', 459.5), 'rail_recv_sum': ('rate', 879.2)},
-    source='NVIDIA H200, 2026-11-26 05:44 UTC, commit bf92bb2, 2x2 uniform timeline')
+    dispatch={'rail_send': ('rate', 413.8), 'rail_recv': ('fixed', 117.4), 'layout': ('fixed', 2.9), 'forward': ('rate', 386.9), 'reorder': ('rate', 2317.5), 'counts': ('fixed', 12.1)},
+    dispatch_cached={'rail_send': ('rate', 462.2), 'rail_recv': ('fixed', 83.6), 'forward': ('rate', 485.6), 'reorder': ('rate', 2732.8)},
+    combine={'reduce_in_node': ('rate', 261.3), 'rail_send': ('rate', 8542.4), 'rail_recv_sum': ('rate', 537.6)},
+    source='NVIDIA H100 80GB HBM3, 2026-11-27 01:01 UTC, main after inter8 (6c713e1), 2x2 uniform timeline')
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,15 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
     fan = fanout(shape.nodes, shape.per_node, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
     table = getattr(costs, kind)
     nbytes = stage_bytes(shape, kind, fan, dtype)
+    placed = kind == "combine" and placed_combine(costs)
     out: Dict[str, float] = {}
     for stage in _stages(kind, shape.per_node):
         how, v = table.get(stage, ("fixed", 0.0))
-        if shape.per_node == 1 and stage in ("forward", "reduce_in_node") and "reorder" in table:
+        if placed and shape.per_node == 1 and stage == "reduce_in_node":
+            how, v = ("fixed", 0.0)  # the rail's send reads x through the slot index: no gather at P = 1
+        elif placed and shape.per_node == 1 and stage == "rail_send":
+            how, v = costs.dispatch["rail_send"]  # a copy of the rows again, as the dispatch's rail (signal-only at P > 1)
+        elif shape.per_node == 1 and stage in ("forward", "reduce_in_node") and "reorder" in table:
             how, v = table["reorder"]  # one-rank nodes gather their slots: a copy, as the reorder (fitted at P > 1)
         if how == "fixed":
             out[stage] = v
@@ -133,6 +142,12 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
         out["overlapped"] = pair - out.get("rail_send", 0.0) - out.get(fwd, 0.0)
     out["total"] = sum(out.values())
     return out
+
+
+def placed_combine(costs: StageCosts) -> bool:
+    """Whether `costs` were fitted on the combine that places its sums (no reorder stage in its timeline): its
+    rail_send is a signal at P > 1, and a one-rank node neither gathers nor reorders."""
+    return "reduce_in_node" in costs.combine and "reorder" not in costs.combine
 
 
 # ---------------------------------------------------------------------------------------- ingest
