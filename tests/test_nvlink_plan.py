@@ -14,7 +14,7 @@ from ep_plugin.integrations.megatron.config import resolve_config
 
 def test_num_sms_auto_by_world_and_batch():
     assert plan_num_sms("auto", 132, world=2, tokens=4096) == 48
-    assert plan_num_sms("auto", 132, world=4, tokens=4096) == 48
+    assert plan_num_sms("auto", 132, world=4, tokens=4096) == 32
     assert plan_num_sms("auto", 132, world=8, tokens=4096) == AUTO_SMS  # unmeasured at EP8
     assert plan_num_sms("auto", 132, world=2, tokens=128) == AUTO_SMS  # small batches: latency-bound
     assert plan_num_sms("auto", 60, world=2, tokens=4096) == 30  # at most half of a small GPU

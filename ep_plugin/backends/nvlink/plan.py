@@ -12,10 +12,12 @@ from typing import Union
 # EP4 re-measured with the kernels chosen below (4x H100, 2026-11-26 session 7 call 3, cold dispatch + combine,
 # results/kernel_choices_skewed_h100x4_2026-11-26_s7call3.log): 24 SMs 1417, 32 SMs 1345, 48 SMs 1416 (then the
 # pull combine and the split dispatch at 48): 32. With the kernels planned below (stage_pull; pull, pipelined from
-# 48), the auto rows: 4x H200 (session 7 call 4) 24 SMs 1438, 32 SMs 1381, 48 SMs 1354; 4x H100 (session 8 call 2,
-# results/bench_kernels_auto4_h100x4_2026-11-27_s8call2.log) 1417 / 1370 / 1240: 48.
+# 48), dispatch + combine cold at 32 / 48 SMs: 4x H200 (session 7 call 4) 1381 / 1354; 4x H100 (session 8, calls
+# 2, 4, 5, 6; results/bench_kernels_auto4_h100x4_2026-11-27_s8call2.log, s8call4_*, s8call5_6_*) 1370 / 1240,
+# 1286 / 1385, 1404 / 1375-1412, 1348 / -: a tie within the cold rows' noise (means 1358 / 1353), so the fewer
+# SMs, which leave more of the GPU to the computation beside the exchange: 32.
 AUTO_SMS = 24
-AUTO_SMS_BY_WORLD = {2: 48, 4: 48}
+AUTO_SMS_BY_WORLD = {2: 48, 4: 32}
 AUTO_SMS_MIN_TOKENS = 1024  # below this many tokens per rank: AUTO_SMS
 
 
