@@ -90,10 +90,11 @@ step_done
 # ------------------------------------------------------------------------------ the frameworks
 frameworks() {
   step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" \
-       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile and DeepSpeed's op")"
+       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile")"
   # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
+  # Without CUDA, DeepSpeed would compile its CPU shared-memory all-reduce op when its comm starts: the
+  # examples and tests turn it off (ep_plugin/testing/deepspeed_cpu.py says why), nothing builds it here.
   DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
-  "$@"  # what may start once DeepSpeed is in (without --light: its CPU shared-memory op, below)
   # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
   pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
   # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
@@ -192,28 +193,7 @@ PYEOF
     C_PID=$!
     trap 'kill -- -"$C_PID" 2>/dev/null || true' EXIT
   fi
-  # DeepSpeed compiles its CPU shared-memory all-reduce op (deepspeed_shm_comm, ~50 CPU-s, once per venv)
-  # when its first process starts on a machine without a GPU: in the tests, inside the first DeepSpeed
-  # test's time. Built here instead, beside the _C compile and the other frameworks' install, as soon as
-  # DeepSpeed is in; best effort (without it DeepSpeed uses gloo).
-  start_deepspeed_op() {
-    [ "$EP_PLUGIN_CHECK_BUILD" = 1 ] || return 0
-    mkdir -p build
-    echo "setup:   DeepSpeed's CPU shared-memory op (deepspeed_shm_comm) compiles beside _C (about 50 CPU-s)"
-    "$PY" - > build/deepspeed_shm_comm.log 2>&1 <<'PYEOF' &
-import deepspeed.ops
-from deepspeed.accelerator import get_accelerator
-
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-    builder.load(verbose=False)
-    print("deepspeed_shm_comm built")
-else:
-    print("deepspeed_shm_comm: not compatible here, not built")
-PYEOF
-    DS_PID=$!
-  }
-  frameworks start_deepspeed_op
+  frameworks
   if [ -n "${C_PID:-}" ]; then
     echo "setup: [$C_STEP/$NSTEPS] waiting for the _C compile to finish (its lines go on)"
     C_RC=0
@@ -227,10 +207,6 @@ PYEOF
       tail -n 30 build/ep_plugin_C.log >&2
       exit 1
     fi
-  fi
-  if [ -n "${DS_PID:-}" ]; then
-    wait "$DS_PID" && echo "setup:   $(tail -1 build/deepspeed_shm_comm.log)" \
-      || echo "setup:   DeepSpeed's shared-memory op did not build (build/deepspeed_shm_comm.log); DeepSpeed builds or skips it itself"
   fi
 else
   frameworks
