@@ -18,12 +18,11 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
-pytest.importorskip("deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
+from tests._dist import spawn, spawn_parts
+from tests._need import need_installed
+from tests.fakes import RecordingMonitor
 
-from tests._dist import spawn, spawn_parts  # noqa: E402
-from tests.fakes import RecordingMonitor  # noqa: E402
+need_installed("deepspeed", "transformers", "deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+from tests._dist import spawn_parts
+from tests._need import need_installed
 
-from tests._dist import spawn_parts  # noqa: E402
+need_installed("deepspeed")
 
 EP_ON = {"enabled": True, "config": "tiny", "overrides": {"comm.backend": "torch"}}
 H = 16
