@@ -246,8 +246,8 @@ def _rel(path):
 
 
 class NvccBuildExt(build_ext):
-    """Compiles csrc/**/*.cu with nvcc into objects that the pybind11 extension links; the CUDA files,
-    then the C++ files, each set side by side on every core, with a progress line per file.
+    """Compiles csrc/**/*.cu with nvcc into objects that the pybind11 extension links, and the C++ files
+    beside them, side by side on every core (the longest first), with a progress line per file.
     EP_PLUGIN_BUILD_VERBOSE=1 also prints every command."""
 
     def build_extension(self, ext):
@@ -287,13 +287,13 @@ class NvccBuildExt(build_ext):
             def nvshmem_unit():
                 try:
                     compile_cuda(progress, unit_name(nvshmem_cu), unit_cmd, nvshmem_cu)
-                    return [unit_cmd[unit_cmd.index("-o") + 1]], True
+                    return [unit_cmd[unit_cmd.index("-o") + 1]], "rdc"
                 except subprocess.CalledProcessError:
                     one_by_one_note("the NVSHMEM files")
                     progress.total += len(nvshmem_cu) - 1
                     for cu in nvshmem_cu:
                         compile_cuda(progress, *file_jobs[cu])
-                    return [cmd[cmd.index("-o") + 1] for _, cmd in (file_jobs[cu] for cu in nvshmem_cu)], True
+                    return [cmd[cmd.index("-o") + 1] for _, cmd in (file_jobs[cu] for cu in nvshmem_cu)], "rdc"
             jobs.append(((0, 0), nvshmem_unit))
         in_unit = set(nvshmem_cu) if jobs else set()
         n_cuda = len(sources) - len(in_unit) + (1 if in_unit else 0)
@@ -303,10 +303,10 @@ class NvccBuildExt(build_ext):
 
             def one(job=file_jobs[cu], rdc=cu in nvshmem_cu):
                 compile_cuda(progress, *job)
-                return [job[1][job[1].index("-o") + 1]], rdc
-            # the slowest first (the NVSHMEM files, -rdc: 2-3x the others), so that no long file starts last
-            jobs.append(((0 if cu in nvshmem_cu else 1, -cu.stat().st_size), one))
-        jobs.sort(key=lambda kj: kj[0])
+                return [job[1][job[1].index("-o") + 1]], "rdc" if rdc else "cuda"
+            # the slowest first (the NVSHMEM files, -rdc: 2-3x the others; then the C++ files, _host_jobs), so that
+            # no long file starts last
+            jobs.append(((0 if cu in nvshmem_cu else 2, -cu.stat().st_size), one))
         workers = max(1, os.cpu_count() or 1)
         n_host = len(ext.sources)
         steps_host = 1 if check_build() and n_host > 1 else n_host
@@ -318,12 +318,18 @@ class NvccBuildExt(build_ext):
               f"{', NVSHMEM part included' if nvshmem is not None else ''}{grouped}, {workers} at a time "
               f"(about {cpu_s // workers} s on {workers} cores: {cpu_s} s of CPU time)", flush=True)
         progress = Progress(total)
-        self._progress, self._workers = progress, workers
+        ext.include_dirs += [pybind11.get_include(), str(cuda / "include"), str(CSRC)]
+        host_jobs = self._host_jobs(ext, progress)
         with progress, ThreadPoolExecutor(workers) as pool:
-            # one kernel file (or unit) per process, side by side; only the NVSHMEM objects are device-linked, after
-            for objs, rdc in pool.map(lambda kj: kj[1](), jobs):
-                objects += objs
-                rdc_objects += objs if rdc else []
+            # one kernel file (or unit) per process, side by side, the C++ files among them; only the NVSHMEM
+            # objects are device-linked, after
+            host_objects = []
+            for objs, kind in pool.map(lambda kj: kj[1](), sorted(host_jobs + jobs, key=lambda kj: kj[0])):
+                if kind == "host":
+                    host_objects += objs
+                else:
+                    objects += objs
+                    rdc_objects += objs if kind == "rdc" else []
             link_args = []
             if nvshmem is not None:
                 inc, lib = nvshmem
@@ -343,48 +349,50 @@ class NvccBuildExt(build_ext):
                 link_args += ["-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib", f"-Wl,-rpath,{lib}"]
             ext.extra_objects = objects
             ext.extra_link_args = (ext.extra_link_args or []) + link_args
-            ext.include_dirs += [pybind11.get_include(), str(cuda / "include"), str(CSRC)]
             ext.library_dirs += [str(cuda / "lib64"), str(cuda / "lib64" / "stubs")]
-            self._pool = pool
-            self._parallel_host_compile()
-            link = self.compiler.link_shared_object
+            compile_, link = self.compiler.compile, self.compiler.link_shared_object
+            if host_jobs:  # distutils' compile step: done in the pool above
+                self.compiler.compile = lambda *a, **k: list(host_objects)
             self.compiler.link_shared_object = lambda *a, **k: progress.run("link", link, *a, **k)
             try:
                 super().build_extension(ext)
             finally:
-                self.compiler.link_shared_object = link
+                self.compiler.compile, self.compiler.link_shared_object = compile_, link
 
-    def _parallel_host_compile(self):
-        """The C++ sources (pybind11 bindings: ~10-20 s each) side by side, a progress line each."""
-        compiler, progress, pool = self.compiler, self._progress, self._pool
+    def _host_jobs(self, ext, progress):
+        """The C++ sources' jobs (pybind11 bindings: ~10-20 CPU-s each; one unit in a check build), with the
+        arguments distutils' build_ext passes to compiler.compile, so that they run in the pool beside the CUDA
+        files from the start (after them, the unit ran alone on one core for ~20 s). Each job returns
+        (objects, "host"). None where the compiler is another distutils': its own serial compile, after."""
+        compiler = self.compiler
         if not all(hasattr(compiler, n) for n in ("_setup_compile", "_get_cc_args", "_compile")):
-            return  # another distutils: its own serial compile (the watcher still reports what runs)
+            return []
+        macros = ext.define_macros[:] + [(undef,) for undef in ext.undef_macros]
+        _, objects, postargs, pp_opts, build = compiler._setup_compile(
+            self.build_temp, macros, ext.include_dirs, ext.sources, ext.depends, ext.extra_compile_args or [])
+        cc_args = compiler._get_cc_args(pp_opts, self.debug, None)
 
-        def compile_all(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
-                        extra_preargs=None, extra_postargs=None, depends=None):
-            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
-                output_dir, macros, include_dirs, sources, depends, extra_postargs)
-            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        def one(obj):
+            src, suffix = build[obj]
+            progress.run(_rel(src), compiler._compile, obj, src, suffix, cc_args, postargs, pp_opts)
+            return [obj], "host"
 
-            def one(obj):
-                src, ext = build[obj]
-                progress.run(_rel(src), compiler._compile, obj, src, ext, cc_args, extra_postargs, pp_opts)
+        if check_build() and len(objects) > 1:  # the C++ files as one unit (the comment at CHECK_BUILD_FLAGS says why)
+            srcs = [build[obj][0] for obj in objects]
+            unit = write_unit(Path(self.build_temp) / "cu" / "host_unit.cpp", srcs)
+            unit_obj = str(Path(self.build_temp) / "cu" / "host_unit.o")
 
-            if check_build() and len(objects) > 1:  # the C++ files as one unit (the comment at CHECK_BUILD_FLAGS says why)
-                srcs = [build[obj][0] for obj in objects]
-                unit = write_unit(Path(self.build_temp) / "cu" / "host_unit.cpp", srcs)
-                unit_obj = str(Path(self.build_temp) / "cu" / "host_unit.o")
+            def host_unit():
                 try:
-                    progress.run(unit_name(srcs), compiler._compile, unit_obj, str(unit), ".cpp", cc_args,
-                                 extra_postargs, pp_opts)
-                    return [unit_obj]
+                    progress.run(unit_name(srcs), compiler._compile, unit_obj, str(unit), ".cpp", cc_args, postargs,
+                                 pp_opts)
+                    return [unit_obj], "host"
                 except Exception:  # distutils' CompileError
                     one_by_one_note("the C++ files")
                     progress.total += len(objects) - 1
-            list(pool.map(one, objects))
-            return objects
-
-        compiler.compile = compile_all
+                    return [o for obj in objects for o in one(obj)[0]], "host"
+            return [((1, 0), host_unit)]
+        return [((1, -Path(build[obj][0]).stat().st_size), lambda obj=obj: one(obj)) for obj in objects]
 
 
 def is_nvshmem_source(path):

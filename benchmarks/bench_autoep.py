@@ -341,6 +341,9 @@ def main(argv=None):
     import deepspeed
     import transformers
 
+    from ep_plugin.testing import deepspeed_without_shm_op
+
+    deepspeed_without_shm_op()  # without CUDA: no CPU all-reduce op compiled (~2 minutes), none used
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     import ep_plugin.deepspeed  # noqa: F401  (installs the AutoEP hook)
 

@@ -99,6 +99,9 @@ def main():
     if cuda:
         torch.cuda.set_device(local)
     import deepspeed
+    from ep_plugin.testing import deepspeed_without_shm_op
+
+    deepspeed_without_shm_op()  # without CUDA: no CPU all-reduce op compiled (~2 minutes), none used
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     from deepspeed.moe.layer import MoE
     import ep_plugin.deepspeed as epds

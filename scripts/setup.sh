@@ -34,7 +34,7 @@ for arg in "$@"; do
 done
 export PIP_ROOT_USER_ACTION=ignore  # pip's warning about root, once per call, in containers
 STARTED=$(date +%s.%N)
-NSTEPS=$([ $LIGHT = 1 ] && echo 4 || echo 6) N=0 STEP_AT=""
+NSTEPS=$([ $LIGHT = 1 ] && echo 4 || echo 5) N=0 STEP_AT=""
 
 seconds_since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", b - a }'; }
 # step WHAT ABOUT: the line before a step (what it does, about how long).
@@ -65,35 +65,83 @@ if not venv:
     print("setup: (not a venv: to keep it apart, `python3 -m venv .venv && . .venv/bin/activate` and run this again)")
 PYEOF
 
-# ------------------------------------------------------------------------------ 1: torch and tools
+# ------------------------------------------------------------------------------ 1: torch, tools, the NVSHMEM wheel
 if [ $LIGHT = 1 ]; then
   step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools" "35 s"
   EXTRA=()
 else
-  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest, pytest-xdist, hypothesis" "35 s"
+  step "torch 2.13.0 (CPU), numpy, PyYAML, tqdm, einops, setuptools, pybind11, pytest, pytest-xdist, hypothesis; the NVSHMEM wheel that _C's NVSHMEM part compiles against" "40 s"
   # pytest-xdist: on a machine without CUDA the suite runs in two workers (tests/_parallel.py says why)
   # hypothesis: the call-form fuzzer (tests/test_fuzz_checks.py), which fails without it rather than skip
   EXTRA=("pybind11>=2.12" pytest pytest-xdist hypothesis)
 fi
+# nvidia-nvshmem-cu<major>, major = torch's CUDA major (from torch/version.py, as setup.py reads it: torch
+# cannot be imported before its requirements are in), nvcc's for a CPU torch. Never when torch itself
+# depends on an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel
+# (both write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
+# Prints the wheel's name, or "skip: why".
+nvshmem_wanted() {
+  "$PY" - <<'PYEOF'
+import importlib.metadata as md, importlib.util, re, shutil, subprocess
+from pathlib import Path
+deps = [r for r in (md.requires("torch") or []) if r.lower().startswith("nvidia-nvshmem") and "extra ==" not in r]
+installed = []
+for n in ("nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13"):
+    try:
+        md.version(n); installed.append(n)
+    except md.PackageNotFoundError:
+        pass
+version_py = Path(list(importlib.util.find_spec("torch").submodule_search_locations)[0]) / "version.py"
+m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"](\d+)\.", version_py.read_text(), re.M)
+major = m and m.group(1)
+nvcc = shutil.which("nvcc")
+if not major and nvcc:
+    m = re.search(r"release (\d+)\.", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    major = m and m.group(1)
+want = f"nvidia-nvshmem-cu{major}"
+if deps:
+    print(f"skip: torch depends on {deps[0].split(';')[0]}")
+elif not major:
+    print("skip: CPU torch and no nvcc")
+elif [n for n in installed if n != want]:
+    print(f"skip: {', '.join(n for n in installed if n != want)} is installed; {want} would overwrite its files")
+else:
+    print(want)
+PYEOF
+}
 # torch first and pinned: an unpinned torch would pull the CUDA build and GBs of CUDA packages.
 # Two pips side by side on packages apart (one pip uses one core): torch's own files (--no-deps: ~25 CPU-s
-# with their bytecode) and the rest of the list with torch's requirements (sympy & co., ~30 CPU-s); then
-# one more pip checks the whole list (~3 s), installing whatever torch needs and the second pip missed.
+# with their bytecode), then the NVSHMEM wheel (without --light), and the rest of the list with torch's
+# requirements (sympy & co., ~30 CPU-s). Then one more pip checks the whole list (~3 s), installing whatever
+# torch needs and the second pip missed (setuptools >= 77, say: before the _C compile, which runs on it).
 TORCH_NEEDS=(filelock fsspec jinja2 networkx sympy typing-extensions)
-"$PY" -m pip install -q --disable-pip-version-check --no-deps "torch==2.13.0" &
+NVSHMEM_NOTE=$(mktemp)
+torch_then_nvshmem() {
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps "torch==2.13.0" || return
+  [ $LIGHT = 0 ] || return 0
+  local want
+  want=$(nvshmem_wanted) || return
+  case $want in
+    skip:*) echo "no NVSHMEM wheel: ${want#skip: }" > "$NVSHMEM_NOTE" ;;
+    *) "$PY" -m pip install -q --disable-pip-version-check "$want" || return; echo "$want" > "$NVSHMEM_NOTE" ;;
+  esac
+}
+torch_then_nvshmem &
 TORCH_PID=$!
 pip_install numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${TORCH_NEEDS[@]}" "${EXTRA[@]}"
 with_heartbeat wait "$TORCH_PID"
 pip_install "torch==2.13.0" numpy "packaging>=24.2" "setuptools>=64" wheel "PyYAML>=6" tqdm einops "${EXTRA[@]}"
-step_done
+step_done "$(cat "$NVSHMEM_NOTE")"
+rm -f "$NVSHMEM_NOTE"
 
 # ------------------------------------------------------------------------------ the frameworks
 frameworks() {
   step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" \
-       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile and DeepSpeed's op")"
+       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile")"
   # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
+  # Without CUDA, DeepSpeed would compile its CPU shared-memory all-reduce op when its comm starts: the
+  # examples and tests turn it off (ep_plugin/testing/deepspeed_cpu.py says why), nothing builds it here.
   DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
-  "$@"  # what may start once DeepSpeed is in (without --light: its CPU shared-memory op, below)
   # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; its needs are installed above.
   pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
   # Hugging Face models for DeepSpeed AutoEP (no torch dependency); 5.23 breaks AutoEP's output recorders.
@@ -114,48 +162,13 @@ PYEOF
   step_done "$TRITON_NOTE"
 }
 
-# ------------------------------------------------------------------------------ 2-4: NVSHMEM, _C, frameworks
+# ------------------------------------------------------------------------------ 2-3: _C, the frameworks
 c_sources_hash() {  # what _C is built from, the NVSHMEM wheel's version included
   { find csrc -type f | LC_ALL=C sort | xargs sha256sum; sha256sum setup.py
     echo "arch=${EP_PLUGIN_CUDA_ARCH:-90} check_build=${EP_PLUGIN_CHECK_BUILD:-0}"
     "$PY" -m pip list --disable-pip-version-check 2>/dev/null | grep -i '^nvidia-nvshmem' || true; } | sha256sum | cut -d' ' -f1
 }
 if [ $LIGHT = 0 ]; then
-  step "the NVSHMEM wheel that _C's NVSHMEM part compiles against" "10 s"
-  # nvidia-nvshmem-cu<major>, major = torch's CUDA major, nvcc's for a CPU torch. Never when torch itself
-  # depends on an NVSHMEM wheel (re-pinning it would fight torch's), nor next to the other major's wheel
-  # (both write nvidia/nvshmem/: installing cu12 beside a cu13 torch would overwrite torch's files).
-  NVSHMEM_WANT=$(with_heartbeat "$PY" - <<'PYEOF'
-import importlib.metadata as md, re, shutil, subprocess
-import torch
-deps = [r for r in (md.requires("torch") or []) if r.lower().startswith("nvidia-nvshmem") and "extra ==" not in r]
-installed = []
-for n in ("nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13"):
-    try:
-        md.version(n); installed.append(n)
-    except md.PackageNotFoundError:
-        pass
-major = torch.version.cuda and torch.version.cuda.split(".")[0]
-nvcc = shutil.which("nvcc")
-if not major and nvcc:
-    m = re.search(r"release (\d+)\.", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
-    major = m and m.group(1)
-want = f"nvidia-nvshmem-cu{major}"
-if deps:
-    print(f"skip: torch depends on {deps[0].split(';')[0]}")
-elif not major:
-    print("skip: CPU torch and no nvcc")
-elif [n for n in installed if n != want]:
-    print(f"skip: {', '.join(n for n in installed if n != want)} is installed; {want} would overwrite its files")
-else:
-    print(want)
-PYEOF
-)
-  case $NVSHMEM_WANT in
-    skip:*) step_done "not installed: ${NVSHMEM_WANT#skip: }" ;;
-    *) pip_install "$NVSHMEM_WANT"; step_done "$NVSHMEM_WANT" ;;
-  esac
-
   # No GPU here: nothing can run the kernels, and _C is compiled to check that every file builds (the
   # NVSHMEM part included), with less optimisation (setup.py's EP_PLUGIN_CHECK_BUILD: ~1/3 less CPU time).
   # A GPU machine gets the optimised build. An EP_PLUGIN_CHECK_BUILD of the caller's own wins.
@@ -177,11 +190,11 @@ PYEOF
     step "ep_plugin._C: not compiled (no nvcc: the torch backend only)" "0 s"; step_done
   else
     # The compile needs only nvcc, pybind11 and the NVSHMEM wheel, all in place now: it runs in the
-    # background while the frameworks install (step 4), and the set-up waits for it before step 5.
+    # background while the frameworks install (step 3), and the set-up waits for it before step 4.
     # Its lines start with "setup:   _C"; it fails the set-up, with the end of its log, if it fails.
     if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then C_KIND="a check build (no GPU here), "; else C_KIND=""; fi
     step "compiling ep_plugin._C with nvcc in the background, ${C_KIND}a line per file (full log: build/ep_plugin_C.log)" \
-         "60 s on 2 cores, beside step 4"
+         "60 s on 2 cores, beside step 3"
     mkdir -p build
     rm -f "$C_HASH_FILE"
     C_STEP=$N C_AT=$STEP_AT
@@ -192,28 +205,7 @@ PYEOF
     C_PID=$!
     trap 'kill -- -"$C_PID" 2>/dev/null || true' EXIT
   fi
-  # DeepSpeed compiles its CPU shared-memory all-reduce op (deepspeed_shm_comm, ~50 CPU-s, once per venv)
-  # when its first process starts on a machine without a GPU: in the tests, inside the first DeepSpeed
-  # test's time. Built here instead, beside the _C compile and the other frameworks' install, as soon as
-  # DeepSpeed is in; best effort (without it DeepSpeed uses gloo).
-  start_deepspeed_op() {
-    [ "$EP_PLUGIN_CHECK_BUILD" = 1 ] || return 0
-    mkdir -p build
-    echo "setup:   DeepSpeed's CPU shared-memory op (deepspeed_shm_comm) compiles beside _C (about 50 CPU-s)"
-    "$PY" - > build/deepspeed_shm_comm.log 2>&1 <<'PYEOF' &
-import deepspeed.ops
-from deepspeed.accelerator import get_accelerator
-
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-    builder.load(verbose=False)
-    print("deepspeed_shm_comm built")
-else:
-    print("deepspeed_shm_comm: not compatible here, not built")
-PYEOF
-    DS_PID=$!
-  }
-  frameworks start_deepspeed_op
+  frameworks
   if [ -n "${C_PID:-}" ]; then
     echo "setup: [$C_STEP/$NSTEPS] waiting for the _C compile to finish (its lines go on)"
     C_RC=0
@@ -227,10 +219,6 @@ PYEOF
       tail -n 30 build/ep_plugin_C.log >&2
       exit 1
     fi
-  fi
-  if [ -n "${DS_PID:-}" ]; then
-    wait "$DS_PID" && echo "setup:   $(tail -1 build/deepspeed_shm_comm.log)" \
-      || echo "setup:   DeepSpeed's shared-memory op did not build (build/deepspeed_shm_comm.log); DeepSpeed builds or skips it itself"
   fi
 else
   frameworks

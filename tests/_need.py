@@ -1,9 +1,10 @@
-"""What a GPU test needs, with one rule: a machine that lacks it skips; a broken build fails.
+"""What a test needs, with one rule: a machine that lacks it skips; a broken build fails.
 
 A test that needs the NVSHMEM part of ep_plugin._C skips without enough CUDA GPUs. On a machine that
 has them and where the nvidia-nvshmem wheel is importable, a _C without its NVSHMEM part (or no _C
 at all) is a broken build, so the test fails and says why the build left NVSHMEM out (setup.py's own
-find_nvshmem, run here), instead of skipping quietly.
+find_nvshmem, run here), instead of skipping quietly. A test module that needs a framework skips where
+it is not installed, and an installed one that fails to import fails the tests that import it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,29 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` (dotted: a package's submodule) is installed, found without importing it or its
+    packages: a package's __init__ runs nothing here."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec is not None
+    for base in spec.submodule_search_locations or ():
+        path = os.path.join(base, *rest)
+        if os.path.exists(path + ".py") or os.path.isdir(path):
+            return True
+    return False
+
+
+def need_installed(*modules: str) -> None:
+    """At a test module's top: skip the module where one of ``modules`` is not installed. It is not
+    imported here: megatron-core and DeepSpeed cost every xdist worker 2-4 s of CPU at collection, and
+    most of these modules use them only in their ranks (pytest.importorskip imported them)."""
+    for module in modules:
+        if not installed(module):
+            pytest.skip(f"{module} is not installed", allow_module_level=True)
 
 
 def need_gpus(n: int = 1) -> None:

@@ -18,12 +18,11 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
-pytest.importorskip("deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
+from tests._dist import spawn, spawn_parts
+from tests._need import need_installed
+from tests.fakes import RecordingMonitor
 
-from tests._dist import spawn, spawn_parts  # noqa: E402
-from tests.fakes import RecordingMonitor  # noqa: E402
+need_installed("deepspeed", "transformers", "deepspeed.module_inject.auto_ep_comm")  # DeepSpeed with AutoEP
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 
@@ -106,7 +105,9 @@ def _equality_cases(rank, world, device, backends, hidden, kinds):
     import deepspeed
     import ep_plugin.deepspeed as epds
     from ep_plugin.integrations.deepspeed.autoep_exchange import EPPluginExchange
+    from ep_plugin.testing import deepspeed_without_shm_op
     torch.set_num_threads(1)
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     calls = {"dispatch": 0, "replay_dispatch": 0, "dispatch_with_handle": 0, "combine_with_weight_grad": 0}
     for name in calls:
@@ -151,7 +152,9 @@ def _behaviour_cases(rank, world):
     import deepspeed
     import ep_plugin.deepspeed as epds
     from ep_plugin.integrations.deepspeed.autoep_exchange import live_exchanges
+    from ep_plugin.testing import deepspeed_without_shm_op
     torch.set_num_threads(1)
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
     deepspeed.init_distributed(dist_backend="gloo")
 
     # The section's own keys size the exchange; a bigger batch is refused before any communication.
@@ -222,7 +225,9 @@ def _stats_cases(rank, world):
 
     import deepspeed
     import ep_plugin.deepspeed as epds
+    from ep_plugin.testing import deepspeed_without_shm_op
     torch.set_num_threads(1)
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
     deepspeed.init_distributed(dist_backend="gloo")
     seen = []
     handler = logging.Handler()

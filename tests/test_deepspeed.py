@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+from tests._dist import spawn_parts
+from tests._need import need_installed
 
-from tests._dist import spawn_parts  # noqa: E402
+need_installed("deepspeed")
 
 EP_ON = {"enabled": True, "config": "tiny", "overrides": {"comm.backend": "torch"}}
 H = 16
@@ -70,6 +71,8 @@ def _layer_cases(rank, world, device="cpu", backend="torch", align=None):
     if align is not None:  # padded expert segments (zero rows, weight 0) must change nothing
         from ep_plugin.integrations.deepspeed import layer as ds_layer
         ds_layer.expert_alignment = lambda *args: align
+    from ep_plugin.testing import deepspeed_without_shm_op
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     tol = 1e-5
     if device == "cuda":  # GEMM kernels differ with the row count (DeepSpeed pads): looser fp32 match
@@ -280,7 +283,9 @@ def _engine_cases(rank, world):
     import deepspeed
     from deepspeed.moe.sharded_moe import MOELayer
     import ep_plugin.deepspeed as epds
+    from ep_plugin.testing import deepspeed_without_shm_op
     torch.set_num_threads(1)
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
 
     def build():  # same seed, same weights (not deepcopy: it drops the params' allreduce/group_name tags)
         torch.manual_seed(3)
@@ -326,6 +331,19 @@ def _engine_cases(rank, world):
 
 def test_engine_flag_on_off_and_training(cpu_parts):
     cpu_parts["engine"].check()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed builds its CPU all-reduce op only without CUDA")
+def test_deepspeed_comm_builds_no_cpu_op():
+    """What the examples and CPU tests call before DeepSpeed's comm starts: DeepSpeed's comm then has no
+    shared-memory op to build (~120 CPU-s in the first DeepSpeed process of a venv, and again whenever
+    another venv built it last: ep_plugin/testing/deepspeed_cpu.py)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from ep_plugin.testing import deepspeed_without_shm_op
+
+    assert deepspeed_without_shm_op() is True
+    assert build_shm_op() is None
 
 
 # ---------------------------------------------------------------------------- config errors
@@ -376,7 +394,9 @@ def test_section_from_json_file_resolves_relative_yaml(tmp_path):
 
 def _zero_cases(rank, world, ckpt_dir):
     import ep_plugin.deepspeed as epds
+    from ep_plugin.testing import deepspeed_without_shm_op
     torch.set_num_threads(1)
+    deepspeed_without_shm_op()  # without CUDA: DeepSpeed compiles no CPU all-reduce op (none used)
     losses, engines = {}, {}
     for name, flag in (("off", {"enabled": False}), ("on", EP_ON)):
         torch.manual_seed(3)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
+from tests._need import need_installed
 from tests._shared_run import deepspeed_example_run
 
-pytest.importorskip("deepspeed")
+need_installed("deepspeed")
 
 
 def test_example_trains_on_cpu(tmp_path_factory):

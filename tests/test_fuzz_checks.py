@@ -6,12 +6,12 @@ import os
 import pytest
 
 from tests._dist import spawn_parts
+from tests._need import installed
 
-try:  # the fuzzer is the checks' proof: a missing hypothesis must not turn it into a silent skip
-    import hypothesis  # noqa: F401
-except ImportError as e:
+# the fuzzer is the checks' proof: a missing hypothesis must not turn it into a silent skip (its ranks import it)
+if not installed("hypothesis"):
     raise ImportError("tests/test_fuzz_checks.py needs hypothesis: scripts/setup.sh installs it "
-                      "(or pip install hypothesis)") from e
+                      "(or pip install hypothesis)")
 
 # odd widths; 256 takes FP8 pairs; two buffers of 4 experts, for handles of another buffer
 SHAPES = [(3, 2), (17, 4), (64, 4), (256, 2)]

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests._dist import spawn
+from tests._need import need_installed
 
-pytest.importorskip("hypothesis")
+need_installed("hypothesis")
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("EP_FUZZ_EXAMPLES", 1000))

@@ -9,14 +9,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("deepspeed")
+from tests._need import need_installed
 
-from ep_plugin.integrations.deepspeed import gate_scan  # noqa: E402
+need_installed("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def gate_scan():
+    """The module under test, imported when its first test runs: it imports DeepSpeed, which every xdist
+    worker would otherwise import while collecting."""
+    from ep_plugin.integrations.deepspeed import gate_scan
+
+    return gate_scan
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (7, 3), (4096, 16), (333, 64), (1000, 1)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_transposed_scan_equals_cumsum(rows, cols, dtype):
+def test_transposed_scan_equals_cumsum(gate_scan, rows, cols, dtype):
     g = torch.Generator().manual_seed(rows * 31 + cols)
     one_hot = F.one_hot(torch.randint(0, cols, (rows,), generator=g), cols).to(dtype)
     ints = torch.randint(-5, 6, (rows, cols), generator=g).to(dtype)
@@ -30,14 +39,14 @@ def test_transposed_scan_equals_cumsum(rows, cols, dtype):
         assert got.dtype == torch.int64 and got.is_contiguous() and torch.equal(got, ref)
 
 
-def test_scan_rows_leaves_other_scans_to_torch():
+def test_scan_rows_leaves_other_scans_to_torch(gate_scan):
     x = torch.arange(12.0).view(4, 3)
     assert torch.equal(gate_scan.scan_rows(x, 1), torch.cumsum(x, 1))
     assert torch.equal(gate_scan.scan_rows(x, 0), torch.cumsum(x, 0))  # CPU, float: torch's own
     assert torch.equal(gate_scan.scan_rows(x, 0, dtype=torch.float64), torch.cumsum(x, 0, dtype=torch.float64))
 
 
-def test_fast_gate_scan_swaps_only_inside_the_block():
+def test_fast_gate_scan_swaps_only_inside_the_block(gate_scan):
     from deepspeed.moe import sharded_moe
 
     assert sharded_moe.torch is torch
@@ -51,20 +60,18 @@ def test_fast_gate_scan_swaps_only_inside_the_block():
     assert sharded_moe.torch is torch
 
 
-_FORCED = []
-
-
-def _forced(x, dim, *args, **kwargs):  # the CUDA choice, made on CPU
-    if not args and not kwargs and x.dim() == 2 and dim in (0, -2) and not x.is_floating_point():
-        _FORCED.append(tuple(x.shape))
-        return gate_scan.transposed_scan(x)
-    return torch.cumsum(x, dim, *args, **kwargs)
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("drop", [True, False])
-def test_gate_outputs_are_deepspeeds(monkeypatch, k, drop):
+def test_gate_outputs_are_deepspeeds(gate_scan, monkeypatch, k, drop):
     from deepspeed.moe.sharded_moe import TopKGate
+
+    forced_shapes = []
+
+    def forced(x, dim, *args, **kwargs):  # the CUDA choice, made on CPU
+        if not args and not kwargs and x.dim() == 2 and dim in (0, -2) and not x.is_floating_point():
+            forced_shapes.append(tuple(x.shape))
+            return gate_scan.transposed_scan(x)
+        return torch.cumsum(x, dim, *args, **kwargs)
 
     torch.manual_seed(3)
     gate = TopKGate(32, 8, k=k, capacity_factor=1.0, min_capacity=2, drop_tokens=drop)
@@ -74,13 +81,12 @@ def test_gate_outputs_are_deepspeeds(monkeypatch, k, drop):
         torch.manual_seed(11)  # the gumbel sampling of the second expert
         if not fast:
             return gate(x, None, True, False)
-        monkeypatch.setattr(gate_scan._TorchWithRowScan, "cumsum", staticmethod(_forced))
+        monkeypatch.setattr(gate_scan._TorchWithRowScan, "cumsum", staticmethod(forced))
         with gate_scan.fast_gate_scan():
             return gate(x, None, True, False)
 
-    _FORCED.clear()
     ref, got = run(False), run(True)
-    assert _FORCED and all(shape == (300, 8) for shape in _FORCED), _FORCED  # the gate's scans took the row path
+    assert forced_shapes and all(shape == (300, 8) for shape in forced_shapes), forced_shapes  # the row path
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
         if torch.is_tensor(a):

@@ -12,15 +12,15 @@ import sys
 import traceback
 
 import pytest
+import torch
 
-pytest.importorskip("megatron.core")
-
-import torch  # noqa: E402
-
-from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
-from tests.megatron_cases import (  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._need import need_installed
+from tests.megatron_cases import (
     CASES, H, SCHEDULE_CASES, compare_case, compare_schedule, make_config, make_moe_layer,
 )
+
+need_installed("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt_moe.py")

@@ -8,16 +8,16 @@ import traceback
 import warnings
 
 import pytest
+import torch
 
-pytest.importorskip("megatron.core")
-
-import torch  # noqa: E402
-
-from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
-from tests.megatron_cases import (  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._need import need_installed
+from tests.megatron_cases import (
     CASES, SCHEDULE_CASES, HostSyncError, compare_case, compare_schedule, forbid_host_sync, make_config,
     make_moe_layer,
 )
+
+need_installed("megatron.core")
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -14,15 +14,15 @@ from __future__ import annotations
 import traceback
 
 import pytest
+import torch
 
-pytest.importorskip("megatron.core")
-
-import torch  # noqa: E402
-
-from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402
-from tests.megatron_cases import (  # noqa: E402
+from tests._dist import read_rank_results, spawn, write_rank_result
+from tests._need import need_installed
+from tests.megatron_cases import (
     H, HostSyncError, cpu_recompute_stand_ins, forbid_host_sync, grouped_layout, make_config, make_moe_layer,
 )
+
+need_installed("megatron.core")
 
 CAP = 32  # comm.max_tokens_per_rank
 

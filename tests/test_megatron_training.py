@@ -16,7 +16,6 @@ older Pythons the processes stand in typing_extensions.override (tests only).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import sys
@@ -24,8 +23,10 @@ import traceback
 
 import pytest
 
-pytest.importorskip("megatron.core")
-if importlib.util.find_spec("megatron.training") is None:
+from tests._need import installed, need_installed
+
+need_installed("megatron.core")
+if not installed("megatron.training"):
     pytest.skip("megatron.training is not installed", allow_module_level=True)
 
 from tests._dist import read_rank_results, spawn, write_rank_result  # noqa: E402

@@ -49,6 +49,7 @@ import deepspeed
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
 import ep_plugin.deepspeed as epds
+from ep_plugin.testing import deepspeed_without_shm_op
 from ep_plugin.testing.launch import config_path, require_torchrun, stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,6 +200,8 @@ def main():
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(a.local_rank)
+    else:  # DeepSpeed would compile a CPU all-reduce op (~2 minutes) that no MoE training uses
+        deepspeed_without_shm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device("cuda", a.local_rank) if cuda else torch.device("cpu")

@@ -49,7 +49,7 @@ class _DropKnownNotices(logging.Filter):
 class _DropKnownPrints:
     """A stdout that drops the lines DeepSpeed prints (not logs) while it sets up groups and comm."""
 
-    KNOWN = re.compile(r"^(DeepSpeed \S+ built successfully|No existing process group found, creating a new group)")
+    KNOWN = re.compile(r"^No existing process group found, creating a new group")
 
     def __init__(self, out):
         self.out, self.partial = out, ""
@@ -72,6 +72,7 @@ import ep_plugin  # noqa: E402
 import ep_plugin.deepspeed as epds  # noqa: E402
 from ep_plugin.integrations.buffer_cache import cached_buffers  # noqa: E402
 from ep_plugin.telemetry import collect  # noqa: E402
+from ep_plugin.testing import deepspeed_without_shm_op  # noqa: E402
 from ep_plugin.testing.launch import config_path, require_torchrun, stop  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,6 +173,8 @@ def main():
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(a.local_rank)
+    else:  # DeepSpeed would compile a CPU all-reduce op (~2 minutes) that no MoE training uses
+        deepspeed_without_shm_op()
     with contextlib.redirect_stdout(_DropKnownPrints(sys.stdout)):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
