@@ -24,6 +24,7 @@ from ep_plugin.errors import EPTimeoutError
 from ep_plugin.telemetry import CommStats, RecordingBackend, Report, collect, imbalance, log_to, training_step
 from ep_plugin.telemetry import recorder as recorder_mod
 from tests._dist import read_rank_results, spawn, spawn_parts, write_rank_result
+from tests._need import need_installed
 from tests._shared_run import DEEPSPEED_EXAMPLE_ARGS, deepspeed_example_run
 from tests.fakes import RecordingMonitor
 
@@ -429,7 +430,7 @@ def _megatron_body(rank, world, out_dir):
 
 
 def test_megatron_dispatcher_logs_every_interval(tmp_path):
-    pytest.importorskip("megatron.core")
+    need_installed("megatron.core")  # its ranks import it, not this process
     spawn(_megatron_body, 2, str(tmp_path), timeout=180)
     lines = read_rank_results(tmp_path, 2)
     assert lines[1] == [] and len(lines[0]) == 2, lines  # steps 1-2 and 3-4, logged by rank 0
@@ -498,7 +499,7 @@ def test_examples_print_one_stats_line_per_interval(example, args, tmp_path_fact
     everything comm.stats reports, nothing else per step (no bar, no notices)."""
     from tests._dist import run_launch, torchrun_cmd
 
-    pytest.importorskip("megatron.core" if "megatron" in example else "deepspeed")
+    need_installed("megatron.core" if "megatron" in example else "deepspeed")  # the example's processes import it
     if "deepspeed" in example:
         proc, _ = deepspeed_example_run(tmp_path_factory)
     else:
