@@ -117,7 +117,8 @@ class FakeRuntime:
     def expert_scratch_ints(self, num_sms):
         return 2 * num_sms * self.local + 2 * self.local
 
-    def combine(self, x, send_pos, recv_off, recv_src, y, T, num_sms, fused, stream):
+    def combine(self, x, send_pos, recv_off, recv_src, y, T, num_sms, fused, stream, x_rows=0, y_blocks=0,
+                block_tokens=0):
         self._log("combine", (x, send_pos, recv_off, recv_src, y, T, num_sms, fused, stream))
 
     def combine_expert(self, x, positions, K, send_pos, recv_off, y, T, num_sms, stream):

@@ -412,25 +412,13 @@ class NvlinkBackend(Backend):
         return y, (self._finish(s, (x, y)) if async_op else None)
 
     def combine(self, x, handle, async_op=False):
-        self.check()
-        st = self._state(handle)
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        s, sp, _ = self._stream(async_op)
-        T = handle.num_tokens
-        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
-        self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                         y.data_ptr(), T, self.num_sms,
-                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp)
-        return y, (self._finish(s, (x, y)) if async_op else None)
+        return self.combine_gathered(x, None, handle, async_op)
 
     def combine_gathered(self, x, x_rows, handle, async_op=False):
-        """combine of x[x_rows], the gather done by the combine kernels' own reads of x (Backend.combine_gathered;
-        csrc/nvlink/nvlink.h, CombineRoute)."""
-        T = handle.num_tokens
-        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
-        ev = self._combine_routed(x, handle, async_op, x_rows, None, 0, y)
-        return y, ev
+        """combine of x[x_rows] (x itself where x_rows is None), the gather done by the combine kernels' own reads
+        of x (Backend.combine_gathered; csrc/nvlink/nvlink.h, CombineRoute)."""
+        y = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
+        return y, self._combine_routed(x, handle, async_op, x_rows, None, 0, y)
 
     def combine_to_blocks(self, x, x_rows, handle, y_blocks, block_tokens, async_op=False):
         """combine whose sums the kernels store at y_blocks' addresses (Backend.combine_to_blocks): the event
