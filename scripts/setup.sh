@@ -137,7 +137,7 @@ rm -f "$NVSHMEM_NOTE"
 # ------------------------------------------------------------------------------ the frameworks
 frameworks() {
   step "deepspeed 0.19.8 (built without its ops), megatron-core 0.19.2, transformers 5.17.0" \
-       "$([ $LIGHT = 1 ] && echo 40 s || echo "110 s: beside the _C compile")"
+       "$([ $LIGHT = 1 ] && echo 45 s || echo "50 s, beside the _C compile")"
   # DeepSpeed without its compiled ops (the MoE layer needs none); it builds against the torch above.
   # Without CUDA, DeepSpeed would compile its CPU shared-memory all-reduce op when its comm starts: the
   # examples and tests turn it off (ep_plugin/testing/deepspeed_cpu.py says why), nothing builds it here.
@@ -194,7 +194,7 @@ if [ $LIGHT = 0 ]; then
     # Its lines start with "setup:   _C"; it fails the set-up, with the end of its log, if it fails.
     if [ "$EP_PLUGIN_CHECK_BUILD" = 1 ]; then C_KIND="a check build (no GPU here), "; else C_KIND=""; fi
     step "compiling ep_plugin._C with nvcc in the background, ${C_KIND}a line per file (full log: build/ep_plugin_C.log)" \
-         "60 s on 2 cores, beside step 3"
+         "80 s on 2 cores, beside step 3"
     mkdir -p build
     rm -f "$C_HASH_FILE"
     C_STEP=$N C_AT=$STEP_AT

@@ -159,8 +159,9 @@ def _worker(rank, world_size, port, backend, fn, args, errq, abandon, bind_devic
 # A spawned rank is a fresh interpreter that imports torch first (~2 s of CPU), and the CPU suite starts
 # dozens of spawns of 2 to 8 ranks (on the 2-core CI box, forking took the suite from 539 s to 421 s). On
 # a machine without CUDA the gloo ranks are forked instead, from multiprocessing's fork server, which has
-# imported torch and megatron-core once (tests/_forkserver_preload.py; ep_plugin, the test module and the
-# other frameworks are imported by each rank, fresh, as a spawned rank does). The fork server is a fresh interpreter of its own, never the pytest
+# imported torch, megatron-core, pytest and ep_plugin once (tests/_forkserver_preload.py; the test module and
+# the other frameworks are imported by each rank, fresh, as a spawned rank does). The fork server is a fresh
+# interpreter of its own, never the pytest
 # process (whose gloo and OpenMP threads a fork would copy half-alive). GPU hosts keep "spawn": CUDA and
 # NCCL are never initialised after a fork there, and their suite runs as before. EP_TEST_START=spawn
 # spawns every rank here too (to compare, or to rule the fork out).

@@ -1,14 +1,21 @@
 """What the fork server of tests/_dist.py imports before it forks any rank: torch, and megatron-core
 where it is installed (~5 s of CPU per process on the CI box; the Megatron tests' ranks all import
-it, and no other test's rank looks at it). A rank forked from the server gets the test's environment
-(tests/_dist.py, _Forked.attach), plus what these imports added to the server's own (megatron-core sets
-TORCHINDUCTOR_CACHE_DIR, say): SERVER_ENV is the server's environment before them."""
+it, and no other test's rank looks at it); pytest and ep_plugin, which every rank's test module
+imports: ~0.25 CPU-s a rank on the CI box, whose PYTHONDONTWRITEBYTECODE has every process compile
+ep_plugin's source anew, over 100 ranks in the CPU suite. ep_plugin reads no environment variable at
+import, so a rank holds the same modules as if it had imported them itself. A rank forked from the
+server gets the test's environment (tests/_dist.py, _Forked.attach), plus what these imports added to
+the server's own (megatron-core sets TORCHINDUCTOR_CACHE_DIR, say): SERVER_ENV is the server's
+environment before them."""
 import os
 
 SERVER_ENV = dict(os.environ)
 
+import pytest  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torch.distributed  # noqa: E402,F401
+
+import ep_plugin  # noqa: E402,F401
 
 try:
     import megatron.core  # noqa: F401
