@@ -12,6 +12,8 @@ EPBuffer, closed before the next), `--variants` picks them:
     ob0, ob2     comm.low_latency.output_buffers 0 / 2
     shim         ep_plugin.deep_ep.Buffer with no ep_config, called through DeepEP's API
     shim_ob2     the same with ep_config output_buffers 2
+    owner, source  comm.low_latency.combine_reduce owner / source (y's roundings differ between the two:
+                 the checksums are compared within each)
     NAME:k=v,..  a variant of its own: `ob=N` (output_buffers), `shim=1`, `eng.ATTR=V` (an attribute
                  of the low-latency engine, set after its first call: the A/B knobs, e.g.
                  `eng.fused_launch=0`, `eng.kernel_flags=N` for the variant bits of
@@ -58,7 +60,10 @@ DTYPES = ("bf16", "fp8")
 LIBS = ("ep_plugin", "deepep")
 FLUSH_BYTES = 256 * 1024 * 1024
 BUILTIN_VARIANTS = {"default": {}, "ob0": {"ob": "0"}, "ob1": {"ob": "1"}, "ob2": {"ob": "2"},
-                    "shim": {"shim": "1"}, "shim_ob2": {"shim": "1", "ob": "2"}}
+                    "shim": {"shim": "1"}, "shim_ob2": {"shim": "1", "ob": "2"},
+                    "owner": {"cfg.comm.low_latency.combine_reduce": "owner"},
+                    "source": {"cfg.comm.low_latency.combine_reduce": "source"}}
+REDUCE_KEY = "comm.low_latency.combine_reduce"  # variants agree on y only within one combine_reduce
 
 
 # ---------------------------------------------------------------------------------------- arguments
@@ -677,14 +682,18 @@ def ab_lines(rows: List[Dict]) -> str:
                 parts.append(f"vs {name}: " + ", ".join(rat))
         if parts:
             out.append(f"EP{w} {dt} {v:16s} " + " | ".join(parts))
+    def reduce_of(r):
+        return (r.get("spec") or {}).get("cfg", {}).get(REDUCE_KEY, "default")
+
     for (w, dt) in sorted({(k[0], k[3]) for k in by}):
-        sums = {k[2]: by[k]["checksums"] for k in by if k[0] == w and k[3] == dt and k[1] == "ep_plugin"
-                and by[k].get("checksums")}
-        if len(sums) > 1:
-            ref = next(iter(sums.values()))
-            bad = [v for v, s in sums.items() if s != ref]
-            out.append(f"EP{w} {dt} outputs of the ep_plugin variants: "
-                       + ("equal" if not bad else f"DIFFER ({', '.join(bad)} vs {next(iter(sums))})"))
+        for red in sorted({reduce_of(by[k]) for k in by if k[1] == "ep_plugin"}):
+            sums = {k[2]: by[k]["checksums"] for k in by if k[0] == w and k[3] == dt and k[1] == "ep_plugin"
+                    and by[k].get("checksums") and reduce_of(by[k]) == red}
+            if len(sums) > 1:
+                ref = next(iter(sums.values()))
+                bad = [v for v, s in sums.items() if s != ref]
+                out.append(f"EP{w} {dt} outputs of the ep_plugin variants (combine_reduce {red}): "
+                           + ("equal" if not bad else f"DIFFER ({', '.join(bad)} vs {next(iter(sums))})"))
     return "\n".join(out)
 
 

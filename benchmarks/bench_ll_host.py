@@ -79,9 +79,13 @@ class FakeRuntime:
     def __init__(self, rank, world, num_experts, max_tokens, max_topk, hidden, timeout_s, num_blocks, output_sets=0):
         self.max_tokens, self.max_topk = max_tokens, max_topk
         rows = num_experts * max_tokens  # EL * W*M, the layout of ll_runtime.cu's sets (on 256-byte bounds)
-        self._offsets = (0, rows * hidden, 2 * rows * hidden, 2 * rows * hidden + (4 * rows + 255) // 256 * 256)
-        # + the int2 info region after row_slot (kPackedInfo); the row-major FP8 scales sit in the data bytes
-        nbytes = self._offsets[3] + (4 * rows + 255) // 256 * 256 + 8 * rows
+        up = lambda n: (n + 255) // 256 * 256  # noqa: E731
+        slot = 2 * rows * hidden + up(4 * rows)
+        # + the int2 info region after row_slot (kPackedInfo), then kOwnerReduce's records; the row-major FP8
+        # scales sit in the data bytes
+        rec = slot + up(4 * rows) + up(8 * rows)
+        self._offsets = (0, rows * hidden, 2 * rows * hidden, slot, rec)
+        nbytes = rec + 4 * world * (1 + max_tokens * max_topk)
         self._sets = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(output_sets if self.heap_sets else 0)]
         self.sets = len(self._sets)
 
@@ -102,7 +106,7 @@ class FakeRuntime:
         if self.self_pos_log is not None:
             self.self_pos_log.append(("dispatch", phases, self_pos))
 
-    def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream, self_pos=0):
+    def combine(self, x, row_slot, recv_count, topk_idx, weights, T, K, phases, y, stream, self_pos=0, rec=0):
         if self.calls is not None:
             self.calls.append(("combine", phases, (x, row_slot, recv_count, topk_idx, weights, T, K, y)))
         if self.self_pos_log is not None:

@@ -111,8 +111,9 @@ def test_phases_and_pointers_without_hook(calls, output_buffers, use_fp8):
     else:
         (k1, p1, a1), (k2, p2, a2) = calls
         assert (k1, p1, k2, p2) == ("combine", SEND, "combine", RECV)
-        # the receive half reads this rank's own rows from the input (no hook: nothing runs in between)
-        assert a1 == send + (0, 0, 6, K, 0) and a2 == (rows.data_ptr(), 0, 0) + recv
+        # the receive half reads this rank's own rows from the input (no hook: nothing runs in between);
+        # the send half gets the routing and weights too (combine_reduce owner sends the weights first)
+        assert a1 == send + recv[:4] + (0,) and a2 == (rows.data_ptr(), 0, 0) + recv
     buf.close()
 
 
@@ -204,7 +205,7 @@ def test_output_sets_in_the_heap(heap_calls):
     assert [(c[0], c[1]) for c in calls] == [("dispatch", SEND_RECV)] * 2
     S = H // 128
     for (recv_x, count, handle, _, _), i in zip(outs, (0, 1)):
-        data_ptr, scales_ptr, src_ptr, slot_ptr = eng._rt.set_pointers(i)
+        data_ptr, scales_ptr, src_ptr, slot_ptr, _rec_ptr = eng._rt.set_pointers(i)
         data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         assert data.data_ptr() == data_ptr and tuple(data.shape) == (E_L, M, H) and data.is_contiguous()
         assert handle.src_info.data_ptr() == src_ptr and handle.state["row_slot"].data_ptr() == slot_ptr

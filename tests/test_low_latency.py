@@ -104,14 +104,17 @@ def expert_output(rows, rank, E_l):
     return (rows.float() * scale.view(-1, 1, 1) - 0.5).to(torch.bfloat16)
 
 
-def expected_combine(idxs, ws, outputs, infos, rank, E_l, mask):
+def expected_combine(idxs, ws, outputs, infos, rank, E_l, mask, owner=False):
     """y on `rank`: acc = acc + w * row over k ascending in float32, BF16 at the end. outputs[d] and
-    infos[d] = (src_info, layout_range) are rank d's expert outputs and its dispatch layout."""
+    infos[d] = (src_info, layout_range) are rank d's expert outputs and its dispatch layout. owner
+    (combine_reduce owner): each rank's picks summed that way into BF16 first, those sums added in
+    float32 in the order of each rank's first pick."""
     idx, w = idxs[rank], ws[rank]
     T, H = idx.shape[0], outputs[0].shape[-1]
     y = torch.zeros(T, H, dtype=torch.float32)
     for t in range(T):
         acc = torch.zeros(H, dtype=torch.float32)
+        sums = {}  # owner: rank -> its float32 sum, in the order of first picks
         for k in range(K):
             g = int(idx[t, k])
             d, e = divmod(g, E_l)
@@ -120,13 +123,18 @@ def expected_combine(idxs, ws, outputs, infos, rank, E_l, mask):
             src_info, layout = infos[d]
             begin, count = int(layout[e, rank]) >> 32, int(layout[e, rank]) & 0xFFFFFFFF
             slot = begin + src_info[e, begin:begin + count].tolist().index(t)
-            acc = acc + w[t, k] * outputs[d][e, slot].float()
+            if owner:
+                sums[d] = sums.get(d, torch.zeros(H, dtype=torch.float32)) + w[t, k] * outputs[d][e, slot].float()
+            else:
+                acc = acc + w[t, k] * outputs[d][e, slot].float()
+        for part in sums.values():
+            acc = acc + part.to(torch.bfloat16).float()
         y[t] = acc
     return y.to(torch.bfloat16)
 
 
 def check_case(buf, rank, world, E_l, hidden, tokens, mode, seed, *, use_fp8, round_scale=False,
-               hook=False, async_op=False, mask=(), recv_stats=None, device="cpu"):
+               hook=False, async_op=False, mask=(), recv_stats=None, device="cpu", owner=False):
     """One dispatch + combine through `buf`, every output against the brute force (on the CPU);
     returns the counts."""
     ctx = f"rank {rank}/{world} E_l {E_l} H {hidden} tokens {tokens} {mode} fp8 {use_fp8} round {round_scale} " \
@@ -191,7 +199,7 @@ def check_case(buf, rank, world, E_l, hidden, tokens, mode, seed, *, use_fp8, ro
     y = y.cpu()
     outputs = gather(out)
     infos = gather((src_info_got, layout_got))
-    want = expected_combine(idxs, ws, outputs, infos, rank, E_l, mask)
+    want = expected_combine(idxs, ws, outputs, infos, rank, E_l, mask, owner)
     assert y.dtype == torch.bfloat16 and y.shape == (T, hidden), ctx
     assert torch.equal(y, want), (ctx, (y.float() - want.float()).abs().max())
     return counts
@@ -230,6 +238,15 @@ def contract_body(rank, world, device="cpu"):
         check_case(buf, rank, world, E_l, hidden, [9] * world, "random", seed + 1, use_fp8=False, device=device)
         assert buf.low_latency_backend_name == "torch"
         buf.close()
+    # combine_reduce owner: per-rank BF16 sums, added in the order of first picks (a hook, a mask, skew)
+    buf = make_buffer(world, E_l, 256, low_latency={"max_tokens_per_rank": M, "combine_reduce": "owner"})
+    for tokens, mode, hook, mask in (([11] * world, "random", False, ()), (full, "skew", True, ()),
+                                     (odd, "random", False, (world - 1,))):
+        seed += 1
+        buf.set_low_latency_mask(list(mask))
+        check_case(buf, rank, world, E_l, 256, tokens, mode, seed, use_fp8=False, hook=hook, mask=mask,
+                   device=device, owner=True)
+    buf.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@
 // kLightTickets: the send half's ticket behind fence.acq_rel.sys, the receive half's without a fence.
 // kSpreadRows (the send half): rows dealt to warps in a stride order (send_rows). The same rows to the same
 // places: the output is bit-identical.
+// kOwnerReduce ("Owner sums" below): one row per (token, owner rank) instead of one per pick.
 // kCopy8 (the send half): a warp's share of a row (~448 units at H = 7168 when rows are fewer than
 // warps) is 14 units per lane, i.e. four rounds of load-then-store at 4 loads in flight, each round one
 // HBM latency before its stores can go; at 8 in flight it is two.
@@ -92,6 +93,111 @@ __device__ __forceinline__ int4 to_bf16_unit(const float (&acc)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
   return out;
+}
+
+// ---------------------------------------------------------------- Owner sums (kOwnerReduce)
+// With output sets in the heap the dispatch left, at each owner, a record per (source, token): the row of
+// each pick k held there (ll_dispatch_direct.cu, write_records). The combine's send half first sends this
+// rank's weights to its picks' owners (epoch-tagged words: no fence, no flag), then sums, for every (source,
+// token) with rows here, those rows with the source's weights -- float32, k ascending, multiply and add
+// rounded apart -- into one BF16 row, stored at the source's (token, first such k). At EP2 with top-8 that is
+// one row per token where the picks' rows were four. The token's rank then adds those rows in the order of
+// each rank's first pick (reduce_tokens_owner). Elsewhere (the slot path) the rows still leave per pick and
+// the token's rank makes each owner's sum itself, with the same roundings.
+
+// This rank's weights to the owners of its picks (not left out; its own too when its rows go through the send).
+__device__ void send_weights(const Ctx& c, int p, int epoch, const int64_t* topk_idx, const float* weights, int T,
+                             int K, bool skip_self) {
+  const int EL = c.local_experts, E = c.num_experts;
+  const unsigned long long tag = static_cast<unsigned long long>(static_cast<unsigned>(epoch + 1)) << 32;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < T * K; i += gridDim.x * blockDim.x) {
+    const long long id = topk_idx[i];
+    if (id < 0 || id >= E) continue;
+    const int d = static_cast<int>(id) / EL;
+    if (left_out(c, d) || (skip_self && d == c.rank)) continue;
+    const int t = i / K, k = i - t * K;
+    auto* w = reinterpret_cast<volatile unsigned long long*>(c.peer[d] + c.comb_w[p]) +
+              (static_cast<long long>(c.rank) * c.max_tokens + t) * c.max_topk + k;
+    *w = tag | __float_as_uint(weights[i]);
+  }
+}
+
+// Source s's weight of (t, k), waited for by its epoch tag; false on a timeout (recorded) or an abort.
+__device__ bool wait_weight(const Ctx& c, int p, int epoch, int s, int t, int k, float* w,
+                            unsigned long long deadline) {
+  const unsigned long long* word = reinterpret_cast<const unsigned long long*>(c.heap + c.comb_w[p]) +
+                                   (static_cast<long long>(s) * c.max_tokens + t) * c.max_topk + k;
+  const unsigned target = static_cast<unsigned>(epoch + 1);
+  for (unsigned it = 1;; ++it) {
+    const unsigned long long v = ld_volatile_u64(word);
+    // an older call's word of this parity carries a smaller tag; no newer one can come before this send
+    if (static_cast<int>(static_cast<unsigned>(v >> 32) - target) >= 0) {
+      *w = __uint_as_float(static_cast<unsigned>(v & 0xffffffffull));
+      return true;
+    }
+    if ((it & 127u) == 0) {
+      if (ld_volatile(c.aborted)) return false;
+      if (globaltimer() > deadline) {
+        record_timeout(c, s, kKernelCombine);
+        return false;
+      }
+    }
+  }
+}
+
+// Every (source, token) with rows here: their weighted sum to the source's (token, first k held here). A
+// warp takes one part of one (source, token)'s row (parts as send_rows sizes them).
+__device__ void send_sums(const Ctx& c, int p, int epoch, const int4* x, const int* rec, int K, bool skip_self,
+                          int* smem) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ const int4* s_src[kWarps][32];
+  __shared__ float s_wt[kWarps][32];
+  const int W = c.world, M = c.max_tokens, KM = c.max_topk;
+  const int n16 = c.hidden / 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int* s_T = smem;
+  int* s_off = smem + W;
+  for (int s = threadIdx.x; s < W; s += blockDim.x)
+    s_T[s] = left_out(c, s) || (skip_self && s == c.rank) ? 0 : min(max(rec[s], 0), M);
+  block_exclusive_scan(s_T, s_off, W);
+  const int items = s_off[W];
+  // few items (128 tokens per peer): up to 16 warps share one, each reading its picks' rows for a part
+  const int parts = items > 0 ? max(1, min(16, gridDim.x * warps / items)) : 1;
+  const int chunk = (n16 + parts - 1) / parts;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  for (int i = blockIdx.x * warps + warp; i < items * parts; i += gridDim.x * warps) {
+    const int item = i / parts, part = i - item * parts;
+    const int s = find_segment(s_off, W, item), t = item - s_off[s];
+    int at = -1;
+    float w = 0.f;
+    if (lane < K) {
+      at = rec[W + (static_cast<long long>(s) * M + t) * KM + lane];
+      if (at >= 0 && !wait_weight(c, p, epoch, s, t, lane, &w, deadline)) at = -1;
+    }
+    const unsigned have = __ballot_sync(kFull, at >= 0);
+    if (have == 0) continue;  // no pick of this token here
+    if (at >= 0) {
+      const int q = __popc(have & ((1u << lane) - 1u));
+      s_src[warp][q] = x + static_cast<long long>(at) * n16;
+      s_wt[warp][q] = w;
+    }
+    __syncwarp();
+    const int nk = __popc(have), kfirst = __ffs(have) - 1;
+    int4* dst = reinterpret_cast<int4*>(c.peer[s] + comb_row_offset(c, p, t, kfirst));
+    const int lo = part * chunk, hi = min(n16, lo + chunk);
+    for (int j = lo + lane; j < hi; j += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int q0 = 0; q0 < nk; q0 += 8) {  // up to 8 rows' loads in flight before the sums (k order)
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (q0 + u < nk) v[u] = ld_nc_v4(s_src[warp][q0 + u] + j);
+        accumulate_rows(acc, v, &s_wt[warp][q0], nk - q0);
+      }
+      st_na_v4(dst + j, to_bf16_unit(acc));
+    }
+    __syncwarp();  // s_src / s_wt of this item read before the next item's
+  }
 }
 
 // y's unit j of a token: the weighted sum of its nk <= 8 rows' unit j (k order), v[u] = row u's unit j.
@@ -233,20 +339,122 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
   }
 }
 
+
+// kOwnerReduce's receive half: y[t] = the sum, over the ranks holding t's picks in the order of each one's
+// first pick, of that rank's BF16 sum (float32: its picks' rows weighted, k ascending, rounded to BF16 at
+// the end), float32, rounded to BF16. A rank's sum came as one row (`pre`: its owner made it, send_sums)
+// or is made here from its picks' rows: this rank's own (read from x at self_pos), or every rank's on the
+// slot path (no records there: the rows came per pick).
+__device__ void reduce_tokens_owner(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
+                                    int4* y, const int4* x, const int* self_pos) {
+  const int W = c.world, EL = c.local_experts, E = c.num_experts;
+  const int epoch = ld_volatile(c.state + kCombRecvEpoch);
+  const int p = epoch & 1;
+  const bool sums_sent = c.sets > 0;  // the direct dispatch's records: owners sent sums
+  __shared__ int s_ok[kMaxRanks];
+  __shared__ float s_w[32];
+  __shared__ const int4* s_row[32];
+  __shared__ int s_last[32];  // the term closes its rank's sum
+  __shared__ int s_nk;
+  for (int s = threadIdx.x; s < W; s += blockDim.x)
+    s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
+  __syncthreads();
+  stamp(c, kStampCombine, kCsSignalsIn);
+  const int n16 = c.hidden / 8;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x < 32) {
+      const int k = threadIdx.x;
+      int e = -1;
+      float wk = 0.f;
+      if (k < K) {
+        const long long id = topk_idx[static_cast<long long>(t) * K + k];
+        e = (id < 0 || id >= E) ? -1 : static_cast<int>(id);
+        wk = weights[static_cast<long long>(t) * K + k];
+      }
+      const bool keep = k < K && e >= 0 && s_ok[e / EL];
+      const int d = keep ? e / EL : -1;
+      int first_e = k, first_d = k;  // the first k naming this expert; the first kept k on this rank
+      for (int q = 0; q < K; ++q) {
+        const int eq = __shfl_sync(kFull, e, q), dq = __shfl_sync(kFull, d, q);
+        if (q < first_e && eq == e) first_e = q;
+        if (q < first_d && dq == d) first_d = q;
+      }
+      const bool own = d == c.rank && self_pos != nullptr;
+      const bool pre = sums_sent && !own;
+      const bool term = keep && (!pre || k == first_d);
+      // the terms in (first_d, k) order: each rank's terms together, ranks by first pick
+      int pos = 0, after = 0;
+      for (int q = 0; q < K; ++q) {
+        const int tq = __shfl_sync(kFull, term ? 1 : 0, q), fq = __shfl_sync(kFull, first_d, q);
+        if (tq && (fq < first_d || (fq == first_d && q < k))) ++pos;
+        if (tq && fq == first_d && q > k) ++after;
+      }
+      if (term) {
+        s_w[pos] = pre ? 1.f : wk;  // 0 + 1 * v == v: a sent sum passes through its own rounding unchanged
+        s_row[pos] = own ? x + static_cast<long long>(self_pos[t * c.max_topk + first_e]) * n16
+                         : reinterpret_cast<const int4*>(c.heap + comb_row_offset(c, p, t, pre ? first_d : first_e));
+        s_last[pos] = after == 0;
+      }
+      const unsigned terms = __ballot_sync(kFull, term);
+      if (k == 0) s_nk = __popc(terms);
+    }
+    __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampCombine, kCsPicked);
+    const int nk = s_nk;
+    for (int j = threadIdx.x; j < n16; j += blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int q0 = 0; q0 < nk; q0 += 8) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (q0 + u < nk) v[u] = ld_nc_v4(s_row[q0 + u] + j);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (q0 + u >= nk) break;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+          const float wu = s_w[q0 + u];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            part[2 * i] = __fadd_rn(part[2 * i], __fmul_rn(wu, f.x));
+            part[2 * i + 1] = __fadd_rn(part[2 * i + 1], __fmul_rn(wu, f.y));
+          }
+          if (s_last[q0 + u]) {  // the rank's sum rounded to BF16, then added
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              acc[i] = __fadd_rn(acc[i], __bfloat162float(__float2bfloat16_rn(part[i])));
+              part[i] = 0.f;
+            }
+          }
+        }
+      }
+      y[static_cast<long long>(t) * n16 + j] = to_bf16_unit(acc);
+    }
+    __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) stamp(c, kStampCombine, kCsSummed);
+  }
+}
+
 }  // namespace
 
 template <bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count, const int64_t* topk_idx,
-               const float* weights, int T, int K, int phases, int4* y, const int* self_pos) {
+               const float* weights, int T, int K, int phases, int4* y, const int* self_pos, const int* rec) {
   extern __shared__ int smem[];
   if (phases & kSend) {
     stamp(c, kStampCombine, kCsEntry);
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0,
-              (phases & kSpreadRows) != 0);
+    if ((phases & kOwnerReduce) && c.sets > 0) {
+      send_weights(c, p, epoch, topk_idx, weights, T, K, self_pos != nullptr);
+      send_sums(c, p, epoch, x, rec, K, self_pos != nullptr, smem);
+    } else {
+      send_rows(c, p, x, row_slot, recv_count, self_pos != nullptr, smem, &any_rdma, kDeep && (phases & kCopy8) != 0,
+                (phases & kSpreadRows) != 0);
+    }
     if (any_rdma) nvshmem_quiet();
     stamp(c, kStampCombine, kCsRowsOut);
     const bool light = (phases & kLightTickets) != 0;
@@ -262,8 +470,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (phases & kRecv) {
     __syncthreads();
-    reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
-                  kDeep && (phases & kLoadsAhead) != 0);
+    if (phases & kOwnerReduce)
+      reduce_tokens_owner(c, topk_idx, weights, T, K, y, x, self_pos);
+    else
+      reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
+                    kDeep && (phases & kLoadsAhead) != 0);
     // kLightTickets: y reaches later kernels by stream order; the ticket only moves the epoch on
     const bool last = (phases & kLightTickets) ? last_block<TicketFence::kNone>(ticket(c, kTicketCombRecv))
                                                : last_block(ticket(c, kTicketCombRecv));
@@ -273,9 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template __global__ void combine<false>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
-                                        int, int, int4*, const int*);
+                                        int, int, int4*, const int*, const int*);
 template __global__ void combine<true>(Ctx, const int4*, const int*, const int*, const int64_t*, const float*, int,
-                                       int, int, int4*, const int*);
+                                       int, int, int4*, const int*, const int*);
 
 }  // namespace ll
 }  // namespace ep

@@ -21,6 +21,12 @@
 //                          {token, combine slot} (kPackedInfo)
 //   cnt_word[p][W][E]      u64 (epoch + 1) << 32 | rows, kCountWords' counts: a word carries its own
 //                          epoch, so it needs neither a fence nor cnt_flag behind it
+//   set's rec              int [W] tokens of each source, then [W][M][KMAX] the row (el * W*M + row) of
+//                          each (source, token, k) in this rank's set, -1 where k is not this rank's:
+//                          what kOwnerReduce's combine sums per (source, token); every entry of a
+//                          source's tokens is rewritten by each dispatch, so nothing needs clearing
+//   comb_w[p][W][M][KMAX]  u64 (epoch + 1) << 32 | float bits: the weight of (source, token, k), sent by
+//                          the source at its combine's start to the pick's owner (kOwnerReduce)
 // A row's place: the rows of lower source ranks for that expert first (cnt_all), then this source's
 // in token order. The host picks the set of each call (the same on every rank); a set is rewritten N
 // dispatches later.
@@ -60,9 +66,15 @@ constexpr int kSpreadRows = 4096;     // combine send: rows dealt to warps in a 
 constexpr int kLeanRouting = 8192;    // direct dispatch: the rank mask read once per block, a token's slots counted by a warp per k
 constexpr int kLightTickets = 16384;  // direct dispatch and combine: send tickets behind fence.acq_rel.sys, receive tickets unfenced
 constexpr int kArrivalOrder = 32768;  // direct dispatch: each (source, expert) block reserved at the owner by an atomic, sources in arrival order
+// comm.low_latency.combine_reduce owner: the owner of a token's experts sums their rows (weighted, float32, k
+// ascending) into one BF16 row per (token, owner rank), and the token's rank sums those rows in the order of
+// each rank's first pick. With output sets in the heap the owner does it before sending (one row per (token,
+// rank) crosses NVLink instead of one per pick: ll_combine.cu, "Owner sums"); elsewhere the token's rank does
+// it from the picks' rows, with the same roundings.
+constexpr int kOwnerReduce = 65536;
 constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload |
                              kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting | kLightTickets |
-                             kArrivalOrder;
+                             kArrivalOrder | kOwnerReduce;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;
@@ -90,6 +102,8 @@ struct Ctx {
   long long cnt_all[2], cnt_flag[2], cnt_word[2], out_set[kMaxSets];
   long long set_scales, set_src_info, set_row_slot;  // offsets inside a set
   long long set_scales_rm, set_info;                 // offsets inside a set (kScalesRowMajor, kPackedInfo)
+  long long set_rec;                                 // offset inside a set (kOwnerReduce's records)
+  long long comb_w[2];                               // kOwnerReduce's weight words, per parity (-1 without sets)
   // kArrivalOrder, per parity: the owner's reservation counters [EL], this rank's begins [E] (for its own
   // blocks, behind arr_ready = epoch + 1), the words (begin << 32) | count [W][E] for the owner's receive
   long long arr_resv[2], arr_begin[2], arr_ready[2], arr_word[2];
@@ -118,6 +132,12 @@ enum CombineStamp { kCsEntry = 0, kCsRowsOut, kCsFenced, kCsSignal, kCsSignalsIn
 __device__ __forceinline__ void stamp(const Ctx& c, int kernel, int slot) {
   if (c.stamps != nullptr && threadIdx.x == 0 && blockIdx.x < kStampBlocks)
     c.stamps[(kernel * kStampBlocks + blockIdx.x) * kStampSlots + slot] = globaltimer();
+}
+
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* w) {
+  unsigned long long v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ bool left_out(const Ctx& c, int r) { return ld_volatile(c.state + kMask + r) != 0; }

@@ -65,12 +65,6 @@ __device__ __forceinline__ unsigned long long* arr_word_at(const Ctx& c, char* b
   return reinterpret_cast<unsigned long long*>(base + c.arr_word[p]) + static_cast<long long>(s) * c.num_experts + e;
 }
 
-__device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* w) {
-  unsigned long long v;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
-  return v;
-}
-
 // Source s's rows for global expert e, once its counts are known to be here (the receive half, after
 // s's signal: the words came before it).
 __device__ __forceinline__ int source_count(const Ctx& c, int p, int s, int e, int flags) {
@@ -150,18 +144,46 @@ __device__ void reserve_blocks(const Ctx& c, int p, int epoch, const int* s_topk
   if (threadIdx.x == 0) st_release_sys(reinterpret_cast<int*>(c.heap + c.arr_ready[p]), epoch + 1);
 }
 
+// kOwnerReduce: token t's record at every rank not left out -- for each k, the row of (t, k) in that rank's
+// set, or -1 where k is not that rank's -- so that the owner's combine can sum a token's rows before
+// sending. A repeated expert (load_topk made it -1 in s_topk) gets the row of its first k: combine weights
+// each pick with it. Behind the same signal as the rows.
+__device__ __forceinline__ void write_records(const Ctx& c, int set, int t, int K, const int* s_topk,
+                                              const int64_t* topk_idx, const int* s_own, const long long* s_at) {
+  const int EL = c.local_experts, E = c.num_experts;
+  for (int i = threadIdx.x; i < c.world * K; i += blockDim.x) {
+    const int d = i / K, k = i - d * K;
+    if (left_out(c, d)) continue;
+    int entry = -1;
+    if (s_topk[t * K + k] >= 0) {
+      if (s_own[k] == d) entry = static_cast<int>(s_at[k]);
+    } else {
+      const long long id = topk_idx[static_cast<long long>(t) * K + k];  // a repeat, or routed nowhere
+      if (id >= 0 && id < E && static_cast<int>(id) / EL == d)
+        for (int q = 0; q < k; ++q)
+          if (s_topk[t * K + q] == static_cast<int>(id)) {
+            if (s_own[q] == d) entry = static_cast<int>(s_at[q]);
+            break;
+          }
+    }
+    int* rec = reinterpret_cast<int*>(c.peer[d] + c.out_set[set] + c.set_rec) + c.world;
+    rec[(static_cast<long long>(c.rank) * c.max_tokens + t) * c.max_topk + k] = entry;
+  }
+}
+
 // The rows of this block's tokens. s_low[s] (s < rank): source s's counts are in (0: left out);
 // unused with kCountWords, where each (token, k) waits for its expert's words.
 // early: the first round of the block's first token (blockIdx.x) when kEarlyRow loaded it at entry.
 template <bool kFp8>
 __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x, const int* s_topk, int T, int K,
                           int round_scale, const int* s_low, int* self_pos, int flags,
-                          const int4 (&early)[kRowInFlight], bool have_early) {
+                          const int4 (&early)[kRowInFlight], bool have_early, const int64_t* topk_idx) {
   __shared__ int s_slot[32];
   __shared__ char* s_dst[32];      // the owner's set, or nullptr (nowhere)
   __shared__ long long s_at[32];   // el * W*M + row in that set
   __shared__ char* s_row[32];      // kLeanStores: the row of (token, k) in the owner's set, or nullptr
   __shared__ float* s_sc[32];      // kLeanStores: group 0's scale of (token, k) in the owner's set; group g at + g * W*M
+  __shared__ int s_own[32];        // kOwnerReduce: the rank that holds (token, k)'s row, or -1
   __shared__ __align__(16) float s_scale[kMaxScaleGroups];  // kScalesRowMajor: the row's scales
   const int EL = c.local_experts, WM = c.world * c.max_tokens, S = c.hidden / 128;
   const int n16 = c.hidden / 8;
@@ -170,6 +192,10 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
   const bool wide = kFp8 && (flags & kFp8Wide), preload = (flags & kPreload) != 0;
   const bool lean = (flags & kLeanStores) != 0, lanes = kFp8 && !rm && lean;
   int4 pre[kRowInFlight] = {};
+  const bool records = (flags & kOwnerReduce) != 0;
+  if (records && blockIdx.x == 0)  // every rank learns this rank's token count, the records' extent
+    for (int d = threadIdx.x; d < c.world; d += blockDim.x)
+      if (!left_out(c, d)) reinterpret_cast<int*>(c.peer[d] + c.out_set[set] + c.set_rec)[c.rank] = T;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     const int4* src = x + static_cast<long long>(t) * n16;
     if (preload) {  // in flight through the slots and the count wait
@@ -220,6 +246,7 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
       s_dst[k] = dst;
       s_at[k] = at;
       s_sc[k] = sc;
+      s_own[k] = dst == nullptr ? -1 : e / EL;
       s_row[k] = dst == nullptr ? nullptr : dst + at * row_bytes;
     }
     __syncthreads();
@@ -293,6 +320,7 @@ __device__ void send_rows(const Ctx& c, int p, int epoch, int set, const int4* x
           row[u] = s_scale[u];
       }
     }
+    if (records) write_records(c, set, t, K, s_topk, topk_idx, s_own, s_at);
     __syncthreads();
   }
   stamp(c, kStampDispatch, kDsRowsOut);
@@ -441,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // without a lower rank's counts this rank's rows have no place: none is sent (the timeout is recorded)
     if (!s_lost) send_rows<kFp8>(c, p, epoch, set, x, s_topk, T, K, round_scale, s_low, o.self_pos, flags, early,
-                                 have_early);
+                                 have_early, topk_idx);
     const bool last = (flags & kLightTickets) ? last_block<TicketFence::kAcqRel>(ticket(c, kTicketDispSend))
                                               : last_block(ticket(c, kTicketDispSend));
     stamp(c, kStampDispatch, kDsFenced);

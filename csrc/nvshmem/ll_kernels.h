@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_direct(Ctx c, const int4
 template <bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1) combine(Ctx c, const int4* x, const int* row_slot, const int* recv_count,
                            const int64_t* topk_idx, const float* weights, int T, int K, int phases, int4* y,
-                           const int* self_pos);
+                           const int* self_pos, const int* rec);
 
 }  // namespace ll
 }  // namespace ep

@@ -25,7 +25,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
   size_t at = 0;
   auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
   long long disp_flag[2], cnt_flag[2], comb_flag[2], disp_cnt[2], disp_slots[2], comb_rows[2], cnt_all[2];
-  long long cnt_word[2], arr_resv[2], arr_begin[2], arr_ready[2], arr_word[2];
+  long long cnt_word[2], arr_resv[2], arr_begin[2], arr_ready[2], arr_word[2], comb_w[2];
   for (int p = 0; p < 2; ++p) {
     disp_flag[p] = take(8ull * W);
     cnt_flag[p] = take(8ull * W);
@@ -39,6 +39,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
     arr_begin[p] = sets > 0 ? take(4ull * E) : -1;
     arr_ready[p] = sets > 0 ? take(16) : -1;
     arr_word[p] = sets > 0 ? take(8ull * W * E) : -1;
+    comb_w[p] = sets > 0 ? take(8ull * W * M * KMAX) : -1;
   }
   // a set: data (BF16 rows; FP8 rows and both forms of their scales in the same bytes), src_info,
   // row_slot, info
@@ -49,10 +50,12 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
   const size_t set_src_info = std::max(align256(2 * rows * H), align256(set_scales_rm + scale_bytes));
   const size_t set_row_slot = set_src_info + align256(4 * rows);
   const size_t set_info = set_row_slot + align256(4 * rows);
+  const size_t set_rec = set_info + align256(8 * rows);
+  const size_t rec_ints = static_cast<size_t>(W) + static_cast<size_t>(W) * M * KMAX;
   long long out_set[kMaxSets];
   for (int i = 0; i < kMaxSets; ++i) {  // 256-byte aligned: torch tensors view them
     at = i < sets ? align256(at) : at;
-    out_set[i] = i < sets ? take(set_info + 8 * rows) : -1;
+    out_set[i] = i < sets ? take(set_rec + 4 * rec_ints) : -1;
   }
   long long stage_rows = -1, stage_cnt = -1, comb_stage = -1;
   if (stage) {
@@ -70,6 +73,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
       c->arr_begin[p] = arr_begin[p];
       c->arr_ready[p] = arr_ready[p];
       c->arr_word[p] = arr_word[p];
+      c->comb_w[p] = comb_w[p];
       c->comb_flag[p] = comb_flag[p];
       c->disp_cnt[p] = disp_cnt[p];
       c->disp_slots[p] = disp_slots[p];
@@ -85,6 +89,7 @@ size_t layout(Ctx* c, int W, int E, int M, int KMAX, int H, bool stage, int sets
     c->set_row_slot = static_cast<long long>(set_row_slot);
     c->set_scales_rm = static_cast<long long>(set_scales_rm);
     c->set_info = static_cast<long long>(set_info);
+    c->set_rec = static_cast<long long>(set_rec);
   }
   return at;
 }
@@ -245,19 +250,22 @@ void Runtime::dispatch(uintptr_t x, uintptr_t topk_idx, int T, int K, int use_fp
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
-                      int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos) {
+                      int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos, uintptr_t rec) {
   check_call(T, K);
   // the engine passes one set of bits to both calls: the dispatch's are ignored here
   EP_CHECK_ARG((phases & kPhaseMask) != 0 && (phases & ~(kPhaseMask | kVariantMask)) == 0,
                "low-latency combine: phases must be 1, 2 or 3 (| variant bits), got %d", phases);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
+  // kOwnerReduce's send half sums per (source, token) from the dispatch's records: they exist with output sets
+  EP_CHECK_ARG(!(phases & kOwnerReduce) || !(phases & kSend) || rec != 0 || c.sets == 0,
+               "low-latency combine: kOwnerReduce's send half needs the dispatch's records");
   const size_t smem = smem_bytes(0, 0, c.num_experts);
   auto* kernel = (phases & (kLoadsAhead | kCopy8)) ? ::ep::ll::combine<true> : ::ep::ll::combine<false>;
   launch(kernel, num_blocks_, phases, smem, reinterpret_cast<cudaStream_t>(stream), c,
          reinterpret_cast<const int4*>(x), reinterpret_cast<const int*>(row_slot),
          reinterpret_cast<const int*>(recv_count), reinterpret_cast<const int64_t*>(topk_idx),
          reinterpret_cast<const float*>(weights), T, K, phases, reinterpret_cast<int4*>(y),
-         reinterpret_cast<const int*>(self_pos));
+         reinterpret_cast<const int*>(self_pos), reinterpret_cast<const int*>(rec));
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -276,7 +284,7 @@ std::vector<uintptr_t> Runtime::set_pointers(int i) const {
   EP_CHECK_ARG(i >= 0 && i < c.sets, "LowLatencyRuntime: output set %d, the buffer has %d", i, c.sets);
   const uintptr_t base = reinterpret_cast<uintptr_t>(heap_) + static_cast<uintptr_t>(c.out_set[i]);
   return {base, base + static_cast<uintptr_t>(c.set_scales), base + static_cast<uintptr_t>(c.set_src_info),
-          base + static_cast<uintptr_t>(c.set_row_slot)};
+          base + static_cast<uintptr_t>(c.set_row_slot), base + static_cast<uintptr_t>(c.set_rec)};
 }
 
 void Runtime::set_stamps(uintptr_t stamps) {

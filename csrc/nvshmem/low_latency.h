@@ -35,11 +35,13 @@ class Runtime {
                 uintptr_t self_pos);
   // out_set >= 0: into that output set (out_x, out_scales, src_info, row_slot unused: the set's)
   int sets() const;
-  std::vector<uintptr_t> set_pointers(int i) const;  // set i's data, scales, src_info, row_slot
+  std::vector<uintptr_t> set_pointers(int i) const;  // set i's data, scales, src_info, row_slot, rec
   // self_pos (0: none): the dispatch recorded where (token, k) of this rank's own experts landed; the
-  // send half skips those rows and the receive half reads them from x (both halves get x then)
+  // send half skips those rows and the receive half reads them from x (both halves get x then).
+  // rec: the dispatch's records (its set's rec, or where a held set moved them), for kOwnerReduce's send
+  // half, which also takes topk_idx and weights (its weights go to the picks' owners first)
   void combine(uintptr_t x, uintptr_t row_slot, uintptr_t recv_count, uintptr_t topk_idx, uintptr_t weights,
-               int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos);
+               int T, int K, int phases, uintptr_t y, uintptr_t stream, uintptr_t self_pos, uintptr_t rec);
   void set_mask(const std::vector<int>& left_out);  // clears a recorded timeout too (synchronous)
   int error() const;
   int error_kernel() const;

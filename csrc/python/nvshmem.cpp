@@ -46,7 +46,7 @@ void bind_nvshmem(py::module_& m) {
       .def("set_pointers", &LL::set_pointers, py::arg("i"))
       .def("combine", &LL::combine, py::arg("x"), py::arg("row_slot"), py::arg("recv_count"), py::arg("topk_idx"),
            py::arg("weights"), py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"),
-           py::arg("self_pos") = 0)
+           py::arg("self_pos") = 0, py::arg("rec") = 0)
       .def("set_stamps", &LL::set_stamps, py::arg("stamps"),
            "Phase stamps (benchmarks): a device pointer to 2*1024*8 uint64, or 0 for none")
       .def("set_mask", &LL::set_mask, py::arg("left_out"))

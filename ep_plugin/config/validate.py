@@ -16,7 +16,7 @@ from .ep_size import check_ep_size, divisors  # noqa: F401 (check_ep_size re-exp
 from .problems import Context, Problem, config_error, suggest  # noqa: F401 (re-exported: the rules' messages)
 from .schema import (
     AUTO, BACKEND_NAMES, COMBINE_DTYPES, COMBINE_KERNELS, DISPATCH_DTYPES, DISPATCH_KERNELS, HELD_OUTPUTS,
-    SCORE_FUNCTIONS, SECTIONS, SOURCE_ORDERS, VALIDATE_MODES, EPConfig, LowLatencyConfig, RdmaConfig,
+    SCORE_FUNCTIONS, SECTIONS, SOURCE_ORDERS, COMBINE_REDUCES, VALIDATE_MODES, EPConfig, LowLatencyConfig, RdmaConfig,
 )
 
 
@@ -75,6 +75,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
             "heap_outputs": _BOOL,
             "held_outputs": ("enum", HELD_OUTPUTS),
             "source_order": ("enum", SOURCE_ORDERS),
+            "combine_reduce": ("enum", COMBINE_REDUCES),
         },
         "rdma": {
             "qps_per_peer": ("int_or_auto", f"a positive int (>= 1) or {AUTO}"),

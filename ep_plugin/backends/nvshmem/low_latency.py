@@ -80,6 +80,7 @@ MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 # kLeanStores, 8192 kLeanRouting, 16384 kLightTickets (docs/LOW_LATENCY.md, "Phase stamps")
 SCALES_ROW_MAJOR = 8
 ARRIVAL_ORDER = 32768  # kArrivalOrder: comm.low_latency.source_order arrival
+OWNER_REDUCE = 65536  # kOwnerReduce: comm.low_latency.combine_reduce owner
 MAX_ROW_MAJOR_SCALE_GROUPS = 256  # kMaxScaleGroups: a row's scales pass through shared memory
 KERNEL_FLAGS_DEFAULT = SCALES_ROW_MAJOR | 64 | 256 | 8192 | 16384
 
@@ -152,6 +153,8 @@ class NvshmemLowLatency(ReportsFaults):
             flags &= ~SCALES_ROW_MAJOR
         if str(cfg.comm.low_latency.source_order) == "arrival":
             flags |= ARRIVAL_ORDER
+        if str(cfg.comm.low_latency.combine_reduce) == "owner":
+            flags |= OWNER_REDUCE
         self.kernel_flags = flags
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a Watch per set
@@ -219,14 +222,15 @@ class NvshmemLowLatency(ReportsFaults):
                 continue
             recv_x, _count, src_info, _layout, state = sets[i][:5]
             if kind in held:
-                heap += ([*recv_x] if isinstance(recv_x, tuple) else [recv_x]) + [src_info, state["row_slot"]]
+                heap += ([*recv_x] if isinstance(recv_x, tuple) else [recv_x]) + [src_info, state["row_slot"],
+                                                                                    state["rec"]]
                 states.append(state)
             sets[i] = self._dispatch_watch[kind][i] = None  # only the caller's references are followed
             del recv_x, src_info, state
         if not move_out(heap, dev):
             self._held = i  # a holder not found: raised after the launch, as `raise` does
-        for state in states:  # a held handle's row_slot moved with it
-            state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:])
+        for state in states:  # a held handle's row_slot and records moved with it
+            state["ptrs"] = (state["row_slot"].data_ptr(), *state["ptrs"][1:3], state["rec"].data_ptr())
         del heap, states
         for kind in (0, 1):
             sets = self._dispatch_sets[kind]
@@ -259,7 +263,7 @@ class NvshmemLowLatency(ReportsFaults):
     def _heap_dispatch_outputs(self, use_fp8: bool, dev, i: int):
         """Output set i of the heap as tensors; recv_count and layout_range are this rank's own tensors."""
         EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
-        data_ptr, scales_ptr, src_ptr, slot_ptr = self._rt.set_pointers(i)
+        data_ptr, scales_ptr, src_ptr, slot_ptr, rec_ptr = self._rt.set_pointers(i)
         if use_fp8:
             data = heap_tensor(data_ptr, (EL, WM, H), torch.float8_e4m3fn, dev)
             # the transpose of a contiguous [EL, S, WM] (the contract)
@@ -269,7 +273,9 @@ class NvshmemLowLatency(ReportsFaults):
             scales_ptr = 0
         src_info = heap_tensor(src_ptr, (EL, WM), torch.int32, dev)
         row_slot = heap_tensor(slot_ptr, (EL, WM), torch.int32, dev)
-        return self._with_counts(recv_x, data_ptr, scales_ptr, src_info, row_slot, dev, i)
+        # kOwnerReduce's records (ll_device.cuh, "set's rec"): written by the senders, read by the combine
+        rec = heap_tensor(rec_ptr, (self.world * (1 + self.max_tokens * self.max_topk),), torch.int32, dev)
+        return self._with_counts(recv_x, data_ptr, scales_ptr, src_info, row_slot, dev, i, rec)
 
     def _new_dispatch_outputs(self, use_fp8: bool, dev, _i: int = 0):
         EL, WM, H = self.local_experts, self.world * self.max_tokens, self.hidden
@@ -288,7 +294,7 @@ class NvshmemLowLatency(ReportsFaults):
         row_slot = torch.empty(EL, WM, dtype=torch.int32, device=dev)
         return self._with_counts(recv_x, data.data_ptr(), scales_ptr, src_info, row_slot, dev, -1)
 
-    def _with_counts(self, recv_x, data_ptr: int, scales_ptr: int, src_info, row_slot, dev, out_set: int):
+    def _with_counts(self, recv_x, data_ptr: int, scales_ptr: int, src_info, row_slot, dev, out_set: int, rec=None):
         """A dispatch's outputs around its rows: this rank's recv_count, layout_range and self_pos (where
         (token, k) of its own experts landed: combine reads those rows from its input), the handle's
         state and the launch's pointers."""
@@ -297,8 +303,8 @@ class NvshmemLowLatency(ReportsFaults):
         self_pos = torch.empty(self.max_tokens * self.max_topk, dtype=torch.int32, device=dev)
         count_ptr, row_slot_ptr = recv_count.data_ptr(), row_slot.data_ptr()
         # combine reads the pointers from the handle's state: no data_ptr() calls there
-        state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos,
-                 "ptrs": (row_slot_ptr, count_ptr, self_pos.data_ptr())}
+        state = {"row_slot": row_slot, "recv_count": recv_count, "self_pos": self_pos, "rec": rec,
+                 "ptrs": (row_slot_ptr, count_ptr, self_pos.data_ptr(), 0 if rec is None else rec.data_ptr())}
         ptrs = (data_ptr, scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
         return recv_x, recv_count, src_info, layout_range, state, ptrs, out_set
 
@@ -388,27 +394,27 @@ class NvshmemLowLatency(ReportsFaults):
     def combine(self, x, topk_idx, topk_weights, handle, *, out, hook: bool):
         T, K = topk_idx.shape
         rt = self._rt
-        row_slot, count, self_pos = handle.state["ptrs"]
+        row_slot, count, self_pos, rec = handle.state["ptrs"]
         x_ptr = x.data_ptr()
         flags = self.kernel_flags
+        idx_ptr, w_ptr = topk_idx.data_ptr(), topk_weights.data_ptr()
         if self.fused_launch and not hook:
             y = out if out is not None else self._combine_output(T, x.device)
-            rt.combine(x_ptr, row_slot, count, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, SEND_RECV | flags,
-                       y.data_ptr(), _current_stream(), self_pos)
+            rt.combine(x_ptr, row_slot, count, idx_ptr, w_ptr, T, K, SEND_RECV | flags, y.data_ptr(), _current_stream(),
+                       self_pos, rec)
             return y, None
         stream = _current_stream()
         # Without a hook the receive half reads this rank's own rows from x (self_pos), right behind the
         # send half; with one, x may change before the hook runs, so every row goes through the send.
-        rt.combine(x_ptr, row_slot, count, 0, 0, T, K, SEND, 0, stream, 0 if hook else self_pos)
+        # (kOwnerReduce's send half sends this rank's weights to the picks' owners first: topk_idx, weights.)
+        rt.combine(x_ptr, row_slot, count, idx_ptr, w_ptr, T, K, SEND | flags, 0, stream, 0 if hook else self_pos, rec)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
-            rt.combine(x_ptr, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
-                       stream, self_pos)
+            rt.combine(x_ptr, 0, 0, idx_ptr, w_ptr, T, K, RECV | flags, y.data_ptr(), stream, self_pos)
             return y, None
 
         def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
-            rt.combine(0, 0, 0, topk_idx.data_ptr(), topk_weights.data_ptr(), T, K, RECV | flags, y.data_ptr(),
-                       _current_stream())
+            rt.combine(0, 0, 0, idx_ptr, w_ptr, T, K, RECV | flags, y.data_ptr(), _current_stream())
 
         return y, recv
 

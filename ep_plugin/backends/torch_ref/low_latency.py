@@ -11,7 +11,10 @@ them into the fixed `[E_l, W*M, H]` output: source ranks in order from slot 0, e
 token index (the order they arrive in). FP8 is cast on the receiver, row by row (the same numbers as
 a cast on the sender). One combine: the expert rank sends each valid row back with its token index
 and global expert id (after a counts exchange: masks may differ between ranks), and the token's rank
-sums `acc = acc + w * row` over k ascending in float32, unfused, then casts to BF16.
+sums `acc = acc + w * row` over k ascending in float32, unfused, then casts to BF16. With
+`comm.low_latency.combine_reduce: owner` the picks of each rank holding some are summed that way into
+a BF16 row first, and the token's rows of those ranks are added in float32 in the order of each rank's
+first pick, then cast (what the kernels' owners send, ll_combine.cu "Owner sums").
 
 Masks (`set_mask`): a rank never sends rows to the ranks in its mask and drops (counts as 0) the
 rows that arrive from them, so with the same mask on every rank a left-out rank's rows count as
@@ -88,6 +91,8 @@ class TorchLowLatency:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.max_tokens = cfg.comm.low_latency.max_tokens_per_rank
+        # comm.low_latency.combine_reduce: owner sums each rank's picks into a BF16 row first (_combine_receive)
+        self.owner_sums = str(getattr(cfg.comm.low_latency, "combine_reduce", "source")) == "owner"
         self._masked: Tuple[int, ...] = ()
         self._comm = BoundedGroup(group, cfg.comm.timeout_s)
 
@@ -267,17 +272,37 @@ class TorchLowLatency:
         where = torch.full((T, E), -1, dtype=torch.int64, device=dev)
         n = rows.shape[0]
         where[meta[keep, 1], meta[keep, 0]] = torch.arange(n, device=dev)[keep]
-        acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
         tokens = torch.arange(T, device=dev)
-        for k in range(topk_idx.shape[1]):
+        K = topk_idx.shape[1]
+        picks = []  # per k: (kept, owner rank, the row's values)
+        for k in range(K):
             ids = topk_idx[:, k]
             ok = (ids >= 0) & (ids < E)
             r = where[tokens, ids.clamp(0, E - 1)]
             ok &= r >= 0
-            v = x_rows.index_select(0, r.clamp(min=0)).float() if n else acc.new_zeros((T, H))
+            v = x_rows.index_select(0, r.clamp(min=0)).float() if n else torch.zeros((T, H), device=dev)
+            picks.append((ok, torch.div(ids.clamp(0, E - 1), E // W, rounding_mode="floor"), v))
+        acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
+        if not self.owner_sums:
+            for k, (ok, _, v) in enumerate(picks):
+                w = topk_weights[:, k:k + 1]
+                # two roundings (product, then sum), as the kernels do without fused multiply-add
+                acc = torch.where(ok.unsqueeze(1), acc + (w * v), acc)
+            y.copy_(acc)
+            return
+        # owner sums: rank d's BF16 sum of its picks (k ascending), added where d's first pick stands
+        sums = torch.zeros((W, T, H), dtype=torch.float32, device=dev)
+        first = torch.zeros((T, K), dtype=torch.bool, device=dev)
+        seen = torch.zeros((T, W), dtype=torch.bool, device=dev)
+        for k, (ok, d, v) in enumerate(picks):
             w = topk_weights[:, k:k + 1]
-            # two roundings (product, then sum), as the kernels do without fused multiply-add
-            acc = torch.where(ok.unsqueeze(1), acc + (w * v), acc)
+            part = sums[d, tokens]
+            sums[d, tokens] = torch.where(ok.unsqueeze(1), part + (w * v), part)
+            first[:, k] = ok & ~seen[tokens, d]
+            seen[tokens, d] |= ok
+        sums = sums.to(torch.bfloat16).float()
+        for k, (_, d, _) in enumerate(picks):
+            acc = torch.where(first[:, k].unsqueeze(1), acc + sums[d, tokens], acc)
         y.copy_(acc)
 
 
