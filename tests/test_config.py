@@ -297,11 +297,12 @@ def test_each_choice_list_is_defined_once():
 # ---------------------------------------------------------------------- environment overrides
 
 WORST_CASE, COMBINE, DISPATCH = "EP_PLUGIN_NVLINK_WORST_CASE", "EP_PLUGIN_NVLINK_COMBINE", "EP_PLUGIN_NVLINK_DISPATCH"
+LL_REDUCE = "EP_PLUGIN_LL_COMBINE_REDUCE"
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in (WORST_CASE, COMBINE, DISPATCH, "EP_PLUGIN_CONFIG_DIR"):
+    for var in (WORST_CASE, COMBINE, DISPATCH, LL_REDUCE, "EP_PLUGIN_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -326,6 +327,18 @@ def test_env_overrides_kernel_choice(clean_env, var, key, kernel):
     clean_env.setenv(var, "fuse")
     with pytest.raises(ConfigError, match=f"{var}='fuse'.*comm.{key}.*did you mean 'fused'"):
         load_config("tiny")
+
+
+def test_env_overrides_low_latency_combine_reduce(clean_env):
+    """A key of a subsection (comm.low_latency) from the environment, beside the section's other keys."""
+    assert load_config(None).comm.low_latency.combine_reduce == "source"
+    clean_env.setenv(LL_REDUCE, "owner")
+    c = load_config({"comm": {"low_latency": {"max_tokens_per_rank": 64, "combine_reduce": "source"}}})
+    assert c.comm.low_latency.combine_reduce == "owner" and c.comm.low_latency.max_tokens_per_rank == 64
+    assert load_config("tiny").comm.low_latency.combine_reduce == "owner"
+    clean_env.setenv(LL_REDUCE, "owners")
+    with pytest.raises(ConfigError, match=f"{LL_REDUCE}='owners'.*combine_reduce.*did you mean 'owner'"):
+        load_config(None)
 
 
 def test_env_unset_or_empty_is_no_override(clean_env):

@@ -7,6 +7,8 @@ EP_PLUGIN_NVLINK_WORST_CASE  comm.host_sync       1 | true | yes | on: host_sync
                                                   for the worst case); 0 | false | no | off: true
 EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  auto | split | fused | pipelined | pull
 EP_PLUGIN_NVLINK_DISPATCH    comm.dispatch_kernel auto | split | fused
+EP_PLUGIN_LL_COMBINE_REDUCE  comm.low_latency.    source | owner
+                             combine_reduce
 EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name>.yaml presets
                                                   before the ones shipped in the package
 
@@ -23,12 +25,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
-from .schema import COMBINE_KERNELS, DISPATCH_KERNELS
+from .schema import COMBINE_KERNELS, COMBINE_REDUCES, DISPATCH_KERNELS
 from .validate import fmt_allowed, suggest
 
 WORST_CASE = "EP_PLUGIN_NVLINK_WORST_CASE"
 COMBINE = "EP_PLUGIN_NVLINK_COMBINE"
 DISPATCH = "EP_PLUGIN_NVLINK_DISPATCH"
+LL_COMBINE_REDUCE = "EP_PLUGIN_LL_COMBINE_REDUCE"
 CONFIG_DIR = "EP_PLUGIN_CONFIG_DIR"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -59,6 +62,8 @@ OVERRIDES: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     WORST_CASE: ("comm.host_sync", _worst_case_to_host_sync),
     COMBINE: ("comm.combine_kernel", _kernel_choice(COMBINE, "comm.combine_kernel", COMBINE_KERNELS)),
     DISPATCH: ("comm.dispatch_kernel", _kernel_choice(DISPATCH, "comm.dispatch_kernel", DISPATCH_KERNELS)),
+    LL_COMBINE_REDUCE: ("comm.low_latency.combine_reduce",
+                        _kernel_choice(LL_COMBINE_REDUCE, "comm.low_latency.combine_reduce", COMBINE_REDUCES)),
 }
 
 

@@ -162,10 +162,15 @@ def _apply_env(raw: Any, found: Mapping[str, Any]) -> Any:
         return raw
     raw = dict(raw or {})
     for dotted, value in found.items():
-        sec, _, key = dotted.partition(".")
-        body = raw.get(sec)
-        if body is None or isinstance(body, Mapping):
-            raw[sec] = {**(body or {}), key: value}
+        *path, key = dotted.split(".")  # section.key, or section.subsection.key
+        node = raw
+        for part in path:
+            body = node.get(part)
+            if not (body is None or isinstance(body, Mapping)):
+                break  # malformed: validate() reports it
+            node[part] = node = dict(body or {})
+        else:
+            node[key] = value
     return raw
 
 
