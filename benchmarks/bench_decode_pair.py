@@ -647,7 +647,8 @@ def rows_of(docs: List[Dict]) -> List[Dict]:
             for dt, row in rec["dtypes"].items():
                 rows.append({"world": doc["world"], "lib": doc["lib"], "variant": rec["variant"], "dtype": dt,
                              **{p: row["slowest_median_us"].get(p) for p in PROTOCOLS},
-                             "graph_equal": row.get("graph_equal"), "checksums": row.get("checksums")})
+                             "graph_equal": row.get("graph_equal"), "checksums": row.get("checksums"),
+                             "spec": rec.get("spec")})
     return rows
 
 
@@ -682,17 +683,19 @@ def ab_lines(rows: List[Dict]) -> str:
                 parts.append(f"vs {name}: " + ", ".join(rat))
         if parts:
             out.append(f"EP{w} {dt} {v:16s} " + " | ".join(parts))
-    def reduce_of(r):
-        return (r.get("spec") or {}).get("cfg", {}).get(REDUCE_KEY, "default")
+    def reduce_of(r):  # the variant's combine_reduce (None: the config's default)
+        return str((r.get("spec") or {}).get("cfg", {}).get(REDUCE_KEY, "default"))
 
     for (w, dt) in sorted({(k[0], k[3]) for k in by}):
-        for red in sorted({reduce_of(by[k]) for k in by if k[1] == "ep_plugin"}):
+        groups = sorted({reduce_of(by[k]) for k in by if k[1] == "ep_plugin"})
+        for red in groups:
             sums = {k[2]: by[k]["checksums"] for k in by if k[0] == w and k[3] == dt and k[1] == "ep_plugin"
                     and by[k].get("checksums") and reduce_of(by[k]) == red}
             if len(sums) > 1:
                 ref = next(iter(sums.values()))
                 bad = [v for v, s in sums.items() if s != ref]
-                out.append(f"EP{w} {dt} outputs of the ep_plugin variants (combine_reduce {red}): "
+                which = f" (combine_reduce {red})" if len(groups) > 1 else ""
+                out.append(f"EP{w} {dt} outputs of the ep_plugin variants{which}: "
                            + ("equal" if not bad else f"DIFFER ({', '.join(bad)} vs {next(iter(sums))})"))
     return "\n".join(out)
 

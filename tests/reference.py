@@ -112,3 +112,27 @@ def reference_cast_fp8(rows, round_scale=False):
             out[:, b * 128:(b + 1) * 128] = (blk * factor.unsqueeze(1)).to(torch.float8_e4m3fn)
         scales[:, b] = scale
     return out.to(device), scales.to(device)
+
+
+def ll_combine_reference(rows, idx, w, E_l, owner=True):
+    """y [T, H] BF16 of a low-latency combine (docs/LOW_LATENCY.md): rows[k] [T, H] float32 is what pick k's
+    expert returns for each token, idx [T, K] the picks (-1: nowhere), w [T, K] float32, E_l experts per rank.
+    source: `acc = acc + w * row` over k ascending, float32, then BF16; owner (comm.low_latency.combine_reduce,
+    the default): each rank's picks summed that way and rounded to BF16, those sums added in float32 in the
+    order of each rank's first pick, then BF16."""
+    K = idx.shape[1]
+    valid = idx >= 0
+    acc = torch.zeros_like(rows[0])
+    if not owner:
+        for k in range(K):
+            acc = torch.where(valid[:, k:k + 1], acc + w[:, k:k + 1] * rows[k], acc)
+        return acc.to(torch.bfloat16)
+    rank = torch.div(idx, E_l, rounding_mode="floor")
+    for k in range(K):  # where k is its rank's first pick, that rank's sum joins
+        first = valid[:, k] & ~((rank[:, :k] == rank[:, k:k + 1]) & valid[:, :k]).any(1)
+        part = torch.zeros_like(acc)
+        for q in range(k, K):
+            same = (valid[:, q] & (rank[:, q] == rank[:, k]) & first).unsqueeze(1)
+            part = torch.where(same, part + w[:, q:q + 1] * rows[q], part)
+        acc = torch.where(first.unsqueeze(1), acc + part.to(torch.bfloat16).float(), acc)
+    return acc.to(torch.bfloat16)

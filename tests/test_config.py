@@ -331,11 +331,11 @@ def test_env_overrides_kernel_choice(clean_env, var, key, kernel):
 
 def test_env_overrides_low_latency_combine_reduce(clean_env):
     """A key of a subsection (comm.low_latency) from the environment, beside the section's other keys."""
-    assert load_config(None).comm.low_latency.combine_reduce == "source"
-    clean_env.setenv(LL_REDUCE, "owner")
-    c = load_config({"comm": {"low_latency": {"max_tokens_per_rank": 64, "combine_reduce": "source"}}})
-    assert c.comm.low_latency.combine_reduce == "owner" and c.comm.low_latency.max_tokens_per_rank == 64
-    assert load_config("tiny").comm.low_latency.combine_reduce == "owner"
+    assert load_config(None).comm.low_latency.combine_reduce == "owner"
+    clean_env.setenv(LL_REDUCE, "source")
+    c = load_config({"comm": {"low_latency": {"max_tokens_per_rank": 64, "combine_reduce": "owner"}}})
+    assert c.comm.low_latency.combine_reduce == "source" and c.comm.low_latency.max_tokens_per_rank == 64
+    assert load_config("tiny").comm.low_latency.combine_reduce == "source"
     clean_env.setenv(LL_REDUCE, "owners")
     with pytest.raises(ConfigError, match=f"{LL_REDUCE}='owners'.*combine_reduce.*did you mean 'owner'"):
         load_config(None)

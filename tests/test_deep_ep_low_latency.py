@@ -11,7 +11,7 @@ import torch.distributed as dist
 import ep_plugin.deep_ep as deep_ep
 from ep_plugin.deep_ep.low_latency import _pack_ue8m0, _ue8m0_target, low_latency_size_hint
 from tests._dist import spawn
-from tests.reference import reference_cast_fp8
+from tests.reference import ll_combine_reference, reference_cast_fp8
 
 RANK_OFFSET = 128
 
@@ -163,12 +163,9 @@ def body(rank, world):
                         diff = calc_diff(ref.float() * valid_w, y)
                         assert diff < (9e-4 if use_fp8 else 1e-5), f"{ctx} zero_copy {zero_copy}: {diff=}"
                         assert bool((y[0] == 0).all()), ctx  # routed nowhere: zeros
-                        if not use_fp8:  # the contract's exact order: acc = acc + w * v, k ascending
-                            acc = torch.zeros((T, H), dtype=torch.float32)
-                            for k in range(K):
-                                w = topk_weights[:, k:k + 1].masked_fill(topk_idx[:, k:k + 1] == -1, 0)
-                                acc = acc + w * x.float()
-                            assert torch.equal(y, acc.to(torch.bfloat16)), ctx
+                        if not use_fp8:  # the contract's exact order (the default combine_reduce, owner)
+                            want = ll_combine_reference([x.float()] * K, topk_idx, topk_weights, E_l)
+                            assert torch.equal(y, want), ctx
 
     # expert outputs that differ per expert: each row times (its local expert + 1)
     recv_x, count, handle, event, hook = buf.low_latency_dispatch(x_rand, topk_idx, M, E, use_fp8=False)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ep_plugin
 from benchmarks import bench_ll_host as bench
 from ep_plugin.backends.nvshmem.heap_views import heap_tensor
-from ep_plugin.backends.nvshmem.low_latency import (KERNEL_FLAGS_DEFAULT, RECV, SEND, SEND_RECV,
+from ep_plugin.backends.nvshmem.low_latency import (KERNEL_FLAGS_DEFAULT, OWNER_REDUCE, RECV, SEND, SEND_RECV,
                                                     OutputsStillHeldError)
 
 E_L, M, H, K = 4, 8, 256, 3
@@ -50,7 +50,8 @@ def test_default_variant_bits_reach_the_dispatch(calls):
     x, idx, w = inputs()
     recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx)
     assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT == 8 | 64 | 256 | 8192 | 16384
-    assert [c[0] for c in calls] == ["dispatch"] and calls.variant_bits == [KERNEL_FLAGS_DEFAULT]
+    # + kOwnerReduce (combine_reduce owner, the default): the dispatch writes the owners' records
+    assert [c[0] for c in calls] == ["dispatch"] and calls.variant_bits == [KERNEL_FLAGS_DEFAULT | OWNER_REDUCE]
 
 
 def cfg(output_buffers=0):
@@ -610,10 +611,31 @@ def test_source_order_arrival_sets_its_kernel_bit(calls):
     x, idx, _ = inputs()
     buf.low_latency_dispatch(x, idx)
     assert engine_of(buf).kernel_flags == KERNEL_FLAGS_DEFAULT | ARRIVAL_ORDER == KERNEL_FLAGS_DEFAULT + 32768
-    assert calls.variant_bits == [KERNEL_FLAGS_DEFAULT | ARRIVAL_ORDER]
+    assert calls.variant_bits == [KERNEL_FLAGS_DEFAULT | ARRIVAL_ORDER | OWNER_REDUCE]
     buf.close()
     assert load_config(cfg(2)).comm.low_latency.source_order == "rank"
     c["comm"]["low_latency"]["source_order"] = "arival"
     with pytest.raises(ConfigError, match="arrival") as exc:
         load_config(c)
     assert "rank" in str(exc.value)
+
+
+def test_combine_reduce_sets_its_kernel_bit(calls):
+    """comm.low_latency.combine_reduce: owner (the default) adds kOwnerReduce (65536) to every launch, dispatch
+    and combine, apart from kernel_flags (the A/B bits a benchmark may replace); source does not."""
+    x, idx, w = inputs()
+    for reduce, bits in (("owner", OWNER_REDUCE), ("source", 0)):
+        c = cfg(2)
+        c["comm"]["low_latency"]["combine_reduce"] = reduce
+        buf = ep_plugin.EPBuffer(None, c, hidden=H)
+        calls.clear()
+        calls.variant_bits.clear()
+        handle = buf.low_latency_dispatch(x, idx)[2]
+        buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
+        eng = engine_of(buf)
+        assert eng.kernel_flags == KERNEL_FLAGS_DEFAULT and eng.sum_bits == bits == 65536 * (reduce == "owner")
+        assert calls.variant_bits == [KERNEL_FLAGS_DEFAULT | bits] * 2
+        eng.kernel_flags = 0  # an A/B run replacing the variant bits keeps the sums' bit
+        buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
+        assert calls.variant_bits[-1] == bits
+        buf.close()

@@ -134,7 +134,7 @@ def expected_combine(idxs, ws, outputs, infos, rank, E_l, mask, owner=False):
 
 
 def check_case(buf, rank, world, E_l, hidden, tokens, mode, seed, *, use_fp8, round_scale=False,
-               hook=False, async_op=False, mask=(), recv_stats=None, device="cpu", owner=False):
+               hook=False, async_op=False, mask=(), recv_stats=None, device="cpu"):
     """One dispatch + combine through `buf`, every output against the brute force (on the CPU);
     returns the counts."""
     ctx = f"rank {rank}/{world} E_l {E_l} H {hidden} tokens {tokens} {mode} fp8 {use_fp8} round {round_scale} " \
@@ -199,6 +199,7 @@ def check_case(buf, rank, world, E_l, hidden, tokens, mode, seed, *, use_fp8, ro
     y = y.cpu()
     outputs = gather(out)
     infos = gather((src_info_got, layout_got))
+    owner = buf.cfg.comm.low_latency.combine_reduce == "owner"
     want = expected_combine(idxs, ws, outputs, infos, rank, E_l, mask, owner)
     assert y.dtype == torch.bfloat16 and y.shape == (T, hidden), ctx
     assert torch.equal(y, want), (ctx, (y.float() - want.float()).abs().max())
@@ -238,14 +239,15 @@ def contract_body(rank, world, device="cpu"):
         check_case(buf, rank, world, E_l, hidden, [9] * world, "random", seed + 1, use_fp8=False, device=device)
         assert buf.low_latency_backend_name == "torch"
         buf.close()
-    # combine_reduce owner: per-rank BF16 sums, added in the order of first picks (a hook, a mask, skew)
-    buf = make_buffer(world, E_l, 256, low_latency={"max_tokens_per_rank": M, "combine_reduce": "owner"})
+    # combine_reduce source (the default is owner): every pick summed at the token's rank, k ascending, DeepEP's
+    # numbers (a hook, a mask, skew)
+    buf = make_buffer(world, E_l, 256, low_latency={"max_tokens_per_rank": M, "combine_reduce": "source"})
     for tokens, mode, hook, mask in (([11] * world, "random", False, ()), (full, "skew", True, ()),
                                      (odd, "random", False, (world - 1,))):
         seed += 1
         buf.set_low_latency_mask(list(mask))
         check_case(buf, rank, world, E_l, 256, tokens, mode, seed, use_fp8=False, hook=hook, mask=mask,
-                   device=device, owner=True)
+                   device=device)
     buf.close()
 
 

@@ -28,7 +28,7 @@ from tests._dist import read_rank_results, spawn_parts, write_rank_result
 from tests._need import need_nvshmem
 from tests.reference import make_inputs
 from tests.test_low_latency import contract_body
-from ep_plugin.backends.nvshmem.low_latency import KERNEL_FLAGS_DEFAULT, OWNER_REDUCE
+from ep_plugin.backends.nvshmem.low_latency import KERNEL_FLAGS_DEFAULT
 
 pytestmark = pytest.mark.gpu
 
@@ -69,12 +69,14 @@ def _no_nvshmem_engine(buf, out_dir, rank) -> bool:
 
 
 def _buf(backend, E_l, K, hidden, timeout_s=20.0, output_buffers=0, held_outputs="raise", source_order="rank",
-         combine_reduce="source"):
+         combine_reduce=None):
+    """combine_reduce None: the default (owner)."""
+    ll = {"max_tokens_per_rank": M, "output_buffers": output_buffers, "held_outputs": held_outputs,
+          "source_order": source_order}
+    if combine_reduce is not None:
+        ll["combine_reduce"] = combine_reduce
     cfg = {"moe": {"num_experts": E_l * WORLD, "topk": K},
-           "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s,
-                    "low_latency": {"max_tokens_per_rank": M, "output_buffers": output_buffers,
-                                    "held_outputs": held_outputs, "source_order": source_order,
-                                    "combine_reduce": combine_reduce}}}
+           "comm": {"backend": backend, "max_tokens_per_rank": M, "timeout_s": timeout_s, "low_latency": ll}}
     return ep_plugin.EPBuffer(None, cfg, hidden=hidden)
 
 
@@ -232,11 +234,12 @@ CASES = [  # (tokens per rank, routing)
 ]
 
 
-def body_matches_reference(rank, world, out_dir, output_buffers=0, source_order="rank", combine_reduce="source"):
+def body_matches_reference(rank, world, out_dir, output_buffers=0, source_order="rank", combine_reduce=None):
     """output_buffers 2: the engine's outputs are sets in its heap, written by the senders directly.
     source_order arrival: each source's block where its reservation put it (compared in rank order).
-    combine_reduce owner: with sets the owners send per-rank sums (ll_combine.cu, "Owner sums"); without,
-    the token's rank makes them from the picks' rows; the reference adds them the same way."""
+    combine_reduce: the default (owner) -- with sets the owners send per-rank sums (ll_combine.cu, "Owner
+    sums"); without, the token's rank makes them from the picks' rows -- or source (every pick's row to the
+    token's rank); the reference sums the same way."""
     seed = 0
     for E_l, K, hidden, fp8 in SHAPES:
         auto = _buf("auto", E_l, K, hidden, output_buffers=output_buffers, source_order=source_order,
@@ -416,15 +419,15 @@ def ll_parts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ll_parts")
     parts = []
-    # EP_TEST_LL_PARTS=owner_sets,owner_fresh: only those bodies (a device run that checks one change); the
+    # EP_TEST_LL_PARTS=source_sets,source_fresh: only those bodies (a device run that checks one change); the
     # tests of the others then fail on their missing part
     only = [p for p in os.environ.get("EP_TEST_LL_PARTS", "").split(",") if p]
     if ext.has_c() and getattr(ext.get_c(), "HAS_NVSHMEM", False):
         for name, body, args in (("held_copy", body_held_copy, ()), ("sets", body_matches_reference, (2,)),
                                  ("direct_flags", body_direct_flags, ()),
                                  ("arrival", body_matches_reference, (2, "arrival")),
-                                 ("owner_sets", body_matches_reference, (2, "rank", "owner")),
-                                 ("owner_fresh", body_matches_reference, (0, "rank", "owner")),
+                                 ("source_sets", body_matches_reference, (2, "rank", "source")),
+                                 ("source_fresh", body_matches_reference, (0, "rank", "source")),
                                  ("fresh", body_matches_reference, (0,))):
             if only and name not in only:
                 continue
@@ -465,14 +468,14 @@ def test_arrival_order_matches_reference(ll_parts):
 
 
 @pytest.mark.parametrize("outputs", ["sets", "fresh"])
-def test_owner_sums_match_reference(ll_parts, outputs):
-    """comm.low_latency.combine_reduce owner: with heap sets the owners sum a token's picks before sending
-    (weights sent ahead, records from the dispatch); with fresh outputs the token's rank sums per owner.
-    Every routing case (repeats, nowhere, skew), FP8 and BF16, hooks, CUDA graphs, bit for bit."""
+def test_source_sums_match_reference(ll_parts, outputs):
+    """comm.low_latency.combine_reduce source (the default, owner, runs in the other bodies): every pick's
+    row back to the token's rank, summed there in k order. Every routing case (repeats, nowhere, skew), FP8
+    and BF16, hooks, CUDA graphs, bit for bit."""
     _need_nvshmem_engine()
     root, parts = ll_parts
-    parts[f"owner_{outputs}"].check()
-    _check_results(root / f"owner_{outputs}")
+    parts[f"source_{outputs}"].check()
+    _check_results(root / f"source_{outputs}")
 
 
 def test_direct_dispatch_flags_match_reference(ll_parts):
@@ -482,7 +485,7 @@ def test_direct_dispatch_flags_match_reference(ll_parts):
     _check_results(root / "direct_flags")
 
 
-def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0, combine_reduce="source"):
+def body_mask(rank, world, out_dir, output_buffers=0, kernel_flags=0, combine_reduce=None):
     """Both ranks leave rank 1 out. Rank 1 then stays away from the engine under test (as a dead rank
     would), and rank 0's calls must neither wait for it nor deliver to it: rank 0 receives its own
     rows only and combine sums its own experts only, as the reference computes with every entry to or
@@ -536,7 +539,7 @@ def fault_parts(tmp_path_factory):
     parts = []
     for name, body, args in (("mask", body_mask, ()), ("mask_flags", body_mask, (2, ALL_DIRECT_FLAGS)),
                              ("mask_lean", body_mask, (2, LEAN_SETS[1])),
-                             ("mask_owner", body_mask, (2, KERNEL_FLAGS_DEFAULT | OWNER_REDUCE, "owner")),
+                             ("mask_source", body_mask, (2, KERNEL_FLAGS_DEFAULT, "source")),
                              ("timeout", body_timeout, ())):
         (root / name).mkdir()
         parts.append((name, body, (str(root / name), *args)))
@@ -563,11 +566,12 @@ def test_mask_with_lean_stores(fault_parts):
     _check_results(root / "mask_lean")
 
 
-def test_mask_with_owner_sums(fault_parts):
-    """combine_reduce owner past a left-out rank: no weights sent to it, no sums waited for from it."""
+def test_mask_with_source_sums(fault_parts):
+    """combine_reduce source past a left-out rank (the other mask bodies run the default, owner: no weights
+    sent to it, no sums waited for from it)."""
     root, parts = fault_parts
-    parts["mask_owner"].check()
-    _check_results(root / "mask_owner")
+    parts["mask_source"].check()
+    _check_results(root / "mask_source")
 
 
 TIMEOUT_S = 2.0

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tests._dist import spawn
 from tests._need import need_nvshmem
 from tests._graph import capture, static_inputs
-from tests.reference import make_inputs
+from tests.reference import ll_combine_reference, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -71,14 +71,11 @@ def expert_output(recv_x, count, rank, E_l):
     return torch.where(valid.unsqueeze(2), out, torch.full_like(out, GARBAGE))
 
 
-def reference_combine(x, idx, w):
-    """y[t] = sum over k ascending of w[t, k] * expert_output(row(t, k)), float32, no FMA, then BF16."""
-    acc = torch.zeros(x.shape[0], x.shape[1], device="cuda")
-    for k in range(idx.shape[1]):
-        e = idx[:, k]
-        v = (x.float() * (1 + 0.125 * e.clamp(min=0).float()).unsqueeze(1) - 0.5).to(torch.bfloat16).float()
-        acc = torch.where((e >= 0).unsqueeze(1), acc + w[:, k:k + 1] * v, acc)
-    return acc.to(torch.bfloat16)
+def reference_combine(x, idx, w, E_l):
+    """y of the default combine_reduce (owner) over the picks' expert_output(row(t, k)) (tests.reference)."""
+    rows = [(x.float() * (1 + 0.125 * idx[:, k].clamp(min=0).float()).unsqueeze(1) - 0.5).to(torch.bfloat16).float()
+            for k in range(idx.shape[1])]
+    return ll_combine_reference(rows, idx, w, E_l)
 
 
 def compare(got, xs, idxs, ws, rank, E_l, fp8, ctx):
@@ -95,7 +92,7 @@ def compare(got, xs, idxs, ws, rank, E_l, fp8, ctx):
         assert torch.equal(recv_x[0][el, slot].view(torch.uint8), data.view(torch.uint8)), ctx
         assert torch.equal(recv_x[1][el, slot], scales), ctx
     if y is not None:
-        torch.testing.assert_close(y, reference_combine(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()),
+        torch.testing.assert_close(y, reference_combine(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda(), E_l),
                                    atol=0, rtol=0, msg=ctx)
 
 

@@ -66,13 +66,13 @@ class LowLatencyConfig:
     # the owner, as DeepEP's: no rank waits for a lower rank's launch before placing its rows -- a cold call
     # no longer pays the ranks' launch skew; heap output sets only, docs/LOW_LATENCY.md).
     source_order: str = "rank"
-    # Where a token's picks are summed in low_latency_combine: source (the token's rank sums every pick's row,
-    # float32, k ascending, rounded to BF16 once: DeepEP's numbers) or owner (each rank holding picks of the
-    # token sums its own, weighted, float32, into a BF16 row -- as a high-throughput combine's per-rank
+    # Where a token's picks are summed in low_latency_combine: owner (the default: each rank holding picks of
+    # the token sums its own, weighted, float32, into a BF16 row -- as a high-throughput combine's per-rank
     # expert outputs are -- and the token's rank adds those rows, float32, in the order of each rank's first
     # pick; with heap output sets the owner sums before sending, so one row per (token, rank) crosses NVLink
-    # instead of one per pick: docs/LOW_LATENCY.md, "Owner sums").
-    combine_reduce: str = "source"
+    # instead of one per pick: docs/LOW_LATENCY.md, "Owner sums") or source (the token's rank sums every
+    # pick's row, float32, k ascending, rounded to BF16 once: DeepEP's numbers, bit for bit).
+    combine_reduce: str = "owner"
 
 
 @dataclass

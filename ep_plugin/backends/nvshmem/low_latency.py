@@ -153,9 +153,10 @@ class NvshmemLowLatency(ReportsFaults):
             flags &= ~SCALES_ROW_MAJOR
         if str(cfg.comm.low_latency.source_order) == "arrival":
             flags |= ARRIVAL_ORDER
-        if str(cfg.comm.low_latency.combine_reduce) == "owner":
-            flags |= OWNER_REDUCE
         self.kernel_flags = flags
+        # comm.low_latency.combine_reduce owner: kOwnerReduce on every launch, apart from kernel_flags (the A/B
+        # bits a benchmark or test may replace), since it decides combine's numbers, which the reference follows
+        self.sum_bits = OWNER_REDUCE if str(cfg.comm.low_latency.combine_reduce) == "owner" else 0
         self._dispatch_sets = [None, None]  # per use_fp8: the N dispatch output sets, built at first use
         self._dispatch_watch = [None, None]  # per use_fp8: a Watch per set
         self._dispatch_turn = [0, 0]        # per use_fp8; with output sets in the heap [0] serves both
@@ -356,7 +357,7 @@ class NvshmemLowLatency(ReportsFaults):
         fp8 = 1 if use_fp8 else 0
         stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
         held = -1
-        flags = self.kernel_flags
+        flags = self.kernel_flags | self.sum_bits
         if self.fused_launch and not hook:
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
             held = self._take_held()
@@ -396,7 +397,7 @@ class NvshmemLowLatency(ReportsFaults):
         rt = self._rt
         row_slot, count, self_pos, rec = handle.state["ptrs"]
         x_ptr = x.data_ptr()
-        flags = self.kernel_flags
+        flags = self.kernel_flags | self.sum_bits
         idx_ptr, w_ptr = topk_idx.data_ptr(), topk_weights.data_ptr()
         if self.fused_launch and not hook:
             y = out if out is not None else self._combine_output(T, x.device)
