@@ -13,8 +13,8 @@ import torch.distributed as dist
 import ep_plugin
 from benchmarks import bench_ll_host as bench
 from ep_plugin.backends.nvshmem.heap_views import heap_tensor
-from ep_plugin.backends.nvshmem.low_latency import (KERNEL_FLAGS_DEFAULT, OWNER_REDUCE, RECV, SEND, SEND_RECV,
-                                                    OutputsStillHeldError)
+from ep_plugin.backends.nvshmem.low_latency import (KERNEL_FLAGS_DEFAULT, OWNER_REDUCE, PER_PICK_SEND, RECV, SEND,
+                                                    SEND_RECV, OutputsStillHeldError)
 
 E_L, M, H, K = 4, 8, 256, 3
 
@@ -638,4 +638,10 @@ def test_combine_reduce_sets_its_kernel_bit(calls):
         eng.kernel_flags = 0  # an A/B run replacing the variant bits keeps the sums' bit
         buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle)
         assert calls.variant_bits[-1] == bits
+        # under a hook both halves send / read every pick's row (kPerPickSend): a send half that waited for
+        # the peers' weights would hold its SMs through the caller's compute
+        _, _, hook = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx, w, handle,
+                                             return_recv_hook=True)
+        hook()
+        assert calls.variant_bits[-2:] == [bits | (PER_PICK_SEND if bits else 0)] * 2
         buf.close()

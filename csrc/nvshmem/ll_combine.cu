@@ -102,8 +102,9 @@ __device__ __forceinline__ int4 to_bf16_unit(const float (&acc)[8]) {
 // token) with rows here, those rows with the source's weights -- float32, k ascending, multiply and add
 // rounded apart -- into one BF16 row, stored at the source's (token, first such k). At EP2 with top-8 that is
 // one row per token where the picks' rows were four. The token's rank then adds those rows in the order of
-// each rank's first pick (reduce_tokens_owner). Elsewhere (the slot path) the rows still leave per pick and
-// the token's rank makes each owner's sum itself, with the same roundings.
+// each rank's first pick (reduce_tokens_owner). Elsewhere (the slot path) and under a receive hook
+// (kPerPickSend: a send half that waits for the peers' weights would hold its SMs through the caller's
+// compute) the rows still leave per pick and the token's rank makes each owner's sum, with the same roundings.
 
 // This rank's weights to the owners of its picks (not left out; its own too when its rows go through the send).
 __device__ void send_weights(const Ctx& c, int p, int epoch, const int64_t* topk_idx, const float* weights, int T,
@@ -346,11 +347,11 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 // or is made here from its picks' rows: this rank's own (read from x at self_pos), or every rank's on the
 // slot path (no records there: the rows came per pick).
 __device__ void reduce_tokens_owner(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
-                                    int4* y, const int4* x, const int* self_pos) {
+                                    int4* y, const int4* x, const int* self_pos, bool per_pick) {
   const int W = c.world, EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
-  const bool sums_sent = c.sets > 0;  // the direct dispatch's records: owners sent sums
+  const bool sums_sent = c.sets > 0 && !per_pick;  // the direct dispatch's records: owners sent sums
   __shared__ int s_ok[kMaxRanks];
   __shared__ float s_w[32];
   __shared__ const int4* s_row[32];
@@ -448,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int epoch = ld_volatile(c.state + kCombSendEpoch);
     const int p = epoch & 1;
     bool any_rdma = false;
-    if ((phases & kOwnerReduce) && c.sets > 0) {
+    if ((phases & kOwnerReduce) && !(phases & kPerPickSend) && c.sets > 0) {
       send_weights(c, p, epoch, topk_idx, weights, T, K, self_pos != nullptr);
       send_sums(c, p, epoch, x, rec, K, self_pos != nullptr, smem);
     } else {
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (phases & kRecv) {
     __syncthreads();
     if (phases & kOwnerReduce)
-      reduce_tokens_owner(c, topk_idx, weights, T, K, y, x, self_pos);
+      reduce_tokens_owner(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kPerPickSend) != 0);
     else
       reduce_tokens(c, topk_idx, weights, T, K, y, x, self_pos, (phases & kSerialPrologue) != 0,
                     kDeep && (phases & kLoadsAhead) != 0);

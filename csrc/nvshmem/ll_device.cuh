@@ -69,12 +69,17 @@ constexpr int kArrivalOrder = 32768;  // direct dispatch: each (source, expert) 
 // comm.low_latency.combine_reduce owner: the owner of a token's experts sums their rows (weighted, float32, k
 // ascending) into one BF16 row per (token, owner rank), and the token's rank sums those rows in the order of
 // each rank's first pick. With output sets in the heap the owner does it before sending (one row per (token,
-// rank) crosses NVLink instead of one per pick: ll_combine.cu, "Owner sums"); elsewhere the token's rank does
-// it from the picks' rows, with the same roundings.
+// rank) crosses NVLink instead of one per pick: ll_combine.cu, "Owner sums"); elsewhere (and under a receive
+// hook: kPerPickSend) the token's rank does it from the picks' rows, with the same roundings.
 constexpr int kOwnerReduce = 65536;
+// With kOwnerReduce, a combine whose receive half is a hook: every pick's row leaves as without it and the
+// receive half makes each owner's sum (the same numbers). The owners' sums need the sources' weights, so
+// that send half would wait for every peer's combine to start -- holding its SMs through the caller's
+// compute -- while this one never waits.
+constexpr int kPerPickSend = 131072;
 constexpr int kVariantMask = kSerialPrologue | kScalesRowMajor | kPackedInfo | kFp8Wide | kCountWords | kPreload |
                              kLeanStores | kEarlyRow | kLoadsAhead | kCopy8 | kSpreadRows | kLeanRouting | kLightTickets |
-                             kArrivalOrder | kOwnerReduce;
+                             kArrivalOrder | kOwnerReduce | kPerPickSend;
 constexpr int kPhaseMask = kSend | kRecv;
 constexpr int kMaxScaleGroups = 256;  // H / 128 with kScalesRowMajor (a row's scales pass through shared memory)
 constexpr int kKernelDispatch = 10, kKernelCombine = 11;

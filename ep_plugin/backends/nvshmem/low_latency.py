@@ -81,6 +81,7 @@ MAX_OUTPUT_SETS = 8  # kMaxSets in csrc/nvshmem/ll_device.cuh
 SCALES_ROW_MAJOR = 8
 ARRIVAL_ORDER = 32768  # kArrivalOrder: comm.low_latency.source_order arrival
 OWNER_REDUCE = 65536  # kOwnerReduce: comm.low_latency.combine_reduce owner
+PER_PICK_SEND = 131072  # kPerPickSend: a hooked combine sends every pick's row (its send half waits for nobody)
 MAX_ROW_MAJOR_SCALE_GROUPS = 256  # kMaxScaleGroups: a row's scales pass through shared memory
 KERNEL_FLAGS_DEFAULT = SCALES_ROW_MAJOR | 64 | 256 | 8192 | 16384
 
@@ -408,6 +409,11 @@ class NvshmemLowLatency(ReportsFaults):
         # Without a hook the receive half reads this rank's own rows from x (self_pos), right behind the
         # send half; with one, x may change before the hook runs, so every row goes through the send.
         # (kOwnerReduce's send half sends this rank's weights to the picks' owners first: topk_idx, weights.)
+        # With a hook the send half must not wait for the peers (it would hold SMs through the caller's
+        # compute), which the owners' sums need (the sources' weights): every pick's row leaves, and the
+        # hook makes the owners' sums, the same numbers (kPerPickSend).
+        if hook and self.sum_bits:
+            flags |= PER_PICK_SEND
         rt.combine(x_ptr, row_slot, count, idx_ptr, w_ptr, T, K, SEND | flags, 0, stream, 0 if hook else self_pos, rec)
         y = out if out is not None else self._combine_output(T, x.device)
         if not hook:
