@@ -99,10 +99,12 @@ class LowLatencyCalls:
         """Send the expert outputs back and sum them per token, weighted: -> (y, event, hook).
 
         x: BF16 [E_l, W*M, H] in the layout of `handle`'s dispatch (only rows below recv_count[e] are
-        read); topk_idx and topk_weights (float32): that dispatch's [T, K]. y [T, H] BF16 (or `out`):
-        y[t] = sum over k ascending of w[t, k] * row(t, k) in float32 (unfused multiply, then add), cast
-        to BF16 at the end; ids -1 and left-out ranks contribute nothing. return_recv_hook and
-        async_op as for low_latency_dispatch."""
+        read); topk_idx and topk_weights (float32): that dispatch's [T, K]. y [T, H] BF16 (or `out`), per
+        comm.low_latency.combine_reduce: owner (the default) -- each rank's picks of token t summed, w[t, k] *
+        row(t, k) over k ascending in float32 (unfused multiply, then add), rounded to BF16, and those sums
+        added in float32 in the order of each rank's first pick, cast to BF16; source -- every pick summed
+        that way at once, cast to BF16 at the end (DeepEP's numbers). ids -1 and left-out ranks contribute
+        nothing. return_recv_hook and async_op as for low_latency_dispatch."""
         self._raise_pending_low_latency()
         form = call_form(x, topk_idx, topk_weights, out)
         checks = self._checks
