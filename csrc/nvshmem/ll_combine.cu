@@ -226,11 +226,20 @@ __device__ __forceinline__ void reduce_two_units(const int4* const* rows, const 
   if (j1 < n16) y_row[j1] = weighted_sum(v1, s_w, nk);  // hold the 16 units
 }
 
+// The receive half's start: s_ok[s] = rank s is in and its combine signal of this epoch came (a timeout is
+// recorded and leaves s out of the sums). By the whole block.
+__device__ void wait_combine_signals(const Ctx& c, int p, int epoch, int* s_ok) {
+  for (int s = threadIdx.x; s < c.world; s += blockDim.x)
+    s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
+  __syncthreads();
+  stamp(c, kStampCombine, kCsSignalsIn);
+}
+
 // serial_prologue (kSerialPrologue): thread 0 gathers a token's picks one k after another (the
 // earlier code, kept for A/B); otherwise warp 0 does it with one lane per k. ahead: kLoadsAhead.
 __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
                               int4* y, const int4* x, const int* self_pos, bool serial_prologue, bool ahead) {
-  const int W = c.world, EL = c.local_experts, E = c.num_experts;
+  const int EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
   __shared__ int s_ok[kMaxRanks];
@@ -246,10 +255,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
     id0 = topk_idx[static_cast<long long>(blockIdx.x) * K + threadIdx.x];
     w0 = weights[static_cast<long long>(blockIdx.x) * K + threadIdx.x];
   }
-  for (int s = threadIdx.x; s < W; s += blockDim.x)
-    s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
-  __syncthreads();
-  stamp(c, kStampCombine, kCsSignalsIn);
+  wait_combine_signals(c, p, epoch, s_ok);
   const int n16 = c.hidden / 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (!serial_prologue) {
@@ -348,7 +354,7 @@ __device__ void reduce_tokens(const Ctx& c, const int64_t* topk_idx, const float
 // slot path (no records there: the rows came per pick).
 __device__ void reduce_tokens_owner(const Ctx& c, const int64_t* topk_idx, const float* weights, int T, int K,
                                     int4* y, const int4* x, const int* self_pos, bool per_pick) {
-  const int W = c.world, EL = c.local_experts, E = c.num_experts;
+  const int EL = c.local_experts, E = c.num_experts;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   const int p = epoch & 1;
   const bool sums_sent = c.sets > 0 && !per_pick;  // the direct dispatch's records: owners sent sums
@@ -357,10 +363,7 @@ __device__ void reduce_tokens_owner(const Ctx& c, const int64_t* topk_idx, const
   __shared__ const int4* s_row[32];
   __shared__ int s_last[32];  // the term closes its rank's sum
   __shared__ int s_nk;
-  for (int s = threadIdx.x; s < W; s += blockDim.x)
-    s_ok[s] = !left_out(c, s) && wait_signal(c, c.comb_flag[p], s, epoch + 1, kKernelCombine);
-  __syncthreads();
-  stamp(c, kStampCombine, kCsSignalsIn);
+  wait_combine_signals(c, p, epoch, s_ok);
   const int n16 = c.hidden / 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (threadIdx.x < 32) {
