@@ -3,6 +3,7 @@ in the layout benchmarks/internode_device.sh writes, it gives back the measured 
 was fitted on, predicts the other shapes, and renders its tables."""
 import dataclasses
 import json
+import pathlib
 
 import pytest
 
@@ -98,3 +99,21 @@ def test_placeholder_is_marked(capsys, monkeypatch):
     sm.main([])
     assert "PLACEHOLDER" in capsys.readouterr().out
 
+
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+SESSION_8 = {label: f"internode_{label}_now_h100x4_2026-11-27_s8call4.json" for label in ("2x2", "2x1")}
+
+
+def test_on_host_check_of_the_committed_costs_is_within_15_percent():
+    """Issue 30's target, guarded: MEASURED_2X2 is what session 8's committed 2x2 timeline gives, and with it
+    every cold call of the two committed shapes (dispatch, cached dispatch, combine) is within 15%."""
+    doc = {"bench": {label: json.loads((RESULTS / name).read_text()) for label, name in SESSION_8.items()}}
+    fitted = sm.costs_from_bench(doc)
+    for kind in ("dispatch", "dispatch_cached", "combine"):
+        assert getattr(fitted, kind) == getattr(sm.MEASURED_2X2, kind), kind
+    assert fitted.wait == sm.MEASURED_2X2.wait
+    rows = sm.check(doc, sm.MEASURED_2X2)
+    assert {(r["shape"], r["op"]) for r in rows} == {(s, op) for s in SESSION_8
+                                                       for op in ("dispatch", "dispatch_cached", "combine")}
+    for r in rows:
+        assert abs(r["error"]) < 0.15, r
