@@ -44,7 +44,7 @@ times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
 
     python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
 
-MEASURED_2X2 below holds the fitted stage costs that the docs quote (from the 2026-11-26 device run).
+MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 8's 2x2 timeline, 2026-11-27).
 A StageCosts with placeholder=True (none now) is marked so in every table printed from it.
 """
 from __future__ import annotations
