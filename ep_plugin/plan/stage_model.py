@@ -24,19 +24,35 @@ the measurement (GB/s, fixed costs folded in). Bytes per GPU come from the routi
     reduce_in_node   T * ranks_per_token * row   (P = 1: the gather back to slots, 2 * N*M * row)
     rail_recv_sum    T * (nodes_per_token + 1) * row
 
+The call measured (the cold call, slowest rank) is the rank that started first: it runs every stage as any
+rank does and, at its first wait for its peers (dispatch: rail_recv, combine: rail_recv_sum), also waits out
+the later ranks' start. So a stage costs what the typical rank (median over ranks) spends in it, and the call
+adds one start-skew wait, θ * log2(ranks) µs, in that stage:
+
+    wait             θ[kind] * log2(W)            W = N*P ranks; 0 for one rank (nobody to wait for)
+
+In the session-8 timelines every other rank spends the same 22 (dispatch) / 12 (cached) / 181 (combine) µs
+in that stage at 2x1 and 2x2, and the slowest cold call is the waiting rank's in all six rows. Rail bytes,
+rail peers (N = 2) and tokens are the same at 2x1 and 2x2, so they cannot be what moves the stage; the ranks
+whose start spreads are (2 and 4). The growth in W is assumed: log2 and W both fit 2x1 from 2x2 (W: 2 -> 4);
+between them log2 is the slow growth of the spread of W start times, W would be ranks started one by one.
+
 `costs_from_bench(doc)` fits the stages from `benchmarks/internode_device.sh`'s internode.json (or one
-bench_internode JSON): the 2x2 row's timeline, slowest rank per stage. `check(doc, costs)` predicts the
-2x1 and 2x2 cold-call times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
+bench_internode JSON): the 2x2 row's timeline, the median rank per stage; at the wait's stage the fastest
+rank's (no wait) and θ from the slowest's excess. `check(doc, costs)` predicts the 2x1 and 2x2 cold-call
+times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
 
     python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
 
-MEASURED_2X2 below holds the fitted stage costs that the docs quote (from the 2026-11-26 device run).
+MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 8's 2x2 timeline, 2026-11-27).
 A StageCosts with placeholder=True (none now) is marked so in every table printed from it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -46,12 +62,17 @@ DISPATCH_STAGES = ("rail_send", "rail_recv", "layout", "forward", "reorder", "co
 CACHED_STAGES = ("rail_send", "rail_recv", "forward", "reorder")
 COMBINE_STAGES = ("reorder", "reduce_in_node", "rail_send", "rail_recv_sum")
 FIXED = ("rail_recv", "layout", "counts")   # stages with no byte term
-MEASURED_NVLINK_GBPS = 478.0                 # the measuring host's NVLink (H200): forward rates scale from it
+# where the rank that started first waits out the others' start: its first wait for its peers (the timelines
+# of session 8 show the excess there and nowhere else on that rank)
+WAIT_STAGE = {"dispatch": "rail_recv", "dispatch_cached": "rail_recv", "combine": "rail_recv_sum"}
+MEASURED_NVLINK_GBPS = 478.0                 # the measuring hosts' NVLink (H200; H100 SXM has the same 18 NVLink 4
+                                             # links): forward rates scale from it
 
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per call kind, per stage: ("fixed", µs) or ("rate", GB/s)."""
+    """Per call kind, per stage: ("fixed", µs) or ("rate", GB/s); wait: per call kind, θ of the start-skew
+    wait (µs per doubling of the ranks, added to WAIT_STAGE[kind]; module docstring)."""
 
     dispatch: Dict[str, Tuple[str, float]]
     dispatch_cached: Dict[str, Tuple[str, float]]
@@ -59,16 +80,20 @@ class StageCosts:
     source: str
     placeholder: bool = False
     measured: Dict[str, Dict[str, float]] = field(default_factory=dict)  # shape -> {op: cold µs}
+    wait: Dict[str, float] = field(default_factory=dict)
 
 
 # Fitted from session 8's device run (4x H100, 2026-11-27, main after branch inter8: the combine that places its
 # sums, results/internode_2x2_now_h100x4_2026-11-27_s8call4.json, `python -m ep_plugin.plan.stage_model --from
-# <2x2 and 2x1 JSON> --emit`). The first fit (4x H200, 2026-11-26, commit bf92bb2, the combine with its reorder
-# and rail copy) is in docs/COST_MODEL.md. Refit with --emit after the next run.
+# <2x2 and 2x1 JSON> --emit`): each stage the median rank's, the start-skew wait apart (branch model9; the fit
+# before took every stage at its slowest rank, the wait inside a fixed rail_recv). The first fit (4x H200,
+# 2026-11-26, commit bf92bb2, the combine with its reorder and rail copy) is in docs/COST_MODEL.md. Refit with
+# --emit after the next run.
 MEASURED_2X2 = StageCosts(
-    dispatch={'rail_send': ('rate', 413.8), 'rail_recv': ('fixed', 117.4), 'layout': ('fixed', 2.9), 'forward': ('rate', 386.9), 'reorder': ('rate', 2317.5), 'counts': ('fixed', 12.1)},
-    dispatch_cached={'rail_send': ('rate', 462.2), 'rail_recv': ('fixed', 83.6), 'forward': ('rate', 485.6), 'reorder': ('rate', 2732.8)},
-    combine={'reduce_in_node': ('rate', 261.3), 'rail_send': ('rate', 8542.4), 'rail_recv_sum': ('rate', 537.6)},
+    dispatch={'rail_send': ('rate', 440.7), 'rail_recv': ('fixed', 22.4), 'layout': ('fixed', 2.9), 'forward': ('rate', 418.0), 'reorder': ('rate', 2325.0), 'counts': ('fixed', 10.1)},
+    dispatch_cached={'rail_send': ('rate', 472.9), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 510.8), 'reorder': ('rate', 2747.1)},
+    combine={'reduce_in_node': ('rate', 273.2), 'rail_send': ('rate', 8933.6), 'rail_recv_sum': ('rate', 970.5)},
+    wait={'dispatch': 47.5, 'dispatch_cached': 35.9, 'combine': 72.9},
     source='NVIDIA H100 80GB HBM3, 2026-11-27 01:01 UTC, main after inter8 (6c713e1), 2x2 uniform timeline')
 
 
@@ -136,12 +161,18 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
         if stage == "rail_send" and hw is not None:
             wire = shape.tokens * fan.remote_nodes_per_token * row_bytes(shape.hidden, dtype if kind != "combine" else "bf16")
             out[stage] = max(out[stage], wire / (hw.nic_gb_per_s * 1e3))
+    out[WAIT_STAGE[kind]] = out.get(WAIT_STAGE[kind], 0.0) + start_wait(costs, kind, shape.nodes * shape.per_node)
     if overlap:
         fwd = "forward" if kind != "combine" else "reduce_in_node"
         pair = max(out.get("rail_send", 0.0), out.get(fwd, 0.0))
         out["overlapped"] = pair - out.get("rail_send", 0.0) - out.get(fwd, 0.0)
     out["total"] = sum(out.values())
     return out
+
+
+def start_wait(costs: StageCosts, kind: str, ranks: int) -> float:
+    """µs the rank that started first waits for the others' start in a call `kind` of `ranks` ranks."""
+    return costs.wait.get(kind, 0.0) * math.log2(max(ranks, 1))
 
 
 def placed_combine(costs: StageCosts) -> bool:
@@ -175,17 +206,24 @@ def _row(bench: dict, case: str = "uniform") -> dict:
     raise ValueError(f"no {case!r} row in the bench JSON")
 
 
-def slowest_stages(row: dict) -> Dict[str, Dict[str, float]]:
-    """{kind: {stage: GPU µs}}: per stage the slowest rank's median (timeline of every rank)."""
-    out: Dict[str, Dict[str, float]] = {}
+def typical_stages(row: dict) -> Tuple[Dict[str, Dict[str, float]], Dict[str, float]]:
+    """({kind: {stage: GPU µs}}, {kind: wait µs}): per stage the median rank's median; at WAIT_STAGE[kind] the
+    fastest rank's (it waited for no one) and, apart, the slowest rank's excess over it (module docstring)."""
+    per: Dict[str, Dict[str, List[float]]] = {}
     for per_rank in row["timeline"]:
         for kind, stages in per_rank.items():
             for stage, v in stages.items():
-                if stage == "total" or v.get("gpu_us") is None:
-                    continue
-                k = out.setdefault(kind, {})
-                k[stage] = max(k.get(stage, 0.0), float(v["gpu_us"]))
-    return out
+                if stage != "total" and v.get("gpu_us") is not None:
+                    per.setdefault(kind, {}).setdefault(stage, []).append(float(v["gpu_us"]))
+    out: Dict[str, Dict[str, float]] = {}
+    waits: Dict[str, float] = {}
+    for kind, stages in per.items():
+        out[kind] = {stage: statistics.median(vals) for stage, vals in stages.items()}
+        at = WAIT_STAGE.get(kind)
+        if at in stages:
+            out[kind][at] = min(stages[at])
+            waits[kind] = max(stages[at]) - min(stages[at])
+    return out, waits
 
 
 def measured_cold(bench: dict, case: str = "uniform") -> Dict[str, float]:
@@ -199,7 +237,8 @@ def measured_cold(bench: dict, case: str = "uniform") -> Dict[str, float]:
 
 def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> StageCosts:
     """Stage costs fitted from the `label` bench's timeline: fixed stages as measured, byte stages as
-    bytes / measured µs (module docstring)."""
+    bytes / measured µs, each the median rank's; the start-skew wait's θ from the waiting rank's excess
+    (module docstring)."""
     benches = _bench_docs(doc)
     if label not in benches:
         raise ValueError(f"no {label!r} bench in the JSON (have {sorted(benches)})")
@@ -209,7 +248,8 @@ def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> St
         raise ValueError(f"the {label} bench has no timeline (run bench_internode.py with --timeline N)")
     shape = _shape_of(bench, case)
     fan = fanout(shape.nodes, shape.per_node, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
-    stages = slowest_stages(row)
+    stages, waits = typical_stages(row)
+    ranks = shape.nodes * shape.per_node
     kinds = {}
     for kind in ("dispatch", "dispatch_cached", "combine"):
         nbytes = stage_bytes(shape, kind, fan)
@@ -222,9 +262,10 @@ def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> St
         kinds[kind] = table
     measured = {lab: measured_cold(b, case) for lab, b in benches.items()}
     commit = bench["meta"].get("commit", "?")
+    wait = {kind: round(us / math.log2(ranks), 1) for kind, us in waits.items()} if ranks > 1 else {}
     return StageCosts(kinds["dispatch"], kinds["dispatch_cached"], kinds["combine"],
                       source=f"{bench['meta'].get('device', '?')}, {bench['meta'].get('date', '?')}, commit {commit}, "
-                             f"{label} {case} timeline", measured=measured)
+                             f"{label} {case} timeline", measured=measured, wait=wait)
 
 
 def check(doc: dict, costs: StageCosts, case: str = "uniform") -> List[Dict[str, object]]:
@@ -247,8 +288,9 @@ def check(doc: dict, costs: StageCosts, case: str = "uniform") -> List[Dict[str,
 
 def cluster_table(costs: StageCosts, hardware: str = "h800-cx7", eps: Sequence[int] = (16, 32, 64),
                   tokens: int = 4096, hidden: int = 7168, gpus_per_node: int = 8) -> List[Dict[str, object]]:
-    """Our dispatch (FP8) / combine at EP16/32/64 as they run today and with the forwarding overlapped,
-    DeepEP's published figures as µs, and RDMA bytes per rank for uniform and node-limited routing."""
+    """Our dispatch (FP8) / combine at EP16/32/64 as they run today and with the forwarding overlapped (of
+    which the start-skew wait, extrapolated in log2 of the ranks), DeepEP's published figures as µs, and RDMA
+    bytes per rank for uniform and node-limited routing."""
     hw = HARDWARE[hardware]
     rows = []
     for ep in eps:
@@ -270,6 +312,7 @@ def cluster_table(costs: StageCosts, hardware: str = "h800-cx7", eps: Sequence[i
                      "combine_us": round(c["total"]), "pipelined_model_dispatch_us": round(pipelined),
                      "deepep_us": None if deepep is None else (round(deepep[0]), round(deepep[1])),
                      "reorder_share": d.get("reorder", 0.0) / d["total"],
+                     "wait_us": (round(start_wait(costs, "dispatch", ep)), round(start_wait(costs, "combine", ep))),
                      "rdma_mb_uniform": tokens * fan_u.remote_nodes_per_token * row_bytes(hidden, "fp8") / 1e6,
                      "rdma_mb_node_limited": tokens * fan_l.remote_nodes_per_token * row_bytes(hidden, "fp8") / 1e6})
     return rows
@@ -311,7 +354,8 @@ def emit(costs: StageCosts) -> str:
         return "{" + ", ".join(f"{k!r}: ({h!r}, {v})" for k, v in [(k, v[1]) for k, v in t.items()]
                                for h in [t[k][0]]) + "}"
     return (f"MEASURED_2X2 = StageCosts(\n    dispatch={tab(costs.dispatch)},\n    dispatch_cached="
-            f"{tab(costs.dispatch_cached)},\n    combine={tab(costs.combine)},\n    source={costs.source!r})")
+            f"{tab(costs.dispatch_cached)},\n    combine={tab(costs.combine)},\n    wait={costs.wait!r},\n"
+            f"    source={costs.source!r})")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -342,22 +386,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"stage costs: {costs.source}{mark}")
     for kind in ("dispatch", "dispatch_cached", "combine"):
         t = getattr(costs, kind)
-        print(f"  {kind:16s} " + " | ".join(f"{s} {v:g} {'us' if h == 'fixed' else 'GB/s'}" for s, (h, v) in t.items()))
+        wait = f" | + wait {costs.wait[kind]:g} us x log2(ranks)" if kind in costs.wait else ""
+        print(f"  {kind:16s} " + " | ".join(f"{s} {v:g} {'us' if h == 'fixed' else 'GB/s'}" for s, (h, v) in t.items())
+              + wait)
     if doc is not None:
         print("on-host check (cold call, slowest rank):")
         for r in check(doc, costs):
             print(f"  {r['shape']} {r['op']:16s} predicted {r['predicted_us']:6d} us, measured {r['measured_us']:6d} us "
-                  f"({r['error']:+.0%})")
+                  f"({r['error']:+.1%})")
     for hwname in ("h800-cx7", "h200-cx7"):
         print(f"{hwname}: our calls as they run today (stages in sequence) / with forwarding overlapped; "
               f"the pipelined model (cost_model, 24 SMs); DeepEP published (H800){mark}")
-        print("| EP | dispatch fp8 us | overlapped | combine us | pipelined model | DeepEP disp/comb us | reorder share "
-              "| RDMA MB/rank uniform | node-limited |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| EP | dispatch fp8 us | overlapped | combine us | of which start wait disp/comb | pipelined model "
+              "| DeepEP disp/comb us | reorder share | RDMA MB/rank uniform | node-limited |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in cluster_table(costs, hwname):
             dee = "-" if r["deepep_us"] is None else f"{r['deepep_us'][0]} / {r['deepep_us'][1]}"
             print(f"| {r['ep']} | {r['dispatch_us']} | {r['dispatch_overlapped_us']} | {r['combine_us']} | "
-                  f"{r['pipelined_model_dispatch_us']} | {dee} | {r['reorder_share']:.0%} | {r['rdma_mb_uniform']:.1f} | "
+                  f"{r['wait_us'][0]} / {r['wait_us'][1]} | {r['pipelined_model_dispatch_us']} | {dee} | {r['reorder_share']:.0%} | {r['rdma_mb_uniform']:.1f} | "
                   f"{r['rdma_mb_node_limited']:.1f} |")
     return 0
 
