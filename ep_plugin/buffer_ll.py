@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .checks import call_form, need
+from .checks import need
 from .checks import low_latency as ll_checks
 from .types import EPEvent, LowLatencyHandle
 
@@ -56,7 +56,7 @@ class LowLatencyCalls:
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
         self._raise_pending_low_latency()
-        form = call_form(x, topk_idx, recv_stats, use_fp8, round_scale)
+        key = ll_checks.dispatch_key(x, topk_idx, recv_stats, use_fp8, round_scale)
         # bool is final: `type(v) is bool` is isinstance, without a call on the hot path
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
@@ -65,13 +65,14 @@ class LowLatencyCalls:
         if engine is None:
             engine = self._low_latency_engine()
         forms = self._checks.forms
-        if form is None or ("ll_dispatch", form) not in forms:
+        if key is None or key not in forms:
             self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
             limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
             need(limit is None or topk_idx.shape[1] <= limit, ValueError,
                  f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
                  f"got {topk_idx.shape[1]}")
-            forms.add(("ll_dispatch", form))
+            if key is not None:
+                forms.add(key)
         return self._ll_dispatch_run(engine, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
 
     def _ll_dispatch_run(self, engine, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool,
@@ -106,13 +107,14 @@ class LowLatencyCalls:
         that way at once, cast to BF16 at the end (DeepEP's numbers). ids -1 and left-out ranks contribute
         nothing. return_recv_hook and async_op as for low_latency_dispatch."""
         self._raise_pending_low_latency()
-        form = call_form(x, topk_idx, topk_weights, out)
         checks = self._checks
-        # the handle is checked on every call; the tensors' checks once per form of call
-        if (form is None or ("ll_combine", form) not in checks.forms
-                or not ll_checks.same_handle(checks, handle, topk_idx)):
+        # the handle is checked on every call (its type, buffer and sizes: combine_key); the tensors' checks
+        # once per form of call
+        key = ll_checks.combine_key(self._id, x, topk_idx, topk_weights, out, handle)
+        if key is None or key not in checks.forms:
             self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
-            checks.forms.add(("ll_combine", form))
+            if key is not None:
+                checks.forms.add(key)
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
