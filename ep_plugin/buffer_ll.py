@@ -55,32 +55,54 @@ class LowLatencyCalls:
         which enqueues it on the current stream (once); the outputs and the handle are valid after it.
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
-        self._raise_pending_low_latency()
+        # Flat on purpose: a call of a form that passed its checks costs this frame, its key's and the engine's
+        # (a cold call's host time is on the critical path: benchmarks/bench_ll_host.py) -- the pending errors
+        # (_raise_pending_low_latency) and the launch (_ll_dispatch_run, ep_plugin.deep_ep's way in) inline.
+        if self._closed:
+            raise RuntimeError("this EPBuffer is closed")
+        engine = self._low_latency
+        if engine is not None:
+            engine.check()
+        checks = self._checks
+        checks.expert_ids_flag.raise_if_seen()
         key = ll_checks.dispatch_key(x, topk_idx, recv_stats, use_fp8, round_scale)
         # bool is final: `type(v) is bool` is isinstance, without a call on the hot path
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
-        engine = self._low_latency
         if engine is None:
             engine = self._low_latency_engine()
-        forms = self._checks.forms
-        if key is None or key not in forms:
+        if key is None or key not in checks.forms:
             self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
             limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
             need(limit is None or topk_idx.shape[1] <= limit, ValueError,
                  f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
                  f"got {topk_idx.shape[1]}")
             if key is not None:
-                forms.add(key)
-        return self._ll_dispatch_run(engine, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
+                checks.forms.add(key)
+        if checks.full_validation or not engine.checks_expert_ids:
+            checks.expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:  # the engines' outputs never track gradients
+            with torch.no_grad():
+                recv_x, recv_count, handle, recv = engine.dispatch(
+                    x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        else:
+            recv_x, recv_count, handle, recv = engine.dispatch(
+                x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        handle.buffer_id = self._id
+        if hook:
+            assert callable(recv), "the low-latency engine returned no receive hook for low_latency_dispatch"
+            recv = _RecvHook(recv, "low_latency_dispatch")
+        else:
+            assert recv is None, "the low-latency engine returned a receive hook for a low_latency_dispatch without one"
+        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
 
-    def _ll_dispatch_run(self, engine, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool,
-                         recv_stats):
-        """low_latency_dispatch after its argument checks. ep_plugin.deep_ep calls it directly for a call of a
-        form that passed them, after _raise_pending_low_latency: its own form covers every input the checks
-        read, so checking again would only cost host time."""
-        checks = self._checks
+    def _ll_dispatch_run(self, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool, recv_stats):
+        """low_latency_dispatch of a call whose form passed its checks: the pending errors, then the engine, as
+        low_latency_dispatch runs them (keep the two in step). ep_plugin.deep_ep calls it for a form it checked:
+        its own form covers every input the checks read, so checking again would only cost host time."""
+        self._raise_pending_low_latency()
+        engine, checks = self._low_latency, self._checks
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:  # the engines' outputs never track gradients
@@ -106,8 +128,14 @@ class LowLatencyCalls:
         added in float32 in the order of each rank's first pick, cast to BF16; source -- every pick summed
         that way at once, cast to BF16 at the end (DeepEP's numbers). ids -1 and left-out ranks contribute
         nothing. return_recv_hook and async_op as for low_latency_dispatch."""
-        self._raise_pending_low_latency()
+        # flat, as low_latency_dispatch: _raise_pending_low_latency and _ll_combine_run inline
+        if self._closed:
+            raise RuntimeError("this EPBuffer is closed")
+        engine = self._low_latency
+        if engine is not None:
+            engine.check()
         checks = self._checks
+        checks.expert_ids_flag.raise_if_seen()
         # the handle is checked on every call (its type, buffer and sizes: combine_key); the tensors' checks
         # once per form of call
         key = ll_checks.combine_key(self._id, x, topk_idx, topk_weights, out, handle)
@@ -118,11 +146,25 @@ class LowLatencyCalls:
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
-        return self._ll_combine_run(self._low_latency, x, topk_idx, topk_weights, handle, out, async_op, hook)
+        if checks.full_validation or not engine.checks_expert_ids:
+            checks.expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:
+            with torch.no_grad():
+                y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        else:
+            y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        if hook:
+            assert callable(recv), "the low-latency engine returned no receive hook for low_latency_combine"
+            recv = _RecvHook(recv, "low_latency_combine")
+        else:
+            assert recv is None, "the low-latency engine returned a receive hook for a low_latency_combine without one"
+        return y, self._low_latency_event(x) if async_op else None, recv
 
-    def _ll_combine_run(self, engine, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
-        """low_latency_combine after its argument checks (the handle's included); see _ll_dispatch_run."""
-        checks = self._checks
+    def _ll_combine_run(self, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
+        """low_latency_combine of a call whose form and handle passed its checks: the pending errors, then the
+        engine, as low_latency_combine runs them (keep the two in step); see _ll_dispatch_run."""
+        self._raise_pending_low_latency()
+        engine, checks = self._low_latency, self._checks
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:

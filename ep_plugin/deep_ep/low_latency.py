@@ -155,10 +155,8 @@ class LowLatencyMixin:
 
     def _ll_dispatch_known(self, known, x, topk_idx, stats):
         """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine."""
-        buf = known[0]
-        buf._raise_pending_low_latency()
-        return self._ll_dispatch_run(known, buf._ll_dispatch_run(
-            buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
+        return self._ll_dispatch_run(known, known[0]._ll_dispatch_run(
+            x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
 
     def _ll_dispatch_checked(self, key, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                              num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
@@ -240,11 +238,13 @@ class LowLatencyMixin:
         T, K = topk_idx.shape
         if inner.num_tokens != T or inner.topk != K:
             return None
-        buf._raise_pending_low_latency()
-        rows = self._ll_take_staging(handle) if zero_copy else x
+        rows = x
+        if zero_copy:
+            buf._raise_pending_low_latency()  # before the staging tensor is taken (_ll_combine_run checks again)
+            rows = self._ll_take_staging(handle)
         return self._ll_combine_out(buf._ll_combine_run(
-            buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
-            bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
+            rows, topk_idx, topk_weights, inner, out, bool(async_finish), bool(return_recv_hook)),
+            x, rows, topk_idx, topk_weights, handle)
 
     def _ll_combine_checked(self, key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                             return_recv_hook, out, combine_wait_recv_cost_stats):
