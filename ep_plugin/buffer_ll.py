@@ -101,8 +101,11 @@ class LowLatencyCalls:
         """low_latency_dispatch of a call whose form passed its checks: the pending errors, then the engine, as
         low_latency_dispatch runs them (keep the two in step). ep_plugin.deep_ep calls it for a form it checked:
         its own form covers every input the checks read, so checking again would only cost host time."""
-        self._raise_pending_low_latency()
+        if self._closed:  # _raise_pending_low_latency, inline
+            raise RuntimeError("this EPBuffer is closed")
         engine, checks = self._low_latency, self._checks
+        engine.check()
+        checks.expert_ids_flag.raise_if_seen()
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:  # the engines' outputs never track gradients
@@ -163,8 +166,11 @@ class LowLatencyCalls:
     def _ll_combine_run(self, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
         """low_latency_combine of a call whose form and handle passed its checks: the pending errors, then the
         engine, as low_latency_combine runs them (keep the two in step); see _ll_dispatch_run."""
-        self._raise_pending_low_latency()
+        if self._closed:  # _raise_pending_low_latency, inline
+            raise RuntimeError("this EPBuffer is closed")
         engine, checks = self._low_latency, self._checks
+        engine.check()
+        checks.expert_ids_flag.raise_if_seen()
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:

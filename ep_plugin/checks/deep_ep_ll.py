@@ -43,16 +43,19 @@ def dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use
             type(M), M, type(E), E, use_fp8, round_scale, use_ue8m0, async_finish, hook)
 
 
-def combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_copy, async_finish, hook):
-    """The form of a low_latency_combine call (the handle apart), or None as for dispatch_key."""
+def combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_copy, async_finish, hook, inner):
+    """The form of a low_latency_combine call with the sizes of its handle's LowLatencyHandle `inner`
+    (num_tokens, topk), or None as for dispatch_key, or when inner is None (no handle of this module). A form
+    passes EPBuffer.low_latency_combine's checks only with topk_idx [num_tokens, topk]: a key found means
+    they agree. The handle's buffer is compared by the caller."""
     o = _optional_form(out)
-    if (type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(topk_weights) is not _Tensor
+    if (inner is None or type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(topk_weights) is not _Tensor
             or wait_stats is not None or use_logfmt or o is _OTHER):
         return None
     return (x.dtype, x.shape, x.device, x.is_contiguous(), _cuda_device() if x.is_cuda else None,
             topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(),
             topk_weights.dtype, topk_weights.shape, topk_weights.device, topk_weights.is_contiguous(), o,
-            zero_copy, async_finish, hook)
+            zero_copy, async_finish, hook, inner.num_tokens, inner.topk)
 
 
 def positive_int(name: str, v) -> int:
