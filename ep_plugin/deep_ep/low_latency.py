@@ -64,6 +64,7 @@ _NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_
 _NoTorchFunction = torch._C.DisableTorchFunction
 
 _NO_EP_CONFIG = "<defaults>"  # EPConfig.source of load_config(None): a Buffer made without ep_config
+_NO_FORM = (object(), None)  # no last form: a key equal to nothing
 
 
 class LowLatencyMixin:
@@ -78,6 +79,9 @@ class LowLatencyMixin:
         # (EPBuffer, M, E, the flags as bools); a combine's form -> its EPBuffer
         self._ll_dispatch_forms = FormMap()
         self._ll_combine_forms = FormMap()
+        # (key, value) of the last form found in each map: a call of the same form (a decode loop's steady state)
+        # is one tuple compare, not a hash and a dict lookup
+        self._ll_last_dispatch = self._ll_last_combine = _NO_FORM
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -148,10 +152,14 @@ class LowLatencyMixin:
             key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                       num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                                       async_finish, return_recv_hook)
-            try:  # FormMap.find, inline: None is never kept; an unhashable flag is a form not kept
-                known = self._ll_dispatch_forms.get(key)
-            except TypeError:
-                known = None
+            last, known = self._ll_last_dispatch
+            if key != last:
+                try:  # FormMap.find, inline: None is never kept; an unhashable flag is a form not kept
+                    known = self._ll_dispatch_forms.get(key)
+                except TypeError:
+                    known = None
+                if known is not None:
+                    self._ll_last_dispatch = (key, known)
             if known is not None:
                 # a form already checked (here and by the EPBuffer): straight to its engine
                 buf = known[0]
@@ -230,10 +238,14 @@ class LowLatencyMixin:
             inner = handle.inner if type(handle) is DeepEPLowLatencyHandle else None
             key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt,
                                      zero_copy, async_finish, return_recv_hook, inner)
-            try:  # FormMap.find, inline (see low_latency_dispatch)
-                buf = self._ll_combine_forms.get(key)
-            except TypeError:
-                buf = None
+            last, buf = self._ll_last_combine
+            if key != last:
+                try:  # FormMap.find, inline (see low_latency_dispatch)
+                    buf = self._ll_combine_forms.get(key)
+                except TypeError:
+                    buf = None
+                if buf is not None:
+                    self._ll_last_combine = (key, buf)
             if buf is not None and handle.buffer is buf:
                 # a form and handle already checked: straight to the engine
                 rows = x
