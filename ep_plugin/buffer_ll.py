@@ -28,6 +28,15 @@ class _RecvHook:
         recv()
 
 
+_STRAY_HOOK = "the low-latency engine returned a receive hook for a call without one"
+
+
+def _hooked(recv, what: str) -> _RecvHook:
+    """The engine's receive half of a call with a hook, as the caller gets it."""
+    assert callable(recv), f"the low-latency engine returned no receive hook for {what}"
+    return _RecvHook(recv, what)
+
+
 class LowLatencyCalls:
     """Mixed into EPBuffer: the low-latency calls and their engine."""
 
@@ -93,10 +102,9 @@ class LowLatencyCalls:
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
         if hook:
-            assert callable(recv), "the low-latency engine returned no receive hook for low_latency_dispatch"
-            recv = _RecvHook(recv, "low_latency_dispatch")
+            recv = _hooked(recv, "low_latency_dispatch")
         else:
-            assert recv is None, "the low-latency engine returned a receive hook for a low_latency_dispatch without one"
+            assert recv is None, _STRAY_HOOK
         return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
 
     def _ll_dispatch_run(self, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool, recv_stats):
@@ -118,8 +126,11 @@ class LowLatencyCalls:
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
-        return (recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None,
-                self._wrap_hook(recv, hook, "low_latency_dispatch"))
+        if hook:
+            recv = _hooked(recv, "low_latency_dispatch")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, async_op: bool = False,
@@ -161,10 +172,9 @@ class LowLatencyCalls:
         else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         if hook:
-            assert callable(recv), "the low-latency engine returned no receive hook for low_latency_combine"
-            recv = _RecvHook(recv, "low_latency_combine")
+            recv = _hooked(recv, "low_latency_combine")
         else:
-            assert recv is None, "the low-latency engine returned a receive hook for a low_latency_combine without one"
+            assert recv is None, _STRAY_HOOK
         return y, self._low_latency_event(x) if async_op else None, recv
 
     def _ll_combine_run(self, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
@@ -182,7 +192,11 @@ class LowLatencyCalls:
                 y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        return y, self._low_latency_event(x) if async_op else None, self._wrap_hook(recv, hook, "low_latency_combine")
+        if hook:
+            recv = _hooked(recv, "low_latency_combine")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return y, self._low_latency_event(x) if async_op else None, recv
 
     def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the
@@ -231,11 +245,3 @@ class LowLatencyCalls:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(like.device))
         return EPEvent(cuda_event=event, check=self.check_finished)
-
-    @staticmethod
-    def _wrap_hook(recv, hook: bool, what: str):
-        if not hook:
-            assert recv is None, f"the low-latency engine returned a receive hook for a {what} without one"
-            return None
-        assert callable(recv), f"the low-latency engine returned no receive hook for {what}"
-        return _RecvHook(recv, what)
