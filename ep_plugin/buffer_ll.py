@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .checks import call_form, need
+from .checks import need
 from .checks import low_latency as ll_checks
 from .types import EPEvent, LowLatencyHandle
 
@@ -26,6 +26,15 @@ class _RecvHook:
             raise RuntimeError(f"this {self._what} receive hook has run already: each hook runs once")
         recv, self._recv = self._recv, None
         recv()
+
+
+_STRAY_HOOK = "the low-latency engine returned a receive hook for a call without one"
+
+
+def _hooked(recv, what: str) -> _RecvHook:
+    """The engine's receive half of a call with a hook, as the caller gets it."""
+    assert callable(recv), f"the low-latency engine returned no receive hook for {what}"
+    return _RecvHook(recv, what)
 
 
 class LowLatencyCalls:
@@ -55,31 +64,33 @@ class LowLatencyCalls:
         which enqueues it on the current stream (once); the outputs and the handle are valid after it.
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
-        self._raise_pending_low_latency()
-        form = call_form(x, topk_idx, recv_stats, use_fp8, round_scale)
+        # Flat on purpose: a call of a form that passed its checks costs this frame, its key's and the engine's
+        # (a cold call's host time is on the critical path: benchmarks/bench_ll_host.py) -- the pending errors
+        # (_raise_pending_low_latency) and the launch (_ll_dispatch_run, ep_plugin.deep_ep's way in) inline.
+        if self._closed:
+            raise RuntimeError("this EPBuffer is closed")
+        engine = self._low_latency
+        if engine is not None:
+            engine.check()
+        checks = self._checks
+        checks.expert_ids_flag.raise_if_seen()
+        key = ll_checks.dispatch_key(x, topk_idx, recv_stats, use_fp8, round_scale)
         # bool is final: `type(v) is bool` is isinstance, without a call on the hot path
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
-        engine = self._low_latency
         if engine is None:
             engine = self._low_latency_engine()
-        forms = self._checks.forms
-        if form is None or ("ll_dispatch", form) not in forms:
-            self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
-            limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
-            need(limit is None or topk_idx.shape[1] <= limit, ValueError,
-                 f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from moe.topk), "
-                 f"got {topk_idx.shape[1]}")
-            forms.add(("ll_dispatch", form))
-        return self._ll_dispatch_run(engine, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
-
-    def _ll_dispatch_run(self, engine, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool,
-                         recv_stats):
-        """low_latency_dispatch after its argument checks. ep_plugin.deep_ep calls it directly for a call of a
-        form that passed them, after _raise_pending_low_latency: its own form covers every input the checks
-        read, so checking again would only cost host time."""
-        checks = self._checks
+        if key is None or key != self._ll_dispatch_form:  # not the last call's form (a None key: never kept)
+            if key is None or key not in checks.forms:
+                self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
+                limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
+                need(limit is None or topk_idx.shape[1] <= limit, ValueError,
+                     f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from "
+                     f"moe.topk), got {topk_idx.shape[1]}")
+                if key is not None:
+                    checks.forms.add(key)
+            self._ll_dispatch_form = key
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:  # the engines' outputs never track gradients
@@ -90,8 +101,36 @@ class LowLatencyCalls:
             recv_x, recv_count, handle, recv = engine.dispatch(
                 x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
         handle.buffer_id = self._id
-        return (recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None,
-                self._wrap_hook(recv, hook, "low_latency_dispatch"))
+        if hook:
+            recv = _hooked(recv, "low_latency_dispatch")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
+
+    def _ll_dispatch_run(self, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool, recv_stats):
+        """low_latency_dispatch of a call whose form passed its checks: the pending errors, then the engine, as
+        low_latency_dispatch runs them (keep the two in step). ep_plugin.deep_ep calls it for a form it checked:
+        its own form covers every input the checks read, so checking again would only cost host time."""
+        if self._closed:  # _raise_pending_low_latency, inline
+            raise RuntimeError("this EPBuffer is closed")
+        engine, checks = self._low_latency, self._checks
+        engine.check()
+        checks.expert_ids_flag.raise_if_seen()
+        if checks.full_validation or not engine.checks_expert_ids:
+            checks.expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:  # the engines' outputs never track gradients
+            with torch.no_grad():
+                recv_x, recv_count, handle, recv = engine.dispatch(
+                    x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        else:
+            recv_x, recv_count, handle, recv = engine.dispatch(
+                x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
+        handle.buffer_id = self._id
+        if hook:
+            recv = _hooked(recv, "low_latency_dispatch")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, async_op: bool = False,
@@ -105,22 +144,26 @@ class LowLatencyCalls:
         added in float32 in the order of each rank's first pick, cast to BF16; source -- every pick summed
         that way at once, cast to BF16 at the end (DeepEP's numbers). ids -1 and left-out ranks contribute
         nothing. return_recv_hook and async_op as for low_latency_dispatch."""
-        self._raise_pending_low_latency()
-        form = call_form(x, topk_idx, topk_weights, out)
+        # flat, as low_latency_dispatch: _raise_pending_low_latency and _ll_combine_run inline
+        if self._closed:
+            raise RuntimeError("this EPBuffer is closed")
+        engine = self._low_latency
+        if engine is not None:
+            engine.check()
         checks = self._checks
-        # the handle is checked on every call; the tensors' checks once per form of call
-        if (form is None or ("ll_combine", form) not in checks.forms
-                or not ll_checks.same_handle(checks, handle, topk_idx)):
-            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
-            checks.forms.add(("ll_combine", form))
+        checks.expert_ids_flag.raise_if_seen()
+        # the handle is checked on every call (its type, buffer and sizes: combine_key); the tensors' checks
+        # once per form of call
+        key = ll_checks.combine_key(self._id, x, topk_idx, topk_weights, out, handle)
+        if key is None or key != self._ll_combine_form:  # not the last call's form (see low_latency_dispatch)
+            if key is None or key not in checks.forms:
+                self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
+                if key is not None:
+                    checks.forms.add(key)
+            self._ll_combine_form = key
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
-        return self._ll_combine_run(self._low_latency, x, topk_idx, topk_weights, handle, out, async_op, hook)
-
-    def _ll_combine_run(self, engine, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
-        """low_latency_combine after its argument checks (the handle's included); see _ll_dispatch_run."""
-        checks = self._checks
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:
@@ -128,7 +171,32 @@ class LowLatencyCalls:
                 y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
         else:
             y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        return y, self._low_latency_event(x) if async_op else None, self._wrap_hook(recv, hook, "low_latency_combine")
+        if hook:
+            recv = _hooked(recv, "low_latency_combine")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return y, self._low_latency_event(x) if async_op else None, recv
+
+    def _ll_combine_run(self, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
+        """low_latency_combine of a call whose form and handle passed its checks: the pending errors, then the
+        engine, as low_latency_combine runs them (keep the two in step); see _ll_dispatch_run."""
+        if self._closed:  # _raise_pending_low_latency, inline
+            raise RuntimeError("this EPBuffer is closed")
+        engine, checks = self._low_latency, self._checks
+        engine.check()
+        checks.expert_ids_flag.raise_if_seen()
+        if checks.full_validation or not engine.checks_expert_ids:
+            checks.expert_ids(topk_idx, engine.checks_expert_ids)
+        if x.requires_grad:
+            with torch.no_grad():
+                y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        else:
+            y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
+        if hook:
+            recv = _hooked(recv, "low_latency_combine")
+        else:
+            assert recv is None, _STRAY_HOOK
+        return y, self._low_latency_event(x) if async_op else None, recv
 
     def set_low_latency_mask(self, ranks: Sequence[int]) -> None:
         """Leave `ranks` (of this buffer's group) out of the low-latency calls; an empty list clears the
@@ -177,11 +245,3 @@ class LowLatencyCalls:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(like.device))
         return EPEvent(cuda_event=event, check=self.check_finished)
-
-    @staticmethod
-    def _wrap_hook(recv, hook: bool, what: str):
-        if not hook:
-            assert recv is None, f"the low-latency engine returned a receive hook for a {what} without one"
-            return None
-        assert callable(recv), f"the low-latency engine returned no receive hook for {what}"
-        return _RecvHook(recv, what)

@@ -89,6 +89,10 @@ def test_phases_and_pointers_without_hook(calls, output_buffers, use_fp8):
     recv_x, count, handle, event, hook = buf.low_latency_dispatch(x, idx, use_fp8=use_fp8, recv_stats=stats)
     eng = engine_of(buf)
     assert eng.fused_launch is (output_buffers > 0) and event is None and hook is None
+    # the engine builds the handle positionally (in the dataclass's field order)
+    assert (handle.num_tokens, handle.max_tokens, handle.hidden, handle.num_experts, handle.topk, handle.use_fp8,
+            handle.backend, handle.buffer_id) == (6, M, H, E_L, K, use_fp8, "nvshmem", buf._id)
+    assert handle.src_info.shape == (E_L, M) and handle.layout_range.shape == (E_L, 1) and "ptrs" in handle.state
     want = dispatch_ptrs(recv_x, count, handle, stats)
     if output_buffers:  # one launch: both halves
         (kind, phases, args), = calls
@@ -309,8 +313,9 @@ def test_cached_forms_still_refuse_a_changed_handle_and_raise_pending_errors(cal
         _, _, handle, _, _ = dispatch()
         dbuf.low_latency_combine(rows, idx, w, handle)
     _, _, short, _, _ = dispatch(4)
-    with pytest.raises(ValueError, match=r"topk_idx must have shape \[4, 3\]"):
-        dbuf.low_latency_combine(rows, idx, w, short)  # same form as the last good combine, other handle
+    for _ in range(2):  # a call that failed leaves the last good form as it was
+        with pytest.raises(ValueError, match=r"topk_idx must have shape \[4, 3\]"):
+            dbuf.low_latency_combine(rows, idx, w, short)  # same form as the last good combine, other handle
     eng = engine_of(next(iter(dbuf._ll_buffers.values())))
     eng._rt.take_bad_expert_ids = lambda: 1  # a send half saw an id outside [-1, E)
     with pytest.raises(ValueError, match="topk_idx values must lie"):

@@ -414,6 +414,30 @@ def test_combine_refuses_bad_rows_weights_and_out(buf):
     assert y is out
 
 
+def test_cached_forms_follow_in_place_changes(buf):
+    """A form's checks run once; the same tensor objects changed in place (shape, strides) make a new form,
+    checked again before anything runs."""
+    x, idx, w = inputs()
+    stats = torch.zeros(E, dtype=torch.int32)
+    for _ in range(2):  # the second call of each finds its form
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, use_fp8=False, recv_stats=stats)
+        buf.low_latency_combine(recv_x, idx, w, handle)
+    stats.resize_(E + 1)
+    for _ in range(2):  # a form that failed is not the last call's form
+        raises(ValueError, f"recv_stats must have shape [{E}]",
+               lambda: buf.low_latency_dispatch(x, idx, use_fp8=False, recv_stats=stats))
+    stats.resize_(E)
+    w.as_strided_((6, K), (1, 6))
+    for _ in range(2):
+        raises(ValueError, "topk_weights must be contiguous", lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    w.as_strided_((6, K), (K, 1))
+    buf.low_latency_combine(recv_x, idx, w, handle)
+    idx.resize_(5, K)
+    raises(ValueError, "topk_idx must have shape [6, K]",
+           lambda: buf.low_latency_dispatch(x, idx, use_fp8=False, recv_stats=stats))
+    raises(ValueError, "topk_idx must have shape [6, 3]", lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+
+
 def test_mask_refuses_ranks_outside_the_group(buf):
     for bad, exc in (([1], ValueError), ([-1], ValueError), ([True], TypeError), ("0", TypeError),
                      ([0.0], TypeError), (3, TypeError)):

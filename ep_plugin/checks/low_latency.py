@@ -1,6 +1,10 @@
 """The argument checks of EPBuffer's low-latency calls (docs/LOW_LATENCY.md): BF16 rows into the fixed
 layout [E_l, W*M, H], a handle that names its buffer. Run once per call form (core.Forms), except the
-handle's, which is compared every call (attribute reads only)."""
+handle's, which is compared every call (attribute reads only).
+
+The key of a call form (dispatch_key, combine_key) is what its checks read: for plain tensors a flat tuple
+(no loop, no nested tuples: a repeated form costs one tuple and one set lookup, the few us of host time a
+cold call at 128 tokens feels), else call_form's."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,9 +14,30 @@ import torch
 from ..backends.base import group_device_problem
 from ..types import FP8_BLOCK, LowLatencyHandle
 from .calls import CallChecks
-from .core import need
+from .core import _cuda_device, call_form, need
 
 LOW_LATENCY_MAX_TOPK = 32  # the largest top-k the low-latency calls take (an engine may declare fewer: max_topk)
+
+_Tensor = torch.Tensor
+# the kinds of key in a buffer's Forms, first in each key: a flat key's length and layout follow from its kind
+_DISPATCH, _DISPATCH_STATS, _COMBINE, _COMBINE_OUT = "ll_dispatch", "ll_dispatch+stats", "ll_combine", "ll_combine+out"
+
+
+def dispatch_key(x, topk_idx, recv_stats, use_fp8, round_scale):
+    """The form of a low_latency_dispatch call (dispatch() reads nothing else but the buffer's constants and,
+    for CUDA x, the current device), or None (an argument call_form cannot describe: the checks run, and
+    raise). Plain tensors and bool flags: one flat tuple; else call_form's nested one."""
+    if type(x) is _Tensor and type(topk_idx) is _Tensor and type(use_fp8) is bool and type(round_scale) is bool:
+        if recv_stats is None:
+            return (_DISPATCH, x.dtype, x.shape, x.device, x.is_contiguous(), _cuda_device() if x.is_cuda else None,
+                    topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(), use_fp8, round_scale)
+        if type(recv_stats) is _Tensor:
+            return (_DISPATCH_STATS, x.dtype, x.shape, x.device, x.is_contiguous(),
+                    _cuda_device() if x.is_cuda else None, topk_idx.dtype, topk_idx.shape, topk_idx.device,
+                    topk_idx.is_contiguous(), use_fp8, round_scale, recv_stats.dtype, recv_stats.shape,
+                    recv_stats.device, recv_stats.is_contiguous())
+    form = call_form(x, topk_idx, recv_stats, use_fp8, round_scale)
+    return None if form is None else (_DISPATCH, form)
 
 
 def device(group, x: torch.Tensor) -> None:
@@ -65,13 +90,29 @@ def topk(topk_idx, T: int, K: Optional[int], device) -> None:
     need(topk_idx.is_contiguous(), ValueError, "topk_idx must be contiguous")
 
 
-def same_handle(c: CallChecks, handle, topk_idx) -> bool:
-    """The handle checks of combine(), for a call whose tensors kept their form."""
-    # one engine per buffer: a handle of this buffer has its engine, hidden, experts and M
-    if type(handle) is not LowLatencyHandle or handle.buffer_id != c.buffer_id:
-        return False
-    T, K = topk_idx.shape
-    return handle.num_tokens == T and handle.topk == K
+def combine_key(buffer_id: int, x, topk_idx, topk_weights, out, handle):
+    """The form of a low_latency_combine call with the handle's part of combine()'s verdict, or None (a handle
+    that is no LowLatencyHandle of this buffer, or an argument call_form cannot describe: the checks run).
+
+    The handle is compared on every call (attribute reads): its type and buffer here, its (num_tokens, topk)
+    as part of the key -- combine() passed that form only with topk_idx [num_tokens, topk], so a key found
+    means they agree. One engine per buffer: a handle of this buffer has its engine, hidden, experts and M."""
+    if type(handle) is not LowLatencyHandle or handle.buffer_id != buffer_id:
+        return None
+    if type(x) is _Tensor and type(topk_idx) is _Tensor and type(topk_weights) is _Tensor:
+        if out is None:
+            return (_COMBINE, x.dtype, x.shape, x.device, x.is_contiguous(), _cuda_device() if x.is_cuda else None,
+                    topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(), topk_weights.dtype,
+                    topk_weights.shape, topk_weights.device, topk_weights.is_contiguous(), handle.num_tokens,
+                    handle.topk)
+        if type(out) is _Tensor:
+            return (_COMBINE_OUT, x.dtype, x.shape, x.device, x.is_contiguous(),
+                    _cuda_device() if x.is_cuda else None, topk_idx.dtype, topk_idx.shape, topk_idx.device,
+                    topk_idx.is_contiguous(), topk_weights.dtype, topk_weights.shape, topk_weights.device,
+                    topk_weights.is_contiguous(), handle.num_tokens, handle.topk, out.dtype, out.shape, out.device,
+                    out.is_contiguous())
+    form = call_form(x, topk_idx, topk_weights, out)
+    return None if form is None else (_COMBINE, form, handle.num_tokens, handle.topk)
 
 
 def combine(c: CallChecks, num_local_experts: int, x, topk_idx, topk_weights, handle, out) -> None:

@@ -47,7 +47,7 @@ from ..checks import deep_ep_ll as checks
 from ..checks.core import FormMap
 from ..config import load_config
 from .events import DONE, EventOverlap
-from .handle import DeepEPLowLatencyHandle
+from .handle import DeepEPLowLatencyHandle, low_latency_handle
 from .ll_support import (SIZE_HINT_TOPK, _pack_ue8m0, _ThenEvent, _ue8m0_target,  # noqa: F401 (re-exported)
                          low_latency_size_hint)
 
@@ -64,6 +64,7 @@ _NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_
 _NoTorchFunction = torch._C.DisableTorchFunction
 
 _NO_EP_CONFIG = "<defaults>"  # EPConfig.source of load_config(None): a Buffer made without ep_config
+_NO_FORM = (object(), None)  # no last form: a key equal to nothing
 
 
 class LowLatencyMixin:
@@ -78,6 +79,9 @@ class LowLatencyMixin:
         # (EPBuffer, M, E, the flags as bools); a combine's form -> its EPBuffer
         self._ll_dispatch_forms = FormMap()
         self._ll_combine_forms = FormMap()
+        # (key, value) of the last form found in each map: a call of the same form (a decode loop's steady state)
+        # is one tuple compare, not a hash and a dict lookup
+        self._ll_last_dispatch = self._ll_last_combine = _NO_FORM
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -143,22 +147,30 @@ class LowLatencyMixin:
         """
         if self._destroyed or not self.low_latency_mode:
             self._ll_mode("low_latency_dispatch")  # raises
-        args = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
-                return_recv_hook)
+        stats = cumulative_local_expert_recv_stats
         with _NoTorchFunction():  # see _NoTorchFunction
-            key = checks.dispatch_key(*args)
-            known = self._ll_dispatch_forms.find(key)
+            key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats,
+                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                      async_finish, return_recv_hook)
+            last, known = self._ll_last_dispatch
+            if key != last:
+                try:  # FormMap.find, inline: None is never kept; an unhashable flag is a form not kept
+                    known = self._ll_dispatch_forms.get(key)
+                except TypeError:
+                    known = None
+                if known is not None:
+                    self._ll_last_dispatch = (key, known)
             if known is not None:
-                return self._ll_dispatch_known(known, x, topk_idx, cumulative_local_expert_recv_stats)
-        return self._ll_dispatch_checked(key, *args)
-
-    def _ll_dispatch_known(self, known, x, topk_idx, stats):
-        """A dispatch of a form already checked (here and by the EPBuffer), straight to its engine."""
-        buf = known[0]
-        buf._raise_pending_low_latency()
-        return self._ll_dispatch_run(known, buf._ll_dispatch_run(
-            buf._low_latency, x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
+                # a form already checked (here and by the EPBuffer): straight to its engine
+                buf = known[0]
+                result = buf._ll_dispatch_run(x, topk_idx, known[3], known[4], known[6], known[7], stats)
+                if known[5] or known[6]:  # use_ue8m0, async_finish
+                    return self._ll_dispatch_run(known, result, x, topk_idx, stats)
+                recv_x, recv_count, inner, _, hook = result  # _ll_dispatch_run's plain case, inline
+                return recv_x, recv_count, low_latency_handle(inner, buf, known[1], buf.hidden, known[2]), DONE, hook
+        return self._ll_dispatch_checked(key, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
+                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                         use_ue8m0, async_finish, return_recv_hook)
 
     def _ll_dispatch_checked(self, key, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                              num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
@@ -194,7 +206,7 @@ class LowLatencyMixin:
                 _pack_ue8m0(scales, packed)
                 if event is not None:
                     event = _ThenEvent(event, scales.device)
-        handle = DeepEPLowLatencyHandle(inner, buf, M, buf.hidden, E)
+        handle = low_latency_handle(inner, buf, M, buf.hidden, E)
         if not async_finish:
             return recv_x, recv_count, handle, DONE, hook
         rows = recv_x if isinstance(recv_x, tuple) else (recv_x,)
@@ -220,31 +232,33 @@ class LowLatencyMixin:
         """
         if self._destroyed or not self.low_latency_mode:
             self._ll_mode("low_latency_combine")  # raises
-        args = (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-                combine_wait_recv_cost_stats)
         with _NoTorchFunction():  # see _NoTorchFunction
+            # the handle is checked on every call, as EPBuffer does: its type here, its (num_tokens, topk) in the key
+            # (combine_key), its buffer below -- the form fixes x's shape, hence the EPBuffer
+            inner = handle.inner if type(handle) is DeepEPLowLatencyHandle else None
             key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt,
-                                     zero_copy, async_finish, return_recv_hook)
-            result = self._ll_combine_known(self._ll_combine_forms.find(key), x, topk_idx, topk_weights, handle,
-                                            zero_copy, async_finish, return_recv_hook, out)
-        return result if result is not None else self._ll_combine_checked(key, *args)
-
-    def _ll_combine_known(self, buf, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook,
-                          out):
-        """A combine of a form already checked (buf: the EPBuffer its form was kept with, or None), straight to
-        the engine; None if new (or the handle differs)."""
-        # the form fixes x's shape, hence the EPBuffer; the handle is checked on every call, as EPBuffer does
-        if buf is None or type(handle) is not DeepEPLowLatencyHandle or handle.buffer is not buf:
-            return None
-        inner = handle.inner
-        T, K = topk_idx.shape
-        if inner.num_tokens != T or inner.topk != K:
-            return None
-        buf._raise_pending_low_latency()
-        rows = self._ll_take_staging(handle) if zero_copy else x
-        return self._ll_combine_out(buf._ll_combine_run(
-            buf._low_latency, rows, topk_idx, topk_weights, inner, out, bool(async_finish),
-            bool(return_recv_hook)), x, rows, topk_idx, topk_weights, handle)
+                                     zero_copy, async_finish, return_recv_hook, inner)
+            last, buf = self._ll_last_combine
+            if key != last:
+                try:  # FormMap.find, inline (see low_latency_dispatch)
+                    buf = self._ll_combine_forms.get(key)
+                except TypeError:
+                    buf = None
+                if buf is not None:
+                    self._ll_last_combine = (key, buf)
+            if buf is not None and handle.buffer is buf:
+                # a form and handle already checked: straight to the engine
+                rows = x
+                if zero_copy:
+                    buf._raise_pending_low_latency()  # before the staging tensor is taken (_ll_combine_run again)
+                    rows = self._ll_take_staging(handle)
+                y, event, hook = buf._ll_combine_run(rows, topk_idx, topk_weights, inner, out, bool(async_finish),
+                                                     bool(return_recv_hook))
+                if event is None:
+                    return y, DONE, hook
+                return self._ll_combine_out((y, event, hook), x, rows, topk_idx, topk_weights, handle)
+        return self._ll_combine_checked(key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                        return_recv_hook, out, combine_wait_recv_cost_stats)
 
     def _ll_combine_checked(self, key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                             return_recv_hook, out, combine_wait_recv_cost_stats):

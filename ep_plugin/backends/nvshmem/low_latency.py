@@ -168,16 +168,17 @@ class NvshmemLowLatency(ReportsFaults):
         self._y_watch = None                # a _Watch per combine output (its base tensor and views)
         self._y_turn = 0
 
-    def _dispatch_outputs(self, use_fp8: bool, dev):
-        """(recv_x, recv_count, src_info, layout_range, state, pointers, output set or -1): fresh, or the
-        next set (in the heap when output_sets)."""
+    def _dispatch_outputs(self, use_fp8: bool, x):
+        """(recv_x, recv_count, src_info, layout_range, state, pointers, output set or -1): fresh (on x's
+        device), or the next set (in the heap when output_sets). x.device is read only where tensors are made."""
         n = self.output_buffers
         if not n:
-            return self._new_dispatch_outputs(use_fp8, dev)
+            return self._new_dispatch_outputs(use_fp8, x.device)
         kind = 1 if use_fp8 else 0
         sets = self._dispatch_sets[kind]
         if sets is None:
             make = self._heap_dispatch_outputs if self.output_sets else self._new_dispatch_outputs
+            dev = x.device
             self._dispatch_sets[kind] = [make(use_fp8, dev, i) for i in range(n)]
             self._dispatch_watch[kind] = [Watch(self._watched(o)) for o in self._dispatch_sets[kind]]
             sets = self._dispatch_sets[kind]
@@ -189,7 +190,7 @@ class NvshmemLowLatency(ReportsFaults):
             # cannot come back. The next set is looked at now, before this call's launch: a peer writes into
             # it only after this dispatch's send half ran (its own dispatch of that set waits for this one's
             # rows first), so a copy queued here on this stream is done before any peer overwrites the set.
-            self._move_if_held(i + 1 if i + 1 < n else 0, dev)
+            self._move_if_held(i + 1 if i + 1 < n else 0, x)
         elif self.output_sets:  # both precisions' views of set i share its bytes
             watches = self._dispatch_watch
             if (watches[0] is not None and watches[0][i].held()) or (watches[1] is not None and watches[1][i].held()):
@@ -203,10 +204,10 @@ class NvshmemLowLatency(ReportsFaults):
                 if not watch[k].held():
                     self._dispatch_turn[turn] = k + 1 if k + 1 < n else 0
                     return sets[k]
-            return self._new_dispatch_outputs(use_fp8, dev)
+            return self._new_dispatch_outputs(use_fp8, x.device)
         return sets[i]
 
-    def _move_if_held(self, i: int, dev) -> None:
+    def _move_if_held(self, i: int, x) -> None:
         """Heap set i, where a caller still holds any of it (per precision's views), is moved to memory of
         its own: each heap tensor's storage gets a fresh allocation holding a copy (queued on the current
         stream), so the caller's tensors and views keep their values; the set gets new views of the heap.
@@ -217,6 +218,7 @@ class NvshmemLowLatency(ReportsFaults):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._held = i  # a graph would replay the copy: raised after the launch, as `raise` does
             return
+        dev = x.device
         heap, states = [], []
         for kind in (0, 1):  # both precisions' views of set i go: they share its bytes (and a scan finds both)
             sets = self._dispatch_sets[kind]
@@ -248,11 +250,6 @@ class NvshmemLowLatency(ReportsFaults):
         recv_x, recv_count, src_info, layout_range, state = outputs[:5]
         xs = [recv_x, *recv_x] if isinstance(recv_x, tuple) else [recv_x]
         return xs + [recv_count, src_info, layout_range, state]
-
-    def _take_held(self) -> int:
-        """The held heap set the last _dispatch_outputs picked (-1: none), cleared: read right after it."""
-        i, self._held = self._held, -1
-        return i
 
     def _raise_held(self, i: int) -> None:
         raise OutputsStillHeldError(
@@ -310,21 +307,22 @@ class NvshmemLowLatency(ReportsFaults):
         ptrs = (data_ptr, scales_ptr, count_ptr, src_info.data_ptr(), layout_range.data_ptr(), row_slot_ptr)
         return recv_x, recv_count, src_info, layout_range, state, ptrs, out_set
 
-    def _combine_output(self, T: int, dev):
+    def _combine_output(self, T: int, x):
+        """y [T, H]: fresh (on x's device), or the next of the output buffers' views."""
         n = self.output_buffers
         if not n:
-            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
+            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         views = self._y_views.get(T)
         if views is None:
             if self._y_sets is None:
-                self._y_sets = [torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=dev)
+                self._y_sets = [torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
                                 for _ in range(n)]
             views = self._y_views[T] = [y[:T] for y in self._y_sets]
             self._y_watch = [Watch([y] + [v[j] for v in self._y_views.values()]) for j, y in enumerate(self._y_sets)]
         i = self._y_turn
         self._y_turn = i + 1 if i + 1 < n else 0
         if self._y_watch[i].held():  # a caller still holds that output: a fresh one, nothing overwritten
-            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
+            return torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
         return views[i]
 
     @property
@@ -357,11 +355,10 @@ class NvshmemLowLatency(ReportsFaults):
         rt = self._rt
         fp8 = 1 if use_fp8 else 0
         stats_ptr = 0 if recv_stats is None else recv_stats.data_ptr()
-        held = -1
         flags = self.kernel_flags | self.sum_bits
         if self.fused_launch and not hook:
-            recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x.device)
-            held = self._take_held()
+            recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = self._dispatch_outputs(use_fp8, x)
+            held, self._held = self._held, -1  # the held heap set _dispatch_outputs picked (-1: none), cleared
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND_RECV | flags, *ptrs,
                         stats_ptr, _current_stream(), out_set, state["ptrs"][2])
             recv = None
@@ -369,13 +366,13 @@ class NvshmemLowLatency(ReportsFaults):
             stream = _current_stream()
             # Output sets: the senders need the set, so the outputs come first (views made once). Fresh
             # outputs: their allocations follow the send half, overlapping it.
-            outputs = self._dispatch_outputs(use_fp8, x.device) if self.output_sets else None
-            held = self._take_held()
+            outputs = self._dispatch_outputs(use_fp8, x) if self.output_sets else None
+            held, self._held = self._held, -1  # the held heap set _dispatch_outputs picked (-1: none), cleared
             set_args = (outputs[6], outputs[4]["ptrs"][2]) if outputs else ()  # the set and self_pos
             rt.dispatch(x.data_ptr(), topk_idx.data_ptr(), T, K, fp8, 1 if round_scale else 0, SEND | flags,
                         0, 0, 0, 0, 0, 0, 0, stream, *set_args)
             recv_x, recv_count, src_info, layout_range, state, ptrs, out_set = \
-                outputs or self._dispatch_outputs(use_fp8, x.device)
+                outputs or self._dispatch_outputs(use_fp8, x)
             # the receive half reads no input (x and topk_idx may go once the send half is queued)
             self_ptr = state["ptrs"][2]
             if not hook:
@@ -387,9 +384,10 @@ class NvshmemLowLatency(ReportsFaults):
                                 self_ptr)
         if held >= 0:
             self._raise_held(held)
-        handle = LowLatencyHandle(src_info=src_info, layout_range=layout_range, num_tokens=T,
-                                  max_tokens=self.max_tokens, hidden=self.hidden, num_experts=self.num_experts,
-                                  topk=K, use_fp8=use_fp8, backend=self.name, state=state)
+        # positional, in the dataclass's field order (src_info, layout_range, num_tokens, max_tokens, hidden,
+        # num_experts, topk, use_fp8, backend, state): keywords make type.__call__ build a dict (~0.5 us)
+        handle = LowLatencyHandle(src_info, layout_range, T, self.max_tokens, self.hidden, self.num_experts, K,
+                                  use_fp8, self.name, state)
         return recv_x, recv_count, handle, recv
 
     # ------------------------------------------------------------------ combine
@@ -401,7 +399,7 @@ class NvshmemLowLatency(ReportsFaults):
         flags = self.kernel_flags | self.sum_bits
         idx_ptr, w_ptr = topk_idx.data_ptr(), topk_weights.data_ptr()
         if self.fused_launch and not hook:
-            y = out if out is not None else self._combine_output(T, x.device)
+            y = out if out is not None else self._combine_output(T, x)
             rt.combine(x_ptr, row_slot, count, idx_ptr, w_ptr, T, K, SEND_RECV | flags, y.data_ptr(), _current_stream(),
                        self_pos, rec)
             return y, None
@@ -415,7 +413,7 @@ class NvshmemLowLatency(ReportsFaults):
         if hook and self.sum_bits:
             flags |= PER_PICK_SEND
         rt.combine(x_ptr, row_slot, count, idx_ptr, w_ptr, T, K, SEND | flags, 0, stream, 0 if hook else self_pos, rec)
-        y = out if out is not None else self._combine_output(T, x.device)
+        y = out if out is not None else self._combine_output(T, x)
         if not hook:
             rt.combine(x_ptr, 0, 0, idx_ptr, w_ptr, T, K, RECV | flags, y.data_ptr(), stream, self_pos)
             return y, None
