@@ -64,16 +64,10 @@ class LowLatencyCalls:
         which enqueues it on the current stream (once); the outputs and the handle are valid after it.
         async_op: `event` is an EPEvent recorded on the current stream after the call. The first
         low-latency call of a buffer builds its engine: a collective over the group."""
-        # Flat on purpose: a call of a form that passed its checks costs this frame, its key's and the engine's
-        # (a cold call's host time is on the critical path: benchmarks/bench_ll_host.py) -- the pending errors
-        # (_raise_pending_low_latency) and the launch (_ll_dispatch_run, ep_plugin.deep_ep's way in) inline.
-        if self._closed:
-            raise RuntimeError("this EPBuffer is closed")
-        engine = self._low_latency
-        if engine is not None:
-            engine.check()
-        checks = self._checks
-        checks.expert_ids_flag.raise_if_seen()
+        # Flat on purpose: a call of a form that passed its checks costs this frame, its key's, the pending
+        # errors', the launch's and the engine's (a cold call's host time is on the critical path:
+        # benchmarks/bench_ll_host.py).
+        engine, checks = self._ll_pending()
         key = ll_checks.dispatch_key(x, topk_idx, recv_stats, use_fp8, round_scale)
         # bool is final: `type(v) is bool` is isinstance, without a call on the hot path
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
@@ -91,31 +85,29 @@ class LowLatencyCalls:
                 if key is not None:
                     checks.forms.add(key)
             self._ll_dispatch_form = key
-        if checks.full_validation or not engine.checks_expert_ids:
-            checks.expert_ids(topk_idx, engine.checks_expert_ids)
-        if x.requires_grad:  # the engines' outputs never track gradients
-            with torch.no_grad():
-                recv_x, recv_count, handle, recv = engine.dispatch(
-                    x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
-        else:
-            recv_x, recv_count, handle, recv = engine.dispatch(
-                x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, recv_stats=recv_stats, hook=hook)
-        handle.buffer_id = self._id
-        if hook:
-            recv = _hooked(recv, "low_latency_dispatch")
-        else:
-            assert recv is None, _STRAY_HOOK
-        return recv_x, recv_count, handle, self._low_latency_event(x) if async_op else None, recv
+        return self._ll_dispatch_launch(engine, checks, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
 
     def _ll_dispatch_run(self, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool, recv_stats):
-        """low_latency_dispatch of a call whose form passed its checks: the pending errors, then the engine, as
-        low_latency_dispatch runs them (keep the two in step). ep_plugin.deep_ep calls it for a form it checked:
-        its own form covers every input the checks read, so checking again would only cost host time."""
-        if self._closed:  # _raise_pending_low_latency, inline
+        """low_latency_dispatch of a call whose form passed its checks: the pending errors, then the launch.
+        ep_plugin.deep_ep calls it for a form it checked: its own form covers every input the checks read, so
+        checking again would only cost host time."""
+        engine, checks = self._ll_pending()
+        return self._ll_dispatch_launch(engine, checks, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
+
+    def _ll_pending(self):
+        """(engine or None before the first call, checks), after the pending errors: a closed buffer, a timeout
+        the engine recorded, expert ids it flagged."""
+        if self._closed:
             raise RuntimeError("this EPBuffer is closed")
         engine, checks = self._low_latency, self._checks
-        engine.check()
+        if engine is not None:
+            engine.check()
         checks.expert_ids_flag.raise_if_seen()
+        return engine, checks
+
+    def _ll_dispatch_launch(self, engine, checks, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats):
+        """The dispatch of a checked call: the expert ids where the engine does not flag them, the engine, the
+        handle's buffer, the hook and the event."""
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:  # the engines' outputs never track gradients
@@ -144,14 +136,8 @@ class LowLatencyCalls:
         added in float32 in the order of each rank's first pick, cast to BF16; source -- every pick summed
         that way at once, cast to BF16 at the end (DeepEP's numbers). ids -1 and left-out ranks contribute
         nothing. return_recv_hook and async_op as for low_latency_dispatch."""
-        # flat, as low_latency_dispatch: _raise_pending_low_latency and _ll_combine_run inline
-        if self._closed:
-            raise RuntimeError("this EPBuffer is closed")
-        engine = self._low_latency
-        if engine is not None:
-            engine.check()
-        checks = self._checks
-        checks.expert_ids_flag.raise_if_seen()
+        # flat, as low_latency_dispatch
+        engine, checks = self._ll_pending()
         # the handle is checked on every call (its type, buffer and sizes: combine_key); the tensors' checks
         # once per form of call
         key = ll_checks.combine_key(self._id, x, topk_idx, topk_weights, out, handle)
@@ -164,27 +150,17 @@ class LowLatencyCalls:
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")
-        if checks.full_validation or not engine.checks_expert_ids:
-            checks.expert_ids(topk_idx, engine.checks_expert_ids)
-        if x.requires_grad:
-            with torch.no_grad():
-                y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        else:
-            y, recv = engine.combine(x, topk_idx, topk_weights, handle, out=out, hook=hook)
-        if hook:
-            recv = _hooked(recv, "low_latency_combine")
-        else:
-            assert recv is None, _STRAY_HOOK
-        return y, self._low_latency_event(x) if async_op else None, recv
+        return self._ll_combine_launch(engine, checks, x, topk_idx, topk_weights, handle, out, async_op, hook)
 
     def _ll_combine_run(self, x, topk_idx, topk_weights, handle, out, async_op: bool, hook: bool):
         """low_latency_combine of a call whose form and handle passed its checks: the pending errors, then the
-        engine, as low_latency_combine runs them (keep the two in step); see _ll_dispatch_run."""
-        if self._closed:  # _raise_pending_low_latency, inline
-            raise RuntimeError("this EPBuffer is closed")
-        engine, checks = self._low_latency, self._checks
-        engine.check()
-        checks.expert_ids_flag.raise_if_seen()
+        launch; see _ll_dispatch_run."""
+        engine, checks = self._ll_pending()
+        return self._ll_combine_launch(engine, checks, x, topk_idx, topk_weights, handle, out, async_op, hook)
+
+    def _ll_combine_launch(self, engine, checks, x, topk_idx, topk_weights, handle, out, async_op, hook):
+        """The combine of a checked call: the expert ids where the engine does not flag them, the engine, the
+        hook and the event."""
         if checks.full_validation or not engine.checks_expert_ids:
             checks.expert_ids(topk_idx, engine.checks_expert_ids)
         if x.requires_grad:
@@ -225,11 +201,7 @@ class LowLatencyCalls:
         ll_checks.device(self.group, x)
 
     def _raise_pending_low_latency(self) -> None:
-        if self._closed:
-            raise RuntimeError("this EPBuffer is closed")
-        if self._low_latency is not None:
-            self._low_latency.check()
-        self._checks.expert_ids_flag.raise_if_seen()
+        self._ll_pending()
 
     def _recv_hook_wanted(self, return_recv_hook) -> bool:
         if return_recv_hook is None:
