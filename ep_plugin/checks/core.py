@@ -46,6 +46,11 @@ class Forms(set):
     so that `key in forms` is the set's own lookup, not a Python call."""
 
     LIMIT = 256
+    last = None  # the key of the last call that passed, compared first (a caller's steady state); None: none
+
+    def clear(self) -> None:
+        self.last = None
+        set.clear(self)
 
     def add(self, key) -> None:
         """key: (kind of call, call_form(...)); a form call_form could not describe is not kept."""
