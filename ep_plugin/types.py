@@ -132,13 +132,26 @@ class PinnedRing:
         self._next = 0
 
     def take(self, owner: "HostCounts"):
+        return self.own(self.claim(), owner)
+
+    def claim(self) -> int:
+        """The next slot's index, the counts it held first turned into lists (it is written next); `own` gives
+        it its new owner (apart, so that a kernel may be queued to write the slot before its owner exists)."""
         i = self._next
         self._next = (i + 1) % len(self._slots)
         prev = self._owners[i]() if self._owners[i] is not None else None
         if prev is not None:
             prev.materialize()
+        return i
+
+    def own(self, i: int, owner: "HostCounts"):
+        """Slot i (claimed) now holds owner's counts -> its (buffers, event)."""
         self._owners[i] = weakref.ref(owner)
         return self._slots[i]  # shared, not copied: a HostCounts rebinds its dict, never changes it
+
+    def pointers(self, *names) -> list:
+        """Per slot, the addresses of its buffers `names` (for a kernel that writes a slot itself)."""
+        return [tuple(bufs[n].data_ptr() for n in names) for bufs, _ in self._slots]
 
 
 class BackendState:

@@ -148,6 +148,8 @@ class NvlinkBackend(Backend):
         # pinned copies of the counts of no-sync dispatches
         self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
                                  "recv_off": ((self.world + 1,), torch.int32)})
+        # notify's pinned addresses per ring slot, and (0, 0) last: what a dispatch under capture (slot -1) passes
+        self._ring_ptrs = self._ring.pointers("tokens_per_expert", "recv_off") + [(0, 0)]
         self._closed = False
         _live.add(self)
 
@@ -268,8 +270,9 @@ class NvlinkBackend(Backend):
         worst = self.worst_case or capturing
         merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
-            counts = _DispatchCounts(is_in, capturing, self._ring)
-            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *counts.host_ptrs(), merge)
+            slot = -1 if capturing else self._ring.claim()  # their HostCounts made after the launch
+            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *self._ring_ptrs[slot], merge)
+            counts = _DispatchCounts(is_in, capturing, self._ring, slot)
             counts.written(s)
         else:
             rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, 0, 0, merge)

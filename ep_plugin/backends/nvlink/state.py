@@ -36,7 +36,8 @@ class _DispatchCounts(HostCounts):
     HostCounts(device=...) gives, without its stream lookup and two copies (several us between notify
     and the next kernel at 128 tokens)."""
 
-    def __init__(self, is_in: torch.Tensor, capturing: bool, ring: PinnedRing):
+    def __init__(self, is_in: torch.Tensor, capturing: bool, ring: PinnedRing, slot: int):
+        """slot: the ring slot notify was given (ring.claim(); its addresses: ring.pointers), ignored under capture."""
         # the state HostCounts.get/materialize read, as HostCounts.__init__ leaves it
         self._lists = {}
         self._derived = {"send_counts": _send_counts, "recv_counts": _recv_counts}
@@ -44,13 +45,7 @@ class _DispatchCounts(HostCounts):
         self._capturing = capturing
         self._pinned, self._event = {}, None
         if not capturing:  # captured: the device tensors are the only form; reading a host list raises
-            self._pinned, self._event = ring.take(self)
-
-    def host_ptrs(self):
-        """(tokens_per_expert, recv_off) pinned buffers for notify to write, or (0, 0) under capture."""
-        if not self._pinned:
-            return 0, 0
-        return self._pinned["tokens_per_expert"].data_ptr(), self._pinned["recv_off"].data_ptr()
+            self._pinned, self._event = ring.own(slot, self)
 
     def written(self, stream) -> None:
         """notify, which writes the pinned buffers, has been queued on `stream`."""
