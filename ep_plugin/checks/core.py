@@ -46,16 +46,30 @@ class Forms(set):
     so that `key in forms` is the set's own lookup, not a Python call."""
 
     LIMIT = 256
-    last = None  # the key of the last call that passed, compared first (a caller's steady state); None: none
+
+    def __init__(self, *args):
+        set.__init__(self, *args)
+        # kind of call (key[0]) -> the key of its last call that passed: a caller compares a key with it before
+        # the set lookup (`key == forms.last.get(kind) or forms.hit(key)`), one tuple compare in a steady state
+        self.last = {}
 
     def clear(self) -> None:
-        self.last = None
+        self.last.clear()
         set.clear(self)
+
+    def hit(self, key) -> bool:
+        """key passed before (then it is its kind's last key)."""
+        if key in self:
+            self.last[key[0]] = key
+            return True
+        return False
 
     def add(self, key) -> None:
         """key: (kind of call, call_form(...)); a form call_form could not describe is not kept."""
-        if key[1] is not None and len(self) < self.LIMIT:
-            set.add(self, key)
+        if key[1] is not None:
+            self.last[key[0]] = key
+            if len(self) < self.LIMIT:
+                set.add(self, key)
 
 
 class FormMap(dict):

@@ -227,9 +227,9 @@ class NvlinkBackend(Backend):
                             "handles of its own dispatches only")
         return handle.state
 
-    def _check_call(self, x, K: int):
-        if x.shape[0] > self.max_tokens:
-            raise ValueError(f"x has {x.shape[0]} tokens, more than comm.max_tokens_per_rank={self.max_tokens}")
+    def _check_call(self, x, T: int, K: int):
+        if T > self.max_tokens:
+            raise ValueError(f"x has {T} tokens, more than comm.max_tokens_per_rank={self.max_tokens}")
         if K > MAX_TOPK:
             raise ValueError(f"the nvlink backend supports topk <= {MAX_TOPK}, got {K}")
         if x.data_ptr() % 16:
@@ -250,11 +250,11 @@ class NvlinkBackend(Backend):
         self.check()
         if scales is None and x.dtype in FP8_DTYPES:
             raise TypeError("FP8 dispatch needs (x_fp8, scales)")
-        K = topk_idx.shape[1] if topk_idx is not None else handle.topk_idx.shape[1]
-        self._check_call(x, K)
+        T, K = x.shape[0], (topk_idx if topk_idx is not None else handle.topk_idx).shape[1]
+        self._check_call(x, T, K)
         if handle is not None:
-            return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None)
-        T, W, dev = x.shape[0], self.world, x.device
+            return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None, T)
+        W, dev = self.world, x.device
         s, sp, cur = self._stream(async_op)
         capturing = _is_capturing()
         # Only what notify writes comes before it, made by the previous dispatch if it could be: the
@@ -355,12 +355,12 @@ class NvlinkBackend(Backend):
              torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
         return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
 
-    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool = False):
+    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool, T: int):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
         the handle's rank-major rows (one stage_pull launch with comm.dispatch_kernel fused), or straight
-        to its expert-major positions."""
+        to its expert-major positions. T: x's tokens."""
         st = self._state(handle)
-        T, K = x.shape[0], handle.topk_idx.shape[1]
+        K = handle.topk_idx.shape[1]
         if T != handle.num_tokens:
             raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {T}")
         s, sp, _ = self._stream(async_op)
