@@ -45,7 +45,8 @@ times it). So the four tensors notify writes are made at the end of the previous
 kernels run, once a token count comes twice in a row (used by the next dispatch of as many tokens on
 the same stream; a few KB held between calls; never under CUDA-graph capture), the Stream object of
 the current stream is reused, the counts are copied without switching streams when they go to the
-current one, and nothing is built that a synchronous call does not return.
+current one, and nothing is built that a synchronous call does not return. Of the no-sync counts only
+the pinned ring slot (its addresses read once per slot) comes before notify; their HostCounts after it.
 """
 from __future__ import annotations
 
