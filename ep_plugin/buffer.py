@@ -77,9 +77,6 @@ class EPBuffer(HighThroughputCalls, LowLatencyCalls):
         self._low_latency = None          # the engine, built at the first low-latency call
         self._low_latency_mask: tuple = ()
         self._closed = False
-        # the key of the last low-latency dispatch / combine that passed its checks: a call of the same form
-        # (a decode loop's steady state) is one tuple compare, not a hash and a set lookup (buffer_ll.py)
-        self._ll_dispatch_form = self._ll_combine_form = None
 
     def _low_latency_engine(self):
         """The low-latency engine, built at the first low-latency call (a collective over the group)."""
@@ -106,7 +103,6 @@ class EPBuffer(HighThroughputCalls, LowLatencyCalls):
     def _caps(self, caps) -> None:  # tests narrow a backend's capabilities: the checked forms no longer hold
         self._checks.caps = caps
         self._checks.forms.clear()
-        self._ll_dispatch_form = self._ll_combine_form = None
 
     def stats(self, reset: bool = False) -> dict:
         """What this buffer's exchanges cost and moved since the last reset (comm.stats: true): per op

@@ -75,16 +75,14 @@ class LowLatencyCalls:
             raise TypeError("async_op must be a bool")
         if engine is None:
             engine = self._low_latency_engine()
-        if key is None or key != self._ll_dispatch_form:  # not the last call's form (a None key: never kept)
-            if key is None or key not in checks.forms:
-                self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
-                limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
-                need(limit is None or topk_idx.shape[1] <= limit, ValueError,
-                     f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from "
-                     f"moe.topk), got {topk_idx.shape[1]}")
-                if key is not None:
-                    checks.forms.add(key)
-            self._ll_dispatch_form = key
+        if not checks.forms.seen(key):
+            self._check_low_latency_dispatch(x, topk_idx, use_fp8, round_scale, recv_stats)
+            limit = engine.max_topk  # an engine sized for a top-k when it was built (None: any)
+            need(limit is None or topk_idx.shape[1] <= limit, ValueError,
+                 f"the {engine.name} low-latency engine of this buffer takes topk <= {limit} (sized from "
+                 f"moe.topk), got {topk_idx.shape[1]}")
+            if key is not None:
+                checks.forms.add(key)
         return self._ll_dispatch_launch(engine, checks, x, topk_idx, use_fp8, round_scale, async_op, hook, recv_stats)
 
     def _ll_dispatch_run(self, x, topk_idx, use_fp8: bool, round_scale: bool, async_op: bool, hook: bool, recv_stats):
@@ -141,12 +139,10 @@ class LowLatencyCalls:
         # the handle is checked on every call (its type, buffer and sizes: combine_key); the tensors' checks
         # once per form of call
         key = ll_checks.combine_key(self._id, x, topk_idx, topk_weights, out, handle)
-        if key is None or key != self._ll_combine_form:  # not the last call's form (see low_latency_dispatch)
-            if key is None or key not in checks.forms:
-                self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
-                if key is not None:
-                    checks.forms.add(key)
-            self._ll_combine_form = key
+        if not checks.forms.seen(key):
+            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, out)
+            if key is not None:
+                checks.forms.add(key)
         hook = return_recv_hook if type(return_recv_hook) is bool else self._recv_hook_wanted(return_recv_hook)
         if type(async_op) is not bool:
             raise TypeError("async_op must be a bool")

@@ -33,11 +33,11 @@ class CallChecks:
         """x (a tensor or an FP8 (data, scales) pair) -> (data, scales or None)."""
         if isinstance(x, torch.Tensor):
             key = ("rows", tensor_form(x))
-            if key == self.forms.last.get("rows") or self.forms.hit(key):
+            if self.forms.seen(key):
                 return x, None
         elif isinstance(x, (tuple, list)) and len(x) == 2:
             key = ("rows", call_form(*x))
-            if key[1] is not None and (key == self.forms.last.get("rows") or self.forms.hit(key)):
+            if key[1] is not None and self.forms.seen(key):
                 return x[0], x[1]
         caps, name = self.caps, self.backend
         if isinstance(x, (tuple, list)):
@@ -97,8 +97,7 @@ class CallChecks:
         """A fresh dispatch's arguments (rows, then layout, then routing, each as below) -> (data, scales,
         alignment or None). A form that passed before costs one call_form and one lookup."""
         key = _fresh_key(x, topk_idx, topk_weights, layout, expert_alignment)
-        # the last passing form first: one tuple compare in the steady state, not a hash and a set lookup
-        if key is not None and (key == self.forms.last.get("fresh") or self.forms.hit(key)):
+        if self.forms.seen(key):
             if self.full_validation or not self.caps.checks_expert_ids:
                 self.expert_ids(topk_idx, self.caps.checks_expert_ids)
             alignment = None if layout is None or layout == "rank" else expert_alignment
@@ -197,7 +196,7 @@ class CallChecks:
     def combine(self, x, handle, topk_weights) -> bool:
         """-> whether the handle is expert-major."""
         key = ("combine", tensor_form(x))
-        if key != self.forms.last.get("combine") and not self.forms.hit(key):
+        if not self.forms.seen(key):
             need(isinstance(x, torch.Tensor), TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
             need(x.dtype in ROW_DTYPES, TypeError, f"combine's x must be float32, bfloat16 or float16, got {x.dtype}")
             need(x.dtype in self.caps.combine_dtypes, TypeError,

@@ -49,16 +49,20 @@ class Forms(set):
 
     def __init__(self, *args):
         set.__init__(self, *args)
-        # kind of call (key[0]) -> the key of its last call that passed: a caller compares a key with it before
-        # the set lookup (`key == forms.last.get(kind) or forms.hit(key)`), one tuple compare in a steady state
+        # kind of call (key[0]) -> the key of its last call that passed: seen() compares a key with it before the
+        # set lookup, one tuple compare in a steady state (a decode loop repeats one form per kind)
         self.last = {}
 
     def clear(self) -> None:
         self.last.clear()
         set.clear(self)
 
-    def hit(self, key) -> bool:
-        """key passed before (then it is its kind's last key)."""
+    def seen(self, key) -> bool:
+        """key (None: a form that cannot be kept) passed before; then it is its kind's last key."""
+        if key is None:
+            return False
+        if key == self.last.get(key[0]):
+            return True
         if key in self:
             self.last[key[0]] = key
             return True
@@ -77,19 +81,37 @@ class FormMap(dict):
     for callers that skip more than the checks on a repeated form (ep_plugin.deep_ep's low-latency calls)."""
 
     LIMIT = Forms.LIMIT
+    _NONE = (object(), None)  # no last entry: a key equal to nothing
+
+    def __init__(self, *args):
+        dict.__init__(self, *args)
+        self._last = self._NONE  # (key, value) last found or kept: one tuple compare in a steady state
+
+    def clear(self) -> None:
+        self._last = self._NONE
+        dict.clear(self)
 
     def find(self, key):
         """What `key`'s form decided, or None (a new form, or one that cannot be kept: key None or unhashable)."""
-        try:
-            return None if key is None else self.get(key)
-        except TypeError:  # an unhashable flag
+        if key is None:
             return None
+        try:
+            last, value = self._last
+            if key == last:
+                return value
+            value = self.get(key)
+        except (TypeError, RuntimeError):  # an unhashable flag (a tensor: its == is no bool)
+            return None
+        if value is not None:
+            self._last = (key, value)
+        return value
 
     def put(self, key, value) -> None:
         """key None or unhashable: a form the caller could not describe, not kept."""
         try:
             if key is not None and len(self) < self.LIMIT:
                 self[key] = value
+                self._last = (key, value)
         except TypeError:
             pass
 

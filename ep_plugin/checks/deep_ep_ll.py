@@ -20,17 +20,23 @@ _HOOK_AND_ASYNC = ("async_finish and return_recv_hook cannot both be set (as in 
                    "current stream")
 
 
+_OTHER = object()  # an optional argument that is neither None nor a plain tensor: no form, the checks run
+
+
+def _optional_form(t):
+    """The form of an optional tensor argument: None, (dtype, shape, device, contiguity), or _OTHER."""
+    if t is None:
+        return None
+    if type(t) is _Tensor:
+        return (t.dtype, t.shape, t.device, t.is_contiguous())
+    return _OTHER
+
+
 def dispatch_key(x, topk_idx, stats, wait_stats, M, E, use_fp8, round_scale, use_ue8m0, async_finish, hook):
     """The form of a low_latency_dispatch call, or None (an argument of another kind, or one that can only
-    raise: then the checks run, and raise or pass uncached). The optional stats: None or its (dtype, shape,
-    device, contiguity)."""
-    if type(x) is not _Tensor or type(topk_idx) is not _Tensor or wait_stats is not None:
-        return None
-    if stats is None:
-        s = None
-    elif type(stats) is _Tensor:
-        s = (stats.dtype, stats.shape, stats.device, stats.is_contiguous())
-    else:
+    raise: then the checks run, and raise or pass uncached)."""
+    s = _optional_form(stats)
+    if type(x) is not _Tensor or type(topk_idx) is not _Tensor or wait_stats is not None or s is _OTHER:
         return None
     return (x.dtype, x.shape, x.device, x.is_contiguous(), _cuda_device() if x.is_cuda else None,
             topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(), s,
@@ -41,15 +47,10 @@ def combine_key(x, topk_idx, topk_weights, out, wait_stats, use_logfmt, zero_cop
     """The form of a low_latency_combine call with the sizes of its handle's LowLatencyHandle `inner`
     (num_tokens, topk), or None as for dispatch_key, or when inner is None (no handle of this module). A form
     passes EPBuffer.low_latency_combine's checks only with topk_idx [num_tokens, topk]: a key found means
-    they agree. The handle's buffer is compared by the caller. The optional out as dispatch_key's stats."""
+    they agree. The handle's buffer is compared by the caller."""
+    o = _optional_form(out)
     if (inner is None or type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(topk_weights) is not _Tensor
-            or wait_stats is not None or use_logfmt):
-        return None
-    if out is None:
-        o = None
-    elif type(out) is _Tensor:
-        o = (out.dtype, out.shape, out.device, out.is_contiguous())
-    else:
+            or wait_stats is not None or use_logfmt or o is _OTHER):
         return None
     return (x.dtype, x.shape, x.device, x.is_contiguous(), _cuda_device() if x.is_cuda else None,
             topk_idx.dtype, topk_idx.shape, topk_idx.device, topk_idx.is_contiguous(),

@@ -42,7 +42,7 @@ from ..expert_major import padded
 from .events import Config, EventOverlap, capture
 from .handle import DeepEPHandle
 from .internode import as_internode, check_rdma_arg, internode_combine, internode_dispatch, tokens_per_node
-from .low_latency import _NO_FORM, LowLatencyMixin, low_latency_size_hint
+from .low_latency import LowLatencyMixin, low_latency_size_hint
 
 
 def _cut(t: Optional[torch.Tensor], n: int, fill=0) -> Optional[torch.Tensor]:
@@ -312,7 +312,6 @@ class Buffer(LowLatencyMixin):
         self._ll_staging.clear()
         self._ll_dispatch_forms.clear()
         self._ll_combine_forms.clear()
-        self._ll_last_dispatch = self._ll_last_combine = _NO_FORM
 
 
 __all__ = ["Buffer"]

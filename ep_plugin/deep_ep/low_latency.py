@@ -64,7 +64,6 @@ _NOT_LL_MODE = ("ep_plugin.deep_ep: {name} needs a Buffer made with low_latency_
 _NoTorchFunction = torch._C.DisableTorchFunction
 
 _NO_EP_CONFIG = "<defaults>"  # EPConfig.source of load_config(None): a Buffer made without ep_config
-_NO_FORM = (object(), None)  # no last form: a key equal to nothing
 
 
 class LowLatencyMixin:
@@ -79,9 +78,6 @@ class LowLatencyMixin:
         # (EPBuffer, M, E, the flags as bools); a combine's form -> its EPBuffer
         self._ll_dispatch_forms = FormMap()
         self._ll_combine_forms = FormMap()
-        # (key, value) of the last form found in each map: a call of the same form (a decode loop's steady state)
-        # is one tuple compare, not a hash and a dict lookup
-        self._ll_last_dispatch = self._ll_last_combine = _NO_FORM
 
     # ------------------------------------------------------------------ checks
     def _ll_mode(self, name: str) -> None:
@@ -152,22 +148,11 @@ class LowLatencyMixin:
             key = checks.dispatch_key(x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                       num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                                       async_finish, return_recv_hook)
-            last, known = self._ll_last_dispatch
-            if key != last:
-                try:  # FormMap.find, inline: None is never kept; an unhashable flag is a form not kept
-                    known = self._ll_dispatch_forms.get(key)
-                except TypeError:
-                    known = None
-                if known is not None:
-                    self._ll_last_dispatch = (key, known)
+            known = self._ll_dispatch_forms.find(key)
             if known is not None:
                 # a form already checked (here and by the EPBuffer): straight to its engine
-                buf = known[0]
-                result = buf._ll_dispatch_run(x, topk_idx, known[3], known[4], known[6], known[7], stats)
-                if known[5] or known[6]:  # use_ue8m0, async_finish
-                    return self._ll_dispatch_run(known, result, x, topk_idx, stats)
-                recv_x, recv_count, inner, _, hook = result  # _ll_dispatch_run's plain case, inline
-                return recv_x, recv_count, low_latency_handle(inner, buf, known[1], buf.hidden, known[2]), DONE, hook
+                return self._ll_dispatch_run(known, known[0]._ll_dispatch_run(
+                    x, topk_idx, known[3], known[4], known[6], known[7], stats), x, topk_idx, stats)
         return self._ll_dispatch_checked(key, x, topk_idx, stats, dispatch_wait_recv_cost_stats,
                                          num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
                                          use_ue8m0, async_finish, return_recv_hook)
@@ -238,25 +223,16 @@ class LowLatencyMixin:
             inner = handle.inner if type(handle) is DeepEPLowLatencyHandle else None
             key = checks.combine_key(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, use_logfmt,
                                      zero_copy, async_finish, return_recv_hook, inner)
-            last, buf = self._ll_last_combine
-            if key != last:
-                try:  # FormMap.find, inline (see low_latency_dispatch)
-                    buf = self._ll_combine_forms.get(key)
-                except TypeError:
-                    buf = None
-                if buf is not None:
-                    self._ll_last_combine = (key, buf)
+            buf = self._ll_combine_forms.find(key)
             if buf is not None and handle.buffer is buf:
                 # a form and handle already checked: straight to the engine
                 rows = x
                 if zero_copy:
                     buf._raise_pending_low_latency()  # before the staging tensor is taken (_ll_combine_run again)
                     rows = self._ll_take_staging(handle)
-                y, event, hook = buf._ll_combine_run(rows, topk_idx, topk_weights, inner, out, bool(async_finish),
-                                                     bool(return_recv_hook))
-                if event is None:
-                    return y, DONE, hook
-                return self._ll_combine_out((y, event, hook), x, rows, topk_idx, topk_weights, handle)
+                return self._ll_combine_out(buf._ll_combine_run(rows, topk_idx, topk_weights, inner, out,
+                                                                bool(async_finish), bool(return_recv_hook)),
+                                            x, rows, topk_idx, topk_weights, handle)
         return self._ll_combine_checked(key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                         return_recv_hook, out, combine_wait_recv_cost_stats)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import operator
 import sys
-from typing import List
 
 import torch
 
@@ -56,24 +55,20 @@ class Watch:
     storage use count (which a caller's view of the tensor raises), taken when the set is made. Counts
     above those at the set's next turn: a caller still holds its outputs, or a view of them."""
 
-    __slots__ = ("objs", "stores", "cdata", "base", "base_refs", "base_uses")
-
-    def __init__(self, objs: list):
-        self.objs = objs  # the list itself, not a copy: no other list may hold them while the base is taken
-        self.stores = [o.untyped_storage() for o in self.objs if isinstance(o, torch.Tensor)] if _use_count else []
-        self.cdata = [st._cdata for st in self.stores]  # kept alive by self.stores
-        self.base = self._counts()
-        self.base_refs, self.base_uses = self.base[:len(objs)], self.base[len(objs):]
+    __slots__ = ("objs", "stores", "cdata", "base_refs", "base_uses")
 
     # Every dispatch with output sets asks held() (FP8: 12 counts, BF16: 9), and every combine with output
     # buffers: map over C functions, no Python frame per count (the counts are the same, taken the same way
     # for the base and now: each object passes through a map iterator into sys.getrefcount).
-    def _counts(self) -> List[int]:
-        return list(map(sys.getrefcount, self.objs)) + list(map(_use_count, self.cdata)) if _use_count else \
-            list(map(sys.getrefcount, self.objs))
+    def __init__(self, objs: list):
+        self.objs = objs  # the list itself, not a copy: no other list may hold them while the base is taken
+        self.stores = [o.untyped_storage() for o in self.objs if isinstance(o, torch.Tensor)] if _use_count else []
+        self.cdata = [st._cdata for st in self.stores]  # kept alive by self.stores
+        self.base_refs = list(map(_getrefcount, self.objs))
+        self.base_uses = list(map(_use_count, self.cdata)) if _use_count else []
 
     def held(self) -> bool:
-        # _counts() against the base as the counts come: no list built, done at the first one above its base
+        # the counts against the base as they come: no list built, done at the first one above its base
         return (any(map(_gt, map(_getrefcount, self.objs), self.base_refs))
                 or (_use_count is not None and any(map(_gt, map(_use_count, self.cdata), self.base_uses))))
 

@@ -418,7 +418,7 @@ class NvshmemLowLatency(ReportsFaults):
             rt.combine(x_ptr, 0, 0, idx_ptr, w_ptr, T, K, RECV | flags, y.data_ptr(), stream, self_pos)
             return y, None
 
-        def recv():  # reads topk_idx and topk_weights, which the closure keeps alive until then
+        def recv(_alive=(topk_idx, topk_weights)):  # reads them: the closure keeps them alive until then
             rt.combine(0, 0, 0, idx_ptr, w_ptr, T, K, RECV | flags, y.data_ptr(), _current_stream())
 
         return y, recv
