@@ -141,6 +141,29 @@ def test_a_hook_always_splits_the_halves(calls, output_buffers):
     buf.close()
 
 
+def test_a_combine_hook_keeps_its_inputs_alive(calls):
+    """The combine's receive half reads topk_idx and topk_weights when the hook runs: the hook holds them, so a
+    caller that drops its names meanwhile does not free what the launch will read."""
+    import gc
+    import weakref
+    buf = ep_plugin.EPBuffer(None, cfg(2), hidden=H)
+    x, idx, w = inputs()
+    handle = buf.low_latency_dispatch(x, idx)[2]
+    idx_c, w_c = idx.clone(), w.clone()
+    refs, ptrs = (weakref.ref(idx_c), weakref.ref(w_c)), (idx_c.data_ptr(), w_c.data_ptr())
+    _, _, hook = buf.low_latency_combine(torch.zeros(E_L, M, H, dtype=torch.bfloat16), idx_c, w_c, handle,
+                                         return_recv_hook=True)
+    del idx_c, w_c
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    hook()  # reads them (the receive launch's routing and weights); then the hook lets them go
+    assert calls[-1][2][3:5] == ptrs
+    del hook
+    gc.collect()
+    assert all(r() is None for r in refs)
+    buf.close()
+
+
 def test_fused_launch_is_a_switch(calls):
     """Off with output_buffers: two launches; on with fresh outputs: one (outputs allocated first)."""
     x, idx, w = inputs()
