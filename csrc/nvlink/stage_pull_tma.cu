@@ -212,6 +212,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
         s_tok[slot][lane] = tok;
         if constexpr (kRouted) s_out[slot][lane] = o;
       }
+      if constexpr (kRouted) __syncwarp();  // the scales below read the batch's output rows from s_out
       if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
         const int total = nrows * nscales;
         for (int v0 = 0; v0 < total; v0 += 32 * kScaleU) {
@@ -229,9 +230,8 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
           for (int u = 0; u < kScaleU; ++u) {
             const int vi = v0 + u * 32 + lane;
             if constexpr (kRouted) {  // value vi is column vi - j * nscales of row j's output row
-              const int j = min(vi / nscales, kBatch - 1);
-              const int row = __shfl_sync(kFull, o, j);
-              if (vi < total) out.scales[static_cast<size_t>(row) * nscales + (vi - j * nscales)] = f[u];
+              const int j = vi / nscales;
+              if (vi < total) out.scales[static_cast<size_t>(s_out[slot][j]) * nscales + (vi - j * nscales)] = f[u];
             } else {
               if (vi < total) out.scales[static_cast<size_t>(a) * nscales + vi] = f[u];
             }
