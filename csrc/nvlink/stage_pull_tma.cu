@@ -28,12 +28,12 @@
 //   - the last block releases STAGE[me] and PULL_DONE[me] = e at every rank and sets
 //     epochs[E_DISPATCH] = e (STAGE for a peer running the separate pull).
 // The separate stage kernel releases LISTS and every STAGE_READY too, so ranks may mix the two.
+// A timeout records the missing peer (K_STAGE or K_PULL), stops the block's waits through s_fail and
+// the abort word, and the block returns without releasing.
 //
 // kRouted (Ctx::out_route): the metadata warps also resolve each row's output row (beside its source and
 // token), thread 0 takes it from there into the ring slot's destination, and the ids, weights, scales and
 // padding rows go to the output rows too. The plain instantiation reads no index.
-// A timeout records the missing peer (K_STAGE or K_PULL), stops the block's waits through s_fail and
-// the abort word, and the block returns without releasing.
 #include "common/copy.cuh"
 #include "common/error.h"
 #include "common/tma.cuh"
