@@ -231,7 +231,7 @@ def body_cached_contract_order(rank, world, P):
         buf.close()
 
 
-def test_cached_dispatch_writes_contract_order(tmp_path):
+def test_cached_dispatch_writes_contract_order():
     """2x2 only: with one rank per node there is no inner exchange and so nothing to reorder."""
     world, P = WORLDS["2x2"]
     _need(world)
