@@ -236,10 +236,10 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
   EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
                hidden_ / 128);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
-  launch_stage_pull_tma(out_rows ? routed(out_rows) : ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
-                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
-                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
-                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
+  launch_stage_pull_tma(out_rows ? routed(out_rows) : ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes,
+                        ptr<const float>(scales), nscales, ptr<const int64_t>(topk_idx), ptr<const float>(weights), K,
+                        ptr<int4>(out_x), ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w),
+                        ptr<const int>(recv_off), ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
