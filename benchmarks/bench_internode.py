@@ -106,6 +106,14 @@ def use_combine_path_before() -> None:
     HierarchicalBackend.fused_combine = False
 
 
+def use_cached_path_before() -> None:
+    """The hierarchical cached dispatch as it was before session 10 (same values, one more pass at 2x2): the inner
+    dispatch in its own order, then scatter_rows into the contract's (--cached-path before)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    HierarchicalBackend.direct_cached_dispatch = False
+
+
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
     try:
         init_rank(rank, world, port)
@@ -113,6 +121,8 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
             use_host_path_before()
         if getattr(args, "combine_path", "now") == "before":
             use_combine_path_before()
+        if getattr(args, "cached_path", "now") == "before":
+            use_cached_path_before()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -256,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--combine-path", choices=("now", "before"), default="now",
                     help="before: the hierarchical combine before session 8 (gather back to the inner order or to "
                          "slots, inner combine into y_f, the rail copies its rows), for an A/B on the same machine")
+    ap.add_argument("--cached-path", choices=("now", "before"), default="now",
+                    help="before: the hierarchical cached dispatch before session 10 (the inner dispatch in its own "
+                         "order, then the reorder pass), for an A/B on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]
@@ -265,7 +278,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(f"bench_internode: world {args.world}, ranks_per_node {args.ranks_per_node}, backends {args.backends}, "
               f"cases {args.cases}, timeline {args.timeline}, profile {args.profile}, combine path {args.combine_path}, "
-              f"out {args.out}/"
+              f"cached path {args.cached_path}, out {args.out}/"
               f"bench_internode_{args.label}.json")
         return 0
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -278,7 +291,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "ranks_per_node": args.ranks_per_node,
             "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
             "backends": args.backends, "timeline_calls": args.timeline, "host_path": args.host_path,
-            "combine_path": args.combine_path,
+            "combine_path": args.combine_path, "cached_path": args.cached_path,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "complete": complete, "wall_s": round(time.time() - t0, 1),
             "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}

@@ -68,6 +68,7 @@ class FakeRuntime:
     clock (`stamps`, name -> ns of the last call); `calls`, when a list, records (name, args)."""
 
     calls: Optional[list] = None
+    out_rows = 0  # the out_rows (DispatchRoute) of the last pull / stage_pull: not in `calls`, whose tuples tests unpack
 
     def __init__(self, device, rank, world, max_tokens, hidden, num_experts, timeout_s):
         self.world, self.max_tokens, self.local = world, max_tokens, num_experts // world
@@ -100,12 +101,14 @@ class FakeRuntime:
         self._log("stage", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, merge_repeats, stream))
 
     def pull(self, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached, R_alloc,
-             num_sms, stream):
+             num_sms, stream, out_rows=0):
+        self.out_rows = out_rows
         self._log("pull", (out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached,
                            R_alloc, num_sms, stream))
 
     def stage_pull(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx, out_w,
-                   recv_off, recv_src, cached, R_alloc, num_sms, stream):
+                   recv_off, recv_src, cached, R_alloc, num_sms, stream, out_rows=0):
+        self.out_rows = out_rows
         self._log("stage_pull", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
                                  out_w, recv_off, recv_src, cached, R_alloc, num_sms, stream))
 

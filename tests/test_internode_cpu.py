@@ -65,7 +65,7 @@ def body_timeline(rank, world, P):
 
 # world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
 RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2),
-            ("routed", "body_routed_combine", 2)),
+            ("routed", "body_routed_combine", 2), ("direct", "body_direct_cached", 2)),
         2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1)),
         6: (("sources", "body_sources_path", 3),)}
 
@@ -228,6 +228,86 @@ def body_routed_combine(rank, world, P):
     buf.close()
 
 
+class _InnerScattering(_InnerWithSources):
+    """_InnerWithSources declaring `dispatch_scatters` (as the nvlink backend does): the hierarchical cached dispatch
+    then hands it the contract positions (Backend.dispatch_scattered) instead of reordering the rows after it. Its
+    dispatch_scattered does on CPU what the nvlink pull kernels do through DispatchRoute: every output row i of the
+    cached dispatch, padding included, written at out_rows[i]. Counts its calls."""
+
+    def __init__(self, inner, P):
+        super().__init__(inner, P)
+        import dataclasses
+
+        self.capabilities = dataclasses.replace(inner.capabilities, dispatch_scatters=True)
+        self.scattered = 0
+
+    def dispatch_scattered(self, x, scales, topk_weights, handle, out_rows, async_op=False):
+        from ep_plugin.types import DispatchOutput
+
+        assert out_rows.dtype == torch.int64 and out_rows.numel() == handle.num_recv
+        self.scattered += 1
+        res = self.inner.dispatch(x, scales, handle.topk_idx, topk_weights, handle=handle)
+
+        def placed(t):  # FP8 rows as bytes (index_copy_ has no FP8 kernel)
+            if t is None:
+                return None
+            b = t.view(torch.uint8) if t.element_size() == 1 else t
+            return torch.empty_like(b).index_copy_(0, out_rows, b).view(t.dtype)
+        return DispatchOutput(x=placed(res.x), scales=placed(res.scales), topk_idx=None,
+                              topk_weights=placed(res.topk_weights), handle=handle)
+
+
+def body_direct_cached(rank, world, P):
+    """The cached dispatch of session 10 (HierarchicalBackend.direct_cached_dispatch) on CPU: the inner dispatch
+    writes into the contract's order through to_contract, with no reorder stage; against the reference (worst-case
+    and host-synced sizing), and bit for bit against the path before (the reorder after the inner dispatch), BF16
+    and FP8, with the combine after it."""
+    import torch.distributed as dist
+
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K, check_against_reference, hierarchical_buffer
+
+    for host_sync in (False, True):
+        buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
+        be = buf._backend
+        be.inner = _InnerScattering(be.inner, P)
+        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20))):
+            check_against_reference(buf, rank, world, 128, tokens, 80 + seed, mode, "cpu")  # its cached dispatch too
+        assert be.inner.scattered == 3, be.inner.scattered
+        xs, idxs, ws = make_inputs(world, 17, 128, E, K, 9, torch.bfloat16)
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        scales = torch.rand(x.shape[0], 1, generator=torch.Generator().manual_seed(rank)) + 0.5
+        for fp8 in (False, True):
+            xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
+            a = buf.dispatch(xin, idx, w)
+            n = int(a.handle.num_recv_device)
+            x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+            x2in = (x2.to(torch.float8_e4m3fn), scales * 2) if fp8 else x2
+            tl = StageTimeline()
+            be.timeline = tl
+            now = buf.dispatch(x2in, None, w * 2, handle=a.handle)
+            be.timeline = NO_TIMELINE
+            HierarchicalBackend.direct_cached_dispatch = False
+            try:
+                was = buf.dispatch(x2in, None, w * 2, handle=a.handle)
+            finally:
+                HierarchicalBackend.direct_cached_dispatch = True
+            assert list(tl.summary()["dispatch_cached"]) == ["rail_recv", "forward", "total"], tl.summary()
+            got, want = (now.x, was.x) if fp8 else ((now.x, None), (was.x, None))
+            assert torch.equal(got[0][:n].view(torch.uint8), want[0][:n].view(torch.uint8)), (rank, fp8)
+            if fp8:
+                assert torch.equal(got[1][:n], want[1][:n]), rank
+            assert torch.equal(now.topk_weights, was.topk_weights) and torch.equal(now.topk_idx, was.topk_idx), rank
+            if not fp8:
+                rows = (now.x.float() * (rank + 1)).to(torch.bfloat16)
+                assert torch.equal(buf.combine(rows, a.handle), buf.combine(was.x.float().mul(rank + 1).to(
+                    torch.bfloat16), a.handle)), rank
+        assert be.inner.scattered == 5, be.inner.scattered
+        dist.barrier()
+        buf.close()
+
+
 class _PhasedRail:
     """TorchRail with the NVSHMEM rail's on_phase hook (called between its send and receive halves):
     the hierarchical backend then launches the routing mask inside that hook."""
@@ -282,6 +362,10 @@ def test_routing_mask_launched_under_the_rail_send(internode_runs, world, P):
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
 def test_combine_reads_rows_in_place(internode_runs, world, P):
     internode_runs(world, "routed", P).check()
+
+
+def test_cached_dispatch_writes_contract_order(internode_runs):
+    internode_runs(4, "direct", 2).check()
 
 
 def _slot_ids(S, K, El, p_valid, g, device="cpu"):

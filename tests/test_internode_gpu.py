@@ -10,6 +10,11 @@ and the survivors that wait on the dead rank directly (its node peers, its rail 
 
     python3 -m pytest -q -m gpu tests/test_internode_gpu.py            # both worlds (needs 4 GPUs for 2x2)
     python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k 2x2
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k contract_order   # the cached dispatch of session 10 alone
+
+The last one (2x2 only, its own spawn, a few seconds of GPU time) runs the cached dispatch that writes the
+contract's order through the inner pull (HierarchicalBackend.direct_cached_dispatch) on each inner pull
+kernel, against the path before it (the reorder pass), bit for bit.
 """
 import os
 import time
@@ -21,7 +26,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.hierarchical.timeline import StageTimeline
 from ep_plugin.errors import EPTimeoutError
-from tests._dist import spawn_parts
+from tests._dist import spawn, spawn_parts
 from tests.reference import make_inputs
 from tests.test_hierarchical import E, K, _cfg, check_against_reference, check_graph, check_node_limited
 
@@ -163,3 +168,71 @@ def body_peer_dies(rank, world, P):
 def test_peer_dies_mid_dispatch(internode_parts):
     part = internode_parts["peer_dies"]
     part.check(exited=(part.world - 1,))  # body_peer_dies's dead rank
+
+
+# the inner nvlink pull kernels a cached rank-major dispatch can run: (comm.dispatch_kernel, Runtime.tma)
+INNER_PULLS = {"stage_pull_tma": ("fused", True), "pull_tma": ("split", True), "register_pull": ("split", False)}
+
+
+def body_cached_contract_order(rank, world, P):
+    """The cached dispatch of session 10 against the path before it, on one 2x2 world: worst-case and host-synced
+    sizing, BF16 and FP8 rows, each inner pull kernel (stage_pull_tma, stage + pull_tma, stage + the register pull).
+    The rows, scales and weights written straight into the contract's order equal the ones the reorder pass gave,
+    bit for bit (the valid rows; the weights of every row, padding included), the direct path was taken (one
+    dispatch_scattered per call), and the combine of the rows after it sums the same."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
+    H = 7168  # rows of 14 KB (BF16) / 7 KB (FP8): the bulk-copy kernels' ring, as in the benchmarks
+    xs, idxs, ws = make_inputs(world, 160, H, E, K, 41, torch.bfloat16)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
+    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+    for host_sync in (False, True):
+        buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
+        backend = getattr(buf._backend, "wrapped", buf._backend)
+        inner = backend.inner
+        calls = []
+        scattered = inner.dispatch_scattered
+        inner.dispatch_scattered = lambda *a, **k: calls.append(1) or scattered(*a, **k)
+        mode, tma = inner.dispatch_mode, inner._rt.tma
+        for fp8 in (False, True):
+            xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
+            a = buf.dispatch(xin, idx, w)
+            n = int(a.handle.num_recv_device)
+            again = (x2.to(torch.float8_e4m3fn), scales * 2) if fp8 else x2
+            for kernel, (dispatch_mode, use_tma) in INNER_PULLS.items():
+                inner.dispatch_mode, inner._rt.tma = dispatch_mode, use_tma  # read by every cached call
+                ctx = f"rank {rank} host_sync {host_sync} fp8 {fp8} {kernel}"
+                before = len(calls)
+                now = buf.dispatch(again, None, w * 2, handle=a.handle)
+                HierarchicalBackend.direct_cached_dispatch = False
+                try:
+                    was = buf.dispatch(again, None, w * 2, handle=a.handle)
+                finally:
+                    HierarchicalBackend.direct_cached_dispatch = True
+                torch.cuda.synchronize()
+                buf.check()
+                assert len(calls) == before + 1, ctx  # the direct path ran once, the path before did not call it
+                (got, got_s), (want, want_s) = (now.x, was.x) if fp8 else ((now.x, None), (was.x, None))
+                assert got.shape == want.shape, ctx
+                assert torch.equal(got[:n].view(torch.uint8), want[:n].view(torch.uint8)), ctx
+                if fp8:
+                    assert torch.equal(got_s[:n], want_s[:n]), ctx
+                assert torch.equal(now.topk_weights, was.topk_weights), ctx  # padding rows included (0)
+                assert torch.equal(now.topk_idx, was.topk_idx), ctx  # the fresh dispatch's, in the contract's order
+                if not fp8:
+                    rows = [(t.float() * (rank + 1)).to(torch.bfloat16) for t in (got, want)]
+                    ys = [buf.combine(r, a.handle) for r in rows]
+                    torch.cuda.synchronize()
+                    assert torch.equal(ys[0], ys[1]), ctx
+        inner.dispatch_mode, inner._rt.tma = mode, tma
+        buf.check()
+        buf.close()
+
+
+def test_cached_dispatch_writes_contract_order():
+    """2x2 only: with one rank per node there is no inner exchange and so nothing to reorder."""
+    world, P = WORLDS["2x2"]
+    _need(world)
+    spawn(body_cached_contract_order, world, P, backend="nccl", timeout=300)

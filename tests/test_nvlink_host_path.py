@@ -185,6 +185,40 @@ def test_cached_dispatch(gpu):
     buf.close()
 
 
+@pytest.mark.parametrize("kernel", ["split", "fused"])
+def test_dispatch_scattered_passes_its_index(gpu, kernel):
+    """dispatch_scattered (the hierarchical backend's cached dispatch in contract order) is a cached rank-major
+    dispatch whose pull gets the index (out_rows, last); the plain cached dispatch passes none. Wrong indexes and
+    expert-major handles are refused before any launch."""
+    log, stream, _ = gpu
+    buf = make_buf(dispatch_kernel=kernel)
+    be = buf._backend
+    x, idx, w = inputs()
+    h = buf.dispatch(x, idx, w).handle
+    st = h.state
+    rows = torch.randperm(R)
+    log.clear()
+    c = be.dispatch_scattered(x, None, w, h, rows)
+    assert names(log) == (["stage_pull"] if kernel == "fused" else ["stage", "pull"])
+    assert be._rt.out_rows == rows.data_ptr()
+    assert launches(log)["pull"] == (c.x.data_ptr(), H * 2, 0, 0, 0, c.topk_weights.data_ptr(), K,
+                                     st.recv_off.data_ptr(), st.recv_src.data_ptr(), 1, R, SMS, stream.cuda_stream)
+    assert c.x.shape == (R, H) and c.topk_weights.shape == (R, K) and c.topk_idx is None  # ids: the caller's order
+    buf.dispatch(x, None, w, handle=h)
+    assert be._rt.out_rows == 0
+    log.clear()
+    with pytest.raises(TypeError, match="out_rows must be a contiguous 1-D int64"):
+        be.dispatch_scattered(x, None, w, h, rows.int())
+    with pytest.raises(ValueError, match=f"out_rows has {R - 1} entries"):
+        be.dispatch_scattered(x, None, w, h, rows[:-1])
+    eh = buf.dispatch(x, idx, w, layout="expert").handle
+    log.clear()
+    with pytest.raises(ValueError, match="expert-major"):
+        be.dispatch_scattered(x, None, w, eh, rows)
+    assert log == []
+    buf.close()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_dispatch_kernel(gpu, fp8):
     """comm.dispatch_kernel fused: a rank-major dispatch without host sync, and a cached one, launch

@@ -83,6 +83,8 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
 // rows. Per batch: lane j fetches row j's (source, token) and writes its local topk ids/weights
 // (independent remote loads, all in flight together); then the batch's rows are copied as one flat
 // stream of 16-byte vectors, kPullU loads per lane in flight, with no bubble between rows.
+// kRouted (Ctx::out_route): lane j also reads row j's output row, and the copy places each row there.
+template <bool kRouted>
 __global__ void __launch_bounds__(kThreads)
 pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ out_scales, int nscales,
             int64_t* __restrict__ out_idx, float* __restrict__ out_w, int K,
@@ -104,23 +106,30 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
   for (int b = r0; b < r1; b += 32) {
     const int nrows = min(32, r1 - b);
     const int i = b + lane;
-    int src = 0, tok = 0;
+    int src = 0, tok = 0, o = i;
     if (lane < nrows) {
       src = find_src(s_off, W, i);
       tok = pull_row_token(c, s_off, src, i, cached, recv_src);
-      if (out_idx || out_w) pull_row_meta(c, src, tok, i, K, lo, hi, out_idx, out_w);
+      o = out_row<kRouted>(c, i, R_alloc);
+      if (out_idx || out_w) pull_row_meta(c, src, tok, o, K, lo, hi, out_idx, out_w);
     }
-    // Remote rows (row j of the batch from lane j's source and token) into contiguous out_x rows.
-    warp_copy_rows<kPullU>(
-        nrows * n16, n16, lane,
-        [&](int j) {
-          const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
-          return [=, &c](int vi) {
-            return reinterpret_cast<const int4*>(c.peers[s] + c.off_stage_x + static_cast<size_t>(t) * row_bytes) +
-                   (vi - j * n16);
-          };
-        },
-        contiguous(out_x + static_cast<size_t>(b) * n16));
+    // Remote rows (row j of the batch from lane j's source and token) into contiguous out_x rows, or into
+    // row j's output row (routed).
+    const auto from = [&](int j) {
+      const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+      return [=, &c](int vi) {
+        return reinterpret_cast<const int4*>(c.peers[s] + c.off_stage_x + static_cast<size_t>(t) * row_bytes) +
+               (vi - j * n16);
+      };
+    };
+    if constexpr (kRouted) {
+      warp_copy_rows<kPullU>(nrows * n16, n16, lane, from, [&](int j) {
+        int4* row = out_x + static_cast<size_t>(__shfl_sync(kFull, o, j)) * n16;
+        return [=](int vi) { return row + (vi - j * n16); };
+      });
+    } else {
+      warp_copy_rows<kPullU>(nrows * n16, n16, lane, from, contiguous(out_x + static_cast<size_t>(b) * n16));
+    }
     if (out_scales) {  // FP8 scales: a flat stream of floats
       const int stotal = nrows * nscales;
       for (int v0 = 0; v0 < stotal; v0 += 32 * 8) {
@@ -131,11 +140,12 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
           const int vi = v0 + u * 32 + lane;
           const int j = min(vi / nscales, 31);
           const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+          const int row = kRouted ? __shfl_sync(kFull, o, j) : b + j;
           at[u] = -1;
           if (vi < stotal) {
             const int col = vi - j * nscales;
             f[u] = reinterpret_cast<const float*>(c.peers[s] + c.off_stage_scales)[static_cast<size_t>(t) * nscales + col];
-            at[u] = (b + j) * nscales + col;
+            at[u] = row * nscales + col;
           }
         }
 #pragma unroll
@@ -144,7 +154,7 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
       }
     }
   }
-  pull_pad_rows(R, R_alloc, K, out_idx, out_w);  // worst-case-sized outputs
+  pull_pad_rows<kRouted>(c, R, R_alloc, K, out_idx, out_w);  // worst-case-sized outputs
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;
@@ -164,8 +174,9 @@ void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes,
 void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                  int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                  int R_alloc, cudaStream_t stream) {
-  pull_kernel<<<blocks, kThreads, 0, stream>>>(c, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K,
-                                               recv_off, recv_src, cached, R_alloc);
+  const auto kernel = c.out_route.out_rows != nullptr ? pull_kernel<true> : pull_kernel<false>;
+  kernel<<<blocks, kThreads, 0, stream>>>(c, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off,
+                                          recv_src, cached, R_alloc);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -75,6 +75,18 @@ struct CombineRoute {
   int block_tokens;
 };
 
+// Where a rank-major pull writes its rows, when not row i (Runtime::pull / stage_pull's out_rows). Why: the
+// hierarchical backend's cached dispatch copied every row the inner exchange wrote into the contract's order
+// afterwards (scatter_rows: ~200 us of a ~930 us cached dispatch at 2x2 on 4x H100); its positions are known
+// before the pull runs, so the pull stores each row there instead (docs/INTERNODE.md, session 10).
+//   out_rows: received row i (i < R_alloc, padding rows included) and everything the pull writes for it (FP8
+//     scales, local topk ids, weights) go to output row out_rows[i] (int64, values in [0, R_alloc): a
+//     permutation, as a scatter's; a value outside is clamped, so that an index left by a timed-out exchange
+//     cannot write past the outputs); null: row i. recv_src stays in receive order (the handle's).
+struct DispatchRoute {
+  const int64_t* out_rows;
+};
+
 // Everything a kernel needs, passed by value.
 struct Ctx {
   char* peers[kMaxRanks];     // base of every rank's IPC buffer (own included)
@@ -94,6 +106,7 @@ struct Ctx {
   HostInfo* host;             // device view of the host-mapped info
   unsigned long long timeout_ns;
   CombineRoute route;         // this combine call's (zero in the runtime's own Ctx: set on a per-call copy)
+  DispatchRoute out_route;    // this pull's, likewise
 };
 
 }  // namespace nvl

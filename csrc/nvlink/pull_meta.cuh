@@ -19,7 +19,8 @@ __device__ __forceinline__ int pull_row_token(const Ctx& c, const int* s_off, in
 }
 
 // Row i came from token `tok` of rank `src`: its topk ids as local ids (-1 where the expert is not
-// in [lo, hi)) and the weights of the local ones (0 elsewhere). Eight remote loads in flight.
+// in [lo, hi)) and the weights of the local ones (0 elsewhere), written at output row i (the caller's
+// out_row). Eight remote loads in flight.
 __device__ __forceinline__ void pull_row_meta(const Ctx& c, int src, int tok, int i, int K, int64_t lo, int64_t hi,
                                               int64_t* __restrict__ out_idx, float* __restrict__ out_w) {
   const int64_t* gi = reinterpret_cast<const int64_t*>(c.peers[src] + c.off_stage_idx) + static_cast<size_t>(tok) * K;
@@ -45,13 +46,29 @@ __device__ __forceinline__ void pull_row_meta(const Ctx& c, int src, int tok, in
   }
 }
 
-// Rows [R, R_alloc) of a worst-case-sized output route nowhere (ids -1, weights 0); the grid shares them.
-__device__ __forceinline__ void pull_pad_rows(int R, int R_alloc, int K, int64_t* __restrict__ out_idx,
+// The output row of received row i (DispatchRoute::out_rows): i itself, or the caller's row for it clamped
+// to [0, R_alloc). A template switch rather than a null test: the plain kernels are the ones measured before
+// routes existed, with no index load or clamp compiled in (as the pull combine's kRouted).
+template <bool kRouted>
+__device__ __forceinline__ int out_row(const Ctx& c, int i, int R_alloc) {
+  if constexpr (kRouted) {
+    const int64_t o = __ldg(c.out_route.out_rows + i);
+    return static_cast<int>(o < 0 ? 0 : (o >= R_alloc ? R_alloc - 1 : o));
+  } else {
+    return i;
+  }
+}
+
+// Rows [R, R_alloc) of a worst-case-sized output route nowhere (ids -1, weights 0), at their output rows;
+// the grid shares them.
+template <bool kRouted>
+__device__ __forceinline__ void pull_pad_rows(const Ctx& c, int R, int R_alloc, int K, int64_t* __restrict__ out_idx,
                                               float* __restrict__ out_w) {
   for (int i = R + blockIdx.x * blockDim.x + threadIdx.x; i < R_alloc; i += gridDim.x * blockDim.x) {
+    const size_t o = out_row<kRouted>(c, i, R_alloc);
     for (int k = 0; k < K; ++k) {
-      if (out_idx) out_idx[static_cast<size_t>(i) * K + k] = -1;
-      if (out_w) out_w[static_cast<size_t>(i) * K + k] = 0.f;
+      if (out_idx) out_idx[o * K + k] = -1;
+      if (out_w) out_w[o * K + k] = 0.f;
     }
   }
 }

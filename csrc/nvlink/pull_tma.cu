@@ -11,6 +11,9 @@
 // resolve chunk n+1 (source token, ids, weights, scales: independent remote loads) while thread 0
 // streams chunk n's rows through the ring; a __syncthreads separates the chunks (double-buffered
 // source/token arrays).
+//
+// kRouted (Ctx::out_route): the metadata threads also resolve each row's output row, thread 0 records it
+// per ring slot when it loads the row and stores the row there; ids, weights and scales go there too.
 #include "common/error.h"
 #include "common/tma.cuh"
 #include "nvlink/device.cuh"
@@ -23,6 +26,7 @@ namespace {
 
 constexpr int kChunkRows = 256;
 
+template <bool kRouted>
 __global__ void __launch_bounds__(kThreads)
 pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restrict__ out_scales, int nscales,
                 int64_t* __restrict__ out_idx, float* __restrict__ out_w, int K, const int* __restrict__ recv_off,
@@ -30,6 +34,9 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
   __shared__ int s_src[2][kChunkRows], s_tok[2][kChunkRows];
+  // routed: each resolved row's output row, and the output row of each ring slot's item (a slot's row may be
+  // stored after the next chunk has been resolved over its chunk's arrays)
+  __shared__ int s_out[2][kRouted ? kChunkRows : 1], s_dst[kRouted ? kRingMaxSlots : 1];
   __shared__ int s_off[kMaxRanks + 1];
   __shared__ int s_fail;
   const int tid = threadIdx.x;
@@ -46,8 +53,9 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   const int r0 = min(R, static_cast<int>(blockIdx.x) * per_block), r1 = min(R, r0 + per_block);
   const int nchunks = (r1 - r0 + kChunkRows - 1) / kChunkRows;
   const int mt = tid - 32, nmt = blockDim.x - 32;  // the metadata threads (warps 1..)
-  auto store_oldest = [&]() {  // thread 0: ring item n is row r0 + n
-    tma_store(out_x + static_cast<size_t>(r0 + ring.tail) * row_bytes, ring.wait_oldest(), row_bytes);
+  auto store_oldest = [&]() {  // thread 0: ring item n is row r0 + n, or the output row recorded at its load
+    const int dst = kRouted ? s_dst[ring.slot_of(ring.tail)] : r0 + ring.tail;
+    tma_store(out_x + static_cast<size_t>(dst) * row_bytes, ring.wait_oldest(), row_bytes);
     ring.pop();
   };
 
@@ -60,9 +68,11 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
       for (int i = a + mt; i < b; i += nmt) {
         const int src = find_src(s_off, W, i);
         const int tok = pull_row_token(c, s_off, src, i, cached, recv_src);
+        const int o = out_row<kRouted>(c, i, R_alloc);
         src_of[i - a] = src;
         tok_of[i - a] = tok;
-        if (out_idx || out_w) pull_row_meta(c, src, tok, i, K, lo, hi, out_idx, out_w);
+        if constexpr (kRouted) s_out[n & 1][i - a] = o;
+        if (out_idx || out_w) pull_row_meta(c, src, tok, o, K, lo, hi, out_idx, out_w);
       }
     } else if (tid == 0 && n > 0) {  // stream chunk n - 1 through the ring
       const int a = r0 + (n - 1) * kChunkRows, b = min(r1, a + kChunkRows);
@@ -70,6 +80,7 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
       const int* tok_of = s_tok[(n - 1) & 1];
       for (int row = a; row < b; ++row) {
         while (ring.full()) store_oldest();
+        if constexpr (kRouted) s_dst[ring.slot_of(ring.head)] = s_out[(n - 1) & 1][row - a];
         ring.load(c.peers[src_of[row - a]] + c.off_stage_x + static_cast<size_t>(tok_of[row - a]) * row_bytes,
                   row_bytes);
       }
@@ -82,7 +93,8 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
       // thread 0 may be streaming; the others copy (chunk n's arrays are not overwritten before the next sync)
       for (int v = (tid >= 32 ? mt : -1); v >= 0 && v < (b - a) * nscales; v += nmt) {
         const int j = v / nscales, col = v - j * nscales;
-        out_scales[static_cast<size_t>(a + j) * nscales + col] =
+        const int row = kRouted ? s_out[n & 1][j] : a + j;
+        out_scales[static_cast<size_t>(row) * nscales + col] =
             reinterpret_cast<const float*>(c.peers[src_of[j]] + c.off_stage_scales)[static_cast<size_t>(tok_of[j]) * nscales + col];
       }
     }
@@ -92,7 +104,7 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
     tma_store_wait_all();  // out_x written before PULL_DONE and the kernel's end
     fence_proxy_async();   // ... and ordered before the generic release below
   }
-  pull_pad_rows(R, R_alloc, K, out_idx, out_w);
+  pull_pad_rows<kRouted>(c, R, R_alloc, K, out_idx, out_w);
   if (last_block(c.counters + C_PULL)) {
     if (tid < W) st_release_sys(flag_at(c, tid, F_PULL_DONE, me), e);
     if (tid == 0) c.epochs[E_DISPATCH] = e;
@@ -111,7 +123,7 @@ bool tma_supported() {
   if (!known[dev]) {
     cudaFuncAttributes attr{};
     int major = 0;
-    EP_CUDA_CHECK(cudaFuncGetAttributes(&attr, pull_tma_kernel));
+    EP_CUDA_CHECK(cudaFuncGetAttributes(&attr, pull_tma_kernel<false>));
     EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     known[dev] = attr.binaryVersion >= 90 && major >= 9 ? 1 : 2;
   }
@@ -120,15 +132,28 @@ bool tma_supported() {
 
 bool pull_tma_fits(int row_bytes) { return ring_slots(row_bytes) > kRingLag && tma_supported(); }
 
+namespace {
+
+template <bool kRouted>
+void launch_pull_tma_as(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
+                        int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
+                        int R_alloc, cudaStream_t stream) {
+  static bool smem_set[64] = {};  // one set per instantiation: the attribute belongs to each kernel
+  ring_smem_once(pull_tma_kernel<kRouted>, smem_set);
+  const int nslot = ring_slots(row_bytes);
+  pull_tma_kernel<kRouted><<<blocks, kThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
+      c, reinterpret_cast<char*>(out_x), row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src,
+      cached, R_alloc, nslot);
+}
+
+}  // namespace
+
 void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                      int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                      int R_alloc, cudaStream_t stream) {
-  static bool smem_set[64] = {};
-  ring_smem_once(pull_tma_kernel, smem_set);
-  const int nslot = ring_slots(row_bytes);
-  pull_tma_kernel<<<blocks, kThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
-      c, reinterpret_cast<char*>(out_x), row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src,
-      cached, R_alloc, nslot);
+  const auto launch = c.out_route.out_rows != nullptr ? launch_pull_tma_as<true> : launch_pull_tma_as<false>;
+  launch(c, blocks, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached, R_alloc,
+         stream);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -199,28 +199,35 @@ bool Runtime::tma_supported() const {
   return nvl::tma_supported();
 }
 
+// The route travels in a copy of the context, as combine's does: ctx_'s stays zero for every other call.
+Ctx Runtime::routed(uintptr_t out_rows) const {
+  Ctx c = ctx_;
+  c.out_route = DispatchRoute{ptr<const int64_t>(out_rows)};
+  return c;
+}
+
 void Runtime::pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
                    uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
-                   int num_sms, uintptr_t stream) {
+                   int num_sms, uintptr_t stream, uintptr_t out_rows) {
   check_open();
   check_row_bytes(row_bytes);
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
   set_device();
   const auto launch = tma_ && pull_tma_fits(row_bytes) ? launch_pull_tma : launch_pull;
-  launch(ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales), nscales,
-         ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
+  launch(out_rows ? routed(out_rows) : ctx_, grid_for(num_sms), ptr<int4>(out_x), row_bytes, ptr<float>(out_scales),
+         nscales, ptr<int64_t>(out_idx), ptr<float>(out_w), K, ptr<const int>(recv_off), ptr<int>(recv_src), cached,
          R_alloc, stream_of(stream));
 }
 
 void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
                          uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
                          uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
-                         int num_sms, uintptr_t stream) {
+                         int num_sms, uintptr_t stream, uintptr_t out_rows) {
   set_device();
   if (!(tma_ && stage_pull_tma_fits(row_bytes))) {
     stage(x, T, row_bytes, scales, nscales, topk_idx, weights, K, num_sms, stream);
     pull(out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, cached, R_alloc, num_sms,
-         stream);
+         stream, out_rows);
     return;
   }
   check_open();
@@ -229,10 +236,10 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
   EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
                hidden_ / 128);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
-  launch_stage_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
-                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
-                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
-                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
+  launch_stage_pull_tma(out_rows ? routed(out_rows) : ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes,
+                        ptr<const float>(scales), nscales, ptr<const int64_t>(topk_idx), ptr<const float>(weights), K,
+                        ptr<int4>(out_x), ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w),
+                        ptr<const int>(recv_off), ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,

@@ -34,16 +34,18 @@ class Runtime {
              uintptr_t weights, int K, int num_sms, uintptr_t stream, int merge_repeats = 0);
   // pull: rows into out_x [R_alloc, row_bytes] (+ out_scales, out_idx [R_alloc,K] i64,
   // out_w [R_alloc,K] f32); recv_src [R_alloc] int32 written (cached=0) or read (cached=1).
+  // out_rows (0: none): int64 [R_alloc], the call's DispatchRoute (nvlink.h): row i and its scales, ids and
+  // weights written at output row out_rows[i] (every kernel of the rank-major pull takes it).
   void pull(uintptr_t out_x, int row_bytes, uintptr_t out_scales, int nscales, uintptr_t out_idx,
             uintptr_t out_w, int K, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc,
-            int num_sms, uintptr_t stream);
+            int num_sms, uintptr_t stream, uintptr_t out_rows = 0);
   // stage + pull of a rank-major dispatch whose outputs exist already (worst-case sized, or a cached
   // dispatch): one kernel that pulls each sub-chunk as soon as its source has staged it where the
-  // bulk-copy pull applies (tma() and the row fits its ring), else stage then pull.
+  // bulk-copy pull applies (tma() and the row fits its ring), else stage then pull. out_rows: as pull's.
   void stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
                   uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
                   uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc, int num_sms,
-                  uintptr_t stream);
+                  uintptr_t stream, uintptr_t out_rows = 0);
   // whether the pulls (rank-major, expert-major) move rows by bulk copies (TMA, the default; rows too
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }
@@ -103,6 +105,7 @@ class Runtime {
   void check_open() const;
   void check_tokens(int T) const;
   void check_row_bytes(int row_bytes) const;
+  Ctx routed(uintptr_t out_rows) const;  // ctx_ with the call's DispatchRoute
   int device_, rank_, world_, max_tokens_, hidden_, num_experts_, local_experts_;
   double timeout_s_;
   size_t bytes_ = 0;

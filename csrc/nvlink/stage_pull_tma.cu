@@ -30,6 +30,10 @@
 // The separate stage kernel releases LISTS and every STAGE_READY too, so ranks may mix the two.
 // A timeout records the missing peer (K_STAGE or K_PULL), stops the block's waits through s_fail and
 // the abort word, and the block returns without releasing.
+//
+// kRouted (Ctx::out_route): the metadata warps also resolve each row's output row (beside its source and
+// token), thread 0 takes it from there into the ring slot's destination, and the ids, weights, scales and
+// padding rows go to the output rows too. The plain instantiation reads no index.
 #include "common/copy.cuh"
 #include "common/error.h"
 #include "common/tma.cuh"
@@ -106,10 +110,10 @@ __device__ void stage_half(const Ctx& c, const StageIn& in, int row_bytes, int n
   }
 }
 
-// Resolves received row i (lane's row of a batch): its source and token, its local ids and weights,
-// once the source has staged the token. False when a wait failed.
+// Resolves received row i (lane's row of a batch): its source and token, its local ids and weights
+// (written at output row o), once the source has staged the token. False when a wait failed.
 __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, const PullOut& out, int K, int e, int i,
-                                            unsigned long long deadline, int* s_fail, unsigned& lists_ok,
+                                            int o, unsigned long long deadline, int* s_fail, unsigned& lists_ok,
                                             int& ok_src, int& ok_sub, int& src, int& tok) {
   const int W = c.world, me = c.rank;
   src = find_src(s_off, W, i);
@@ -126,17 +130,19 @@ __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, cons
   }
   if (out.idx || out.w) {
     const int64_t lo = static_cast<int64_t>(me) * c.local_experts, hi = lo + c.local_experts;
-    pull_row_meta(c, src, tok, i, K, lo, hi, out.idx, out.w);
+    pull_row_meta(c, src, tok, o, K, lo, hi, out.idx, out.w);
   }
   return true;
 }
 
+template <bool kRouted>
 __global__ void __launch_bounds__(kFusedThreads, 1)
 stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot) {
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
   __shared__ int s_dst[kRingMaxSlots];  // the output row of each ring slot's item
   __shared__ int s_src[kSlots][kBatch], s_tok[kSlots][kBatch];
+  __shared__ int s_out[kRouted ? kSlots : 1][kBatch];  // routed: each resolved row's output row
   __shared__ int s_ready[kSlots];  // batch number resolved into the slot
   __shared__ int s_taken;          // batches thread 0 has issued
   __shared__ int s_off[kMaxRanks + 1];
@@ -176,9 +182,10 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     stage_half(c, in, row_bytes, nscales, K, e, stid);
     // rows [R, R_alloc) of a worst-case output route nowhere
     for (int i = R + blockIdx.x * kHalf + stid; i < out.R_alloc; i += gridDim.x * kHalf) {
+      const size_t o = out_row<kRouted>(c, i, out.R_alloc);
       for (int k = 0; k < K; ++k) {
-        if (out.idx) out.idx[static_cast<size_t>(i) * K + k] = -1;
-        if (out.w) out.w[static_cast<size_t>(i) * K + k] = 0.f;
+        if (out.idx) out.idx[o * K + k] = -1;
+        if (out.w) out.w[o * K + k] = 0.f;
       }
     }
   } else if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
@@ -193,15 +200,19 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       if (failed(&s_fail)) break;
       int nrows = 0;
       const int a = batch_at(m, nrows), i = a + lane;
-      int src = 0, tok = 0;
-      if (lane < nrows)
-        resolve_row(c, s_off, out, K, e, i, deadline, &s_fail, lists_ok, ok_src, ok_sub, src, tok);
+      int src = 0, tok = 0, o = i;
+      if (lane < nrows) {
+        o = out_row<kRouted>(c, i, out.R_alloc);
+        resolve_row(c, s_off, out, K, e, i, o, deadline, &s_fail, lists_ok, ok_src, ok_sub, src, tok);
+      }
       __syncwarp();
       if (failed(&s_fail)) break;
       if (lane < kBatch) {
         s_src[slot][lane] = src;
         s_tok[slot][lane] = tok;
+        if constexpr (kRouted) s_out[slot][lane] = o;
       }
+      if constexpr (kRouted) __syncwarp();  // the scales below read the batch's output rows from s_out
       if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
         const int total = nrows * nscales;
         for (int v0 = 0; v0 < total; v0 += 32 * kScaleU) {
@@ -218,7 +229,12 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
 #pragma unroll
           for (int u = 0; u < kScaleU; ++u) {
             const int vi = v0 + u * 32 + lane;
-            if (vi < total) out.scales[static_cast<size_t>(a) * nscales + vi] = f[u];
+            if constexpr (kRouted) {  // value vi is column vi - j * nscales of row j's output row
+              const int j = vi / nscales;
+              if (vi < total) out.scales[static_cast<size_t>(s_out[slot][j]) * nscales + (vi - j * nscales)] = f[u];
+            } else {
+              if (vi < total) out.scales[static_cast<size_t>(a) * nscales + vi] = f[u];
+            }
           }
         }
       }
@@ -246,7 +262,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       const int a = batch_at(m, nrows);
       for (int j = 0; j < nrows; ++j) {
         while (ring.full()) store_oldest();
-        s_dst[ring.slot_of(ring.head)] = a + j;
+        s_dst[ring.slot_of(ring.head)] = kRouted ? s_out[slot][j] : a + j;
         ring.load(c.peers[s_src[slot][j]] + c.off_stage_x + static_cast<size_t>(s_tok[slot][j]) * row_bytes,
                   row_bytes);
       }
@@ -275,13 +291,19 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
                            int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
                            float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
                            int cached, int R_alloc, cudaStream_t stream) {
-  static bool smem_set[64] = {};
-  ring_smem_once(stage_pull_tma_kernel, smem_set);
   const int nslot = ring_slots(row_bytes);
   const StageIn in{x, T, scales, topk_idx, weights};
   const PullOut out{reinterpret_cast<char*>(out_x), out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc};
-  stage_pull_tma_kernel<<<blocks, kFusedThreads, static_cast<size_t>(nslot) * row_bytes, stream>>>(
-      c, in, out, row_bytes, nscales, K, nslot);
+  const size_t smem = static_cast<size_t>(nslot) * row_bytes;
+  if (c.out_route.out_rows != nullptr) {
+    static bool smem_set[64] = {};  // one set per instantiation: the attribute belongs to each kernel
+    ring_smem_once(stage_pull_tma_kernel<true>, smem_set);
+    stage_pull_tma_kernel<true><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+  } else {
+    static bool smem_set[64] = {};
+    ring_smem_once(stage_pull_tma_kernel<false>, smem_set);
+    stage_pull_tma_kernel<false><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+  }
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -43,6 +43,8 @@ class Capabilities:
     combine_gathers: bool = False                     # combine_gathered reads x through the index in its own
                                                       # kernels (no gather pass before them)
     combine_to_blocks: bool = False                   # takes combine_to_blocks (sums stored at device addresses)
+    dispatch_scatters: bool = False                   # takes dispatch_scattered (a cached dispatch's rows written
+                                                      # through an index by its own kernels: no reorder after them)
 
 
 def group_device_problem(group, device: torch.device) -> Optional[str]:
@@ -107,6 +109,17 @@ class Backend(abc.ABC):
         sums straight into the rail peers' receive rows (csrc/nvlink/nvlink.h, CombineRoute)."""
         raise NotImplementedError(f"the {self.name} backend does not write combine's sums to other buffers "
                                   "(capabilities.combine_to_blocks is False)")
+
+    def dispatch_scattered(self, x, scales: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                           handle: Handle, out_rows: torch.Tensor, async_op: bool = False) -> DispatchOutput:
+        """A cached rank-major dispatch (the handle's layout) whose received row i, with its scales and weights,
+        lands at output row out_rows[i] instead of i (out_rows int64 [handle.num_recv] on x's device, a
+        permutation of [0, handle.num_recv): padding rows included). The outputs have handle.num_recv rows, as a
+        cached dispatch's; the result's topk_idx is None (a cached dispatch writes no ids: the caller holds them in
+        its own order). Only where `capabilities.dispatch_scatters`: the hierarchical backend's cached dispatch has
+        its inner rows written straight into the contract's order (csrc/nvlink/nvlink.h, DispatchRoute)."""
+        raise NotImplementedError(f"the {self.name} backend does not write a dispatch's rows through an index "
+                                  "(capabilities.dispatch_scatters is False)")
 
     def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False,
                         local_only: bool = True):

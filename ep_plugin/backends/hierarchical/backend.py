@@ -16,7 +16,10 @@ parts. A node of one rank needs no inner exchange (local.LocalNode packs the rai
 Order: the inner exchange delivers rows by forwarder, then slot (source node, position); the
 contract wants them by source rank (node, local index), then position. With several ranks per node
 a permutation computed on the device from the per-source counts (one small all-to-all) puts them in
-the contract's order; with one rank per node the two orders agree.
+the contract's order; with one rank per node the two orders agree. A cached dispatch knows that
+permutation before its inner kernels run: where the inner backend writes through an index
+(dispatch_scatters) its pull stores each row at its contract position, with no reorder pass
+(_forward_cached).
 """
 from __future__ import annotations
 
@@ -155,6 +158,11 @@ class HierarchicalBackend(Backend):
     # one-rank node's rail reads x in place. False: the gather back to the inner order (or to slots) and
     # the rail's own copy of the rows, as before (benchmarks/bench_internode.py --combine-path before).
     fused_combine = True
+    # the cached dispatch without its reorder pass (session 10, issue 30): with several ranks per node the inner
+    # backend's pull writes each row straight to its contract position (dispatch_scattered, where the inner backend
+    # declares dispatch_scatters), the index being the fresh dispatch's to_contract. False: the inner dispatch in
+    # its own order, then scatter_rows, as before (benchmarks/bench_internode.py --cached-path before).
+    direct_cached_dispatch = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -353,14 +361,32 @@ class HierarchicalBackend(Backend):
             tl.end("forward")
         else:
             inner = dataclasses.replace(st.inner, topk_idx=topk_f)  # the rail's view of the slots is reused
-            res = self.inner.dispatch(xf, sf, topk_f, wf, handle=inner)
-            if res.event is not None:
-                res.event.current_stream_wait()
-            tl.mark("forward")
-            out_x, out_s, out_w = (scatter_rows(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
-            tl.end("reorder")
+            if self._direct_cached(st):  # the pull writes each row at its contract position: no reorder pass
+                res = self.inner.dispatch_scattered(xf, sf, wf, inner, st.to_contract)
+                if res.event is not None:
+                    res.event.current_stream_wait()
+                out_x, out_s, out_w = res.x, res.scales, res.topk_weights
+                tl.end("forward")
+            else:
+                res = self.inner.dispatch(xf, sf, topk_f, wf, handle=inner)
+                if res.event is not None:
+                    res.event.current_stream_wait()
+                tl.mark("forward")
+                out_x, out_s, out_w = (scatter_rows(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
+                tl.end("reorder")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle)
+
+    def _direct_cached(self, st: HierarchicalState) -> bool:
+        """Whether the cached dispatch can have the inner pull write into the contract's order: the switch is on,
+        the inner backend writes through an index (dispatch_scatters), and to_contract has one entry per inner
+        output row. It has, wherever the fresh dispatch made it (contract_order and contract_positions: int64
+        on the rows' device, valid rows among the first num_recv positions, the padding rows of a worst-case
+        output in place), so it covers every row the pull writes, padding included; its form is checked by
+        the inner backend (a TypeError, not a fallback: no such index is made here). Per call: no tensor work."""
+        t = st.to_contract
+        return (self.direct_cached_dispatch and self.inner.capabilities.dispatch_scatters and t is not None
+                and t.shape[0] == st.inner.num_recv)
 
     # ------------------------------------------------------------------ combine
     @staticmethod

@@ -16,7 +16,9 @@ Stages (docs/INTERNODE.md, "Where the time goes"), in call order:
 A stage a call does not have (reorder with one rank per node) is not marked. The combine of session 8
 (HierarchicalBackend.fused_combine) has no reorder (the inner combine reads x through its index); with
 every rail peer over P2P its reduce_in_node also stores the rows at the rail peers and rail_send only
-signals; with one rank per node reduce_in_node is empty (the rail's send reads x in place).
+signals; with one rank per node reduce_in_node is empty (the rail's send reads x in place). The cached
+dispatch of session 10 (HierarchicalBackend.direct_cached_dispatch) has no reorder either: where the
+inner backend writes through an index, its pull stores the rows in the contract's order.
 """
 from __future__ import annotations
 

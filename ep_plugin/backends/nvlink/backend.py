@@ -34,6 +34,8 @@ Modes
   EPBuffer launches nothing before notify (topk_idx as given is the handle's).
 - async_op: the kernels run on a communication stream; an EPEvent is returned.
 - cached (handle given): no notify; the handle's layout is reused (what backward passes need).
+  `dispatch_scattered` is a cached rank-major dispatch whose pull writes received row i at a row the
+  caller names (the hierarchical backend's contract order; csrc/nvlink/nvlink.h, DispatchRoute).
 
 What the kernels take is declared in `capabilities` (BF16/FP16 rows or FP8 pairs, BF16 combine,
 top-k <= 32, hidden multiple of 128 in [256, 16384]); EPBuffer refuses the rest with a TypeError.
@@ -95,7 +97,7 @@ class NvlinkBackend(Backend):
     capabilities = Capabilities(
         row_dtypes=(torch.bfloat16, torch.float16), fp8=True, combine_dtypes=(torch.bfloat16,),
         max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True, merges_repeats=True,
-        combine_gathers=True, combine_to_blocks=True,
+        combine_gathers=True, combine_to_blocks=True, dispatch_scatters=True,
         hidden_rule=f"a multiple of {HIDDEN_ALIGN} in [{HIDDEN_MIN}, {HIDDEN_MAX}]")
 
     @staticmethod
@@ -356,10 +358,31 @@ class NvlinkBackend(Backend):
              torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
         return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
 
-    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool, T: int):
+    def dispatch_scattered(self, x, scales, topk_weights, handle, out_rows, async_op=False):
+        """Backend.dispatch_scattered: a cached rank-major dispatch whose pull (every kernel of it: stage_pull,
+        the bulk-copy pull, the register pull) writes received row i and its scales and weights at row
+        out_rows[i] (csrc/nvlink/nvlink.h, DispatchRoute); no pass over the rows after it."""
+        self.check()
+        if handle.expert is not None:
+            raise ValueError("dispatch_scattered takes the handle of a rank-major dispatch; this one is expert-major")
+        if scales is None and x.dtype in FP8_DTYPES:
+            raise TypeError("FP8 dispatch needs (x_fp8, scales)")
+        if (not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or out_rows.dim() != 1
+                or not out_rows.is_contiguous() or out_rows.device != x.device):
+            raise TypeError(f"out_rows must be a contiguous 1-D int64 tensor on {x.device}, got "
+                            f"{getattr(out_rows, 'dtype', type(out_rows))} {list(getattr(out_rows, 'shape', ()))} on "
+                            f"{getattr(out_rows, 'device', None)}")
+        if out_rows.numel() != handle.num_recv:
+            raise ValueError(f"out_rows has {out_rows.numel()} entries; the handle's dispatch received "
+                             f"{handle.num_recv} rows (one output row per received row, padding included)")
+        T, K = x.shape[0], handle.topk_idx.shape[1]
+        self._check_call(x, T, K)
+        return self._dispatch_cached(x, scales, topk_weights, handle, async_op, False, T, out_rows)
+
+    def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool, T: int, out_rows=None):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
         the handle's rank-major rows (one stage_pull launch with comm.dispatch_kernel fused), or straight
-        to its expert-major positions. T: x's tokens."""
+        to its expert-major positions. T: x's tokens. out_rows: dispatch_scattered's index (rank-major only)."""
         st = self._state(handle)
         K = handle.topk_idx.shape[1]
         if T != handle.num_tokens:
@@ -388,15 +411,17 @@ class NvlinkBackend(Backend):
             rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                            st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
                            lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms, sp)
-        elif together:
-            rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
-                          st.recv_src.data_ptr(), 1, N, self.num_sms, sp)
         else:
-            rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
-                    st.recv_src.data_ptr(), 1, N, self.num_sms, sp)
-        event = self._finish(s, (x, scales, topk_weights, out_x, out_s, out_w)) if async_op else None
-        return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
-                              handle=handle, event=event)
+            route = () if out_rows is None else (out_rows.data_ptr(),)  # the plain call passes nothing more
+            if together:
+                rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
+                              st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
+            else:
+                rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                        st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
+        event = self._finish(s, (x, scales, topk_weights, out_x, out_s, out_w, out_rows)) if async_op else None
+        return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx if out_rows is None else None,
+                              topk_weights=out_w, handle=handle, event=event)
 
     # ---------------------------------------------------------------- combine
     def combine_expert(self, x, handle, async_op=False):
