@@ -176,6 +176,29 @@ def test_peer_dies_mid_dispatch(internode_parts):
 INNER_PULLS = {"stage_pull_tma": ("fused", True), "pull_tma": ("split", True), "register_pull": ("split", False)}
 
 
+def _contract_inputs(rank, world, seed):
+    """(H, x, topk_idx, weights, FP8 scales, second rows) of this rank for the contract-order tests, on its GPU:
+    rows of 14 KB (BF16) / 7 KB (FP8), the bulk-copy kernels' ring, as in the benchmarks."""
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
+    H = 7168
+    xs, idxs, ws = make_inputs(world, 160, H, E, K, seed, torch.bfloat16)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
+    return H, x, idx, w, scales, (x.float() * 0.5 - 1).to(torch.bfloat16)
+
+
+def _counting_buffer(P, host_sync, H, method):
+    """(buffer, hierarchical backend, inner nvlink backend, calls): a 2x2 nvshmem buffer whose inner backend's
+    `method` appends to `calls` at each call (which path ran), and the inner pull's settings to put back."""
+    buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
+    backend = getattr(buf._backend, "wrapped", buf._backend)
+    inner = backend.inner
+    calls = []
+    orig = getattr(inner, method)
+    setattr(inner, method, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return buf, backend, inner, calls
+
+
 def body_cached_contract_order(rank, world, P):
     """The cached dispatch of session 10 against the path before it, on one 2x2 world: worst-case and host-synced
     sizing, BF16 and FP8 rows, each inner pull kernel (stage_pull_tma, stage + pull_tma, stage + the register pull).
@@ -184,19 +207,9 @@ def body_cached_contract_order(rank, world, P):
     dispatch_scattered per call), and the combine of the rows after it sums the same."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
-    H = 7168  # rows of 14 KB (BF16) / 7 KB (FP8): the bulk-copy kernels' ring, as in the benchmarks
-    xs, idxs, ws = make_inputs(world, 160, H, E, K, 41, torch.bfloat16)
-    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
-    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
-    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+    H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 41)
     for host_sync in (False, True):
-        buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
-        backend = getattr(buf._backend, "wrapped", buf._backend)
-        inner = backend.inner
-        calls = []
-        scattered = inner.dispatch_scattered
-        inner.dispatch_scattered = lambda *a, **k: calls.append(1) or scattered(*a, **k)
+        buf, _, inner, calls = _counting_buffer(P, host_sync, H, "dispatch_scattered")
         mode, tma = inner.dispatch_mode, inner._rt.tma
         for fp8 in (False, True):
             xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
@@ -250,21 +263,11 @@ def body_fresh_contract_order(rank, world, P):
     dispatch_contract call) with the same results."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
-    H = 7168  # rows of 14 KB (BF16) / 7 KB (FP8): the bulk-copy kernels' ring, as in the benchmarks
-    xs, idxs, ws = make_inputs(world, 160, H, E, K, 43, torch.bfloat16)
-    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
-    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
-    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+    H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 43)
     assert HierarchicalBackend.direct_fresh_dispatch is False  # the default until this test has passed on a device
     try:
         for host_sync in (False, True):
-            buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
-            backend = getattr(buf._backend, "wrapped", buf._backend)
-            inner = backend.inner
-            calls = []
-            contract = inner.dispatch_contract
-            inner.dispatch_contract = lambda *a, **k: calls.append(1) or contract(*a, **k)
+            buf, backend, inner, calls = _counting_buffer(P, host_sync, H, "dispatch_contract")
             mode, tma = inner.dispatch_mode, inner._rt.tma
             for fp8 in (False, True):
                 xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
