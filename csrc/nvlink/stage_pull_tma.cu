@@ -136,7 +136,8 @@ __device__ void contract_shifts(const Ctx& c, const int* s_off, int e, unsigned 
     const int l = q % P, s = q / P;
     int lo = 0;
     if (s > 0 && lane_wait(c, flag_at(c, me, F_LISTS, l), e, l, K_PULL, deadline, s_fail)) {
-      const int* sl = reinterpret_cast<const int*>(c.peers[l] + c.off_send_list) + static_cast<size_t>(me) * c.max_tokens;
+      const int* sl =
+          reinterpret_cast<const int*>(c.peers[l] + c.off_send_list) + static_cast<size_t>(me) * c.max_tokens;
       int hi = s_off[l + 1] - s_off[l];
       const int key = s * M;
       while (lo < hi) {
