@@ -148,6 +148,7 @@ __device__ void contract_shifts(const Ctx& c, const int* s_off, int e, unsigned 
     }
     s_delta[q] = lo;
   }
+  __syncwarp();  // bar.sync is an aligned barrier: each warp reaches it converged (lanes left the loop apart)
   named_barrier(kMetaBarrier, kMetaThreads);
   if (mt == 0) {  // counts and shifts in contract order (g ascending reads s_delta[g] and [g + P] before they change)
     int start = 0;
@@ -159,6 +160,7 @@ __device__ void contract_shifts(const Ctx& c, const int* s_off, int e, unsigned 
       start += n;
     }
   }
+  __syncwarp();
   named_barrier(kMetaBarrier, kMetaThreads);
 }
 
