@@ -114,6 +114,15 @@ def use_cached_path_before() -> None:
     HierarchicalBackend.direct_cached_dispatch = False
 
 
+def use_fresh_path_direct() -> None:
+    """The hierarchical fresh dispatch whose inner pull writes the contract's order itself (no contract_order, no
+    reorder pass; HierarchicalBackend.direct_fresh_dispatch, off by default until checked on a device)
+    (--fresh-path direct)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    HierarchicalBackend.direct_fresh_dispatch = True
+
+
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
     try:
         init_rank(rank, world, port)
@@ -123,6 +132,8 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
             use_combine_path_before()
         if getattr(args, "cached_path", "now") == "before":
             use_cached_path_before()
+        if getattr(args, "fresh_path", "now") == "direct":
+            use_fresh_path_direct()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -269,6 +280,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cached-path", choices=("now", "before"), default="now",
                     help="before: the hierarchical cached dispatch before session 10 (the inner dispatch in its own "
                          "order, then the reorder pass), for an A/B on the same machine")
+    ap.add_argument("--fresh-path", choices=("now", "direct"), default="now",
+                    help="direct: the hierarchical fresh dispatch whose inner pull writes the contract's order "
+                         "(direct_fresh_dispatch, off by default: no contract_order, no reorder pass), for an A/B "
+                         "on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]
@@ -278,7 +293,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(f"bench_internode: world {args.world}, ranks_per_node {args.ranks_per_node}, backends {args.backends}, "
               f"cases {args.cases}, timeline {args.timeline}, profile {args.profile}, combine path {args.combine_path}, "
-              f"cached path {args.cached_path}, out {args.out}/"
+              f"cached path {args.cached_path}, fresh path {args.fresh_path}, out {args.out}/"
               f"bench_internode_{args.label}.json")
         return 0
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -292,6 +307,7 @@ def main(argv=None) -> int:
             "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
             "backends": args.backends, "timeline_calls": args.timeline, "host_path": args.host_path,
             "combine_path": args.combine_path, "cached_path": args.cached_path,
+            "fresh_path": args.fresh_path,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "complete": complete, "wall_s": round(time.time() - t0, 1),
             "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}

@@ -112,6 +112,17 @@ class FakeRuntime:
         self._log("stage_pull", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
                                  out_w, recv_off, recv_src, cached, R_alloc, num_sms, stream))
 
+    tma = True  # Runtime.tma: the bulk-copy kernels (stage_pull_contract runs only with them)
+
+    def stage_pull_contract_fits(self, row_bytes, nodes):  # the runtime's rule, less the GPU's (sm_90+)
+        return self.tma and nodes >= 1 and nodes * self.world <= 256 and self.max_tokens % nodes == 0
+
+    def stage_pull_contract(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
+                            out_w, recv_off, recv_src, R_alloc, nodes, to_contract, counts, num_sms, stream):
+        self._log("stage_pull_contract", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales,
+                                          out_idx, out_w, recv_off, recv_src, R_alloc, nodes, to_contract, counts,
+                                          num_sms, stream))
+
     def expert_pull(self, out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src, positions,
                     cached, R_alloc, alignment, scratch, offsets, counts, num_sms, stream):
         self._log("expert_pull", (out_x, row_bytes, out_scales, nscales, out_idx, out_w, K, recv_off, recv_src,

@@ -229,6 +229,17 @@ class DispatchOutput:
 
 
 @dataclass
+class ContractDispatch:
+    """What Backend.dispatch_contract returns: the dispatch, its rows already in the hierarchical contract's
+    order (out.x, out.scales, out.topk_idx, out.topk_weights; out.handle is the backend's own, for its
+    combine and cached dispatches), and that order's index and counts, as contract_order gives them."""
+
+    out: DispatchOutput
+    to_contract: torch.Tensor             # [R] int64: the output row of each received row (padding: itself)
+    recv_counts: torch.Tensor             # [nodes * P] int64: rows from each source rank of the whole job
+
+
+@dataclass
 class DispatchResult:
     """What EPBuffer.dispatch returns (DESIGN.md, "The core contract")."""
 

@@ -65,7 +65,8 @@ def body_timeline(rank, world, P):
 
 # world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
 RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2),
-            ("routed", "body_routed_combine", 2), ("direct", "body_direct_cached", 2)),
+            ("routed", "body_routed_combine", 2), ("direct", "body_direct_cached", 2),
+            ("fresh", "body_direct_fresh", 2)),
         2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1)),
         6: (("sources", "body_sources_path", 3),)}
 
@@ -308,6 +309,135 @@ def body_direct_cached(rank, world, P):
         buf.close()
 
 
+class _InnerContracting(_InnerScattering):
+    """_InnerScattering declaring `dispatch_contracts` (as the nvlink backend does): the hierarchical fresh dispatch
+    then asks it for the rows in the contract's order (Backend.dispatch_contract) instead of running contract_order
+    and the reorder after it. Its dispatch_contract does on CPU what stage_pull_tma's contract mode does: from each
+    forwarder l's send list to this rank (ascending slots: recv_src's block of l) the lower bounds below[l][s] of
+    s*M, the counts and starts per source rank g = s*P + l, row i placed at start[g] + i - off[l] - below[l][s]
+    (padding rows in place), the index and the counts returned. It fits worst-case calls only, as the kernel.
+    Counts its calls."""
+
+    def __init__(self, inner, P, worst_case):
+        super().__init__(inner, P)
+        import dataclasses
+
+        self.capabilities = dataclasses.replace(self.capabilities, dispatch_contracts=True)
+        self.worst_case, self.contracted = worst_case, 0
+
+    def dispatch_contract_fits(self, x, scales, nodes):
+        return self.worst_case
+
+    def dispatch_contract(self, xf, sf, topk_f, wf, nodes, async_op=False):
+        from ep_plugin.types import ContractDispatch, DispatchOutput
+
+        assert self.worst_case
+        self.contracted += 1
+        res = self.dispatch(xf, sf, topk_f, wf)
+        st, P, N = res.handle.state, self.P, nodes
+        M = xf.shape[0] // N
+        R = res.handle.num_recv
+        off, src = st.recv_off.long(), st.recv_src.long()
+        below = torch.stack([torch.searchsorted(src[off[l]:off[l + 1]], torch.arange(N + 1) * M) for l in range(P)])
+        counts = (below[:, 1:] - below[:, :-1]).t().reshape(-1)  # [N*P] in g = s*P + l order
+        start = counts.cumsum(0) - counts
+        pos = torch.arange(R)
+        for i in range(int(off[P])):
+            l = int(torch.searchsorted(off[1:], torch.tensor(i), right=True))
+            s_ = int(src[i]) // M
+            pos[i] = start[s_ * P + l] + i - off[l] - below[l, s_]
+        pos = pos.clamp(0, R - 1)
+
+        def placed(t):  # FP8 rows as bytes (index_copy_ has no FP8 kernel)
+            if t is None:
+                return None
+            b = t.view(torch.uint8) if t.element_size() == 1 else t
+            return torch.empty_like(b).index_copy_(0, pos, b).view(t.dtype)
+        idx = placed(res.topk_idx)
+        res.handle.recv_topk_idx = idx  # as the nvlink backend's: its handle's ids are the output's
+        out = DispatchOutput(x=placed(res.x), scales=placed(res.scales), topk_idx=idx,
+                             topk_weights=placed(res.topk_weights), handle=res.handle)
+        return ContractDispatch(out=out, to_contract=pos, recv_counts=counts)
+
+
+def body_direct_fresh(rank, world, P):
+    """The fresh dispatch in contract order (HierarchicalBackend.direct_fresh_dispatch) on CPU: the inner dispatch
+    computes each row's contract position (as stage_pull_tma's contract mode) and returns the index and counts,
+    with no contract_order and no reorder stage; against the reference (fresh, cached and combine: worst-case,
+    where it runs, and host-synced, where it falls back), and bit for bit against the path before, BF16 and FP8:
+    rows, scales, ids, weights, the handle's to_contract, counts and num_recv_device, and the combine and the
+    cached dispatch of each handle."""
+    import torch.distributed as dist
+
+    from ep_plugin.backends.hierarchical import backend as hb
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K, check_against_reference, hierarchical_buffer
+
+    HB = hb.HierarchicalBackend
+    assert HB.direct_fresh_dispatch is False  # the default until a device run has checked it
+    used = []
+    orig = hb.contract_order
+    hb.contract_order = lambda *a: used.append(1) or orig(*a)
+    HB.direct_fresh_dispatch = True
+    try:
+        for host_sync in (False, True):
+            buf = hierarchical_buffer(128, P, max_tokens=24, host_sync=host_sync)
+            be = buf._backend
+            be.inner = _InnerContracting(be.inner, P, worst_case=not host_sync)
+            used.clear()
+            for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)),
+                                                  ("nowhere", 20))):
+                check_against_reference(buf, rank, world, 128, tokens, 90 + seed, mode, "cpu")
+            assert be.inner.contracted == (0 if host_sync else 3), be.inner.contracted
+            assert bool(used) == host_sync, used  # the fallback is the path before, contract_order included
+            if host_sync:
+                dist.barrier()
+                buf.close()
+                continue
+            xs, idxs, ws = make_inputs(world, 17, 128, E, K, 11, torch.bfloat16)
+            x, idx, w = xs[rank], idxs[rank], ws[rank]
+            scales = torch.rand(x.shape[0], 1, generator=torch.Generator().manual_seed(rank)) + 0.5
+            for fp8 in (False, True):
+                xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
+                tl = StageTimeline()
+                be.timeline = tl
+                now = buf.dispatch(xin, idx, w)
+                be.timeline = NO_TIMELINE
+                HB.direct_fresh_dispatch = False
+                try:
+                    was = buf.dispatch(xin, idx, w)
+                finally:
+                    HB.direct_fresh_dispatch = True
+                assert list(tl.summary()["dispatch"]) == ["rail_recv", "layout", "forward", "counts", "total"], \
+                    tl.summary()
+                hn, hw = now.handle, was.handle
+                n = int(hn.num_recv_device)
+                assert n == int(hw.num_recv_device) and hn.num_recv == hw.num_recv, rank
+                got, want = (now.x, was.x) if fp8 else ((now.x, None), (was.x, None))
+                assert torch.equal(got[0][:n].view(torch.uint8), want[0][:n].view(torch.uint8)), (rank, fp8)
+                if fp8:
+                    assert torch.equal(got[1][:n], want[1][:n]), rank
+                assert torch.equal(now.topk_idx, was.topk_idx) and torch.equal(now.topk_weights, was.topk_weights)
+                assert torch.equal(hn.state.to_contract, hw.state.to_contract), rank
+                assert hn.recv_counts == hw.recv_counts and hn.send_counts == hw.send_counts, rank
+                assert torch.equal(hn.recv_topk_idx, hw.recv_topk_idx), rank
+                x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+                x2in = (x2.to(torch.float8_e4m3fn), scales * 2) if fp8 else x2
+                c_now, c_was = buf.dispatch(x2in, None, w * 2, handle=hn), buf.dispatch(x2in, None, w * 2, handle=hw)
+                got, want = (c_now.x, c_was.x) if fp8 else ((c_now.x, None), (c_was.x, None))
+                assert torch.equal(got[0][:n].view(torch.uint8), want[0][:n].view(torch.uint8)), (rank, fp8)
+                assert torch.equal(c_now.topk_weights, c_was.topk_weights), rank
+                if not fp8:
+                    rows = (now.x.float() * (rank + 1)).to(torch.bfloat16)
+                    assert torch.equal(buf.combine(rows, hn), buf.combine(rows, hw)), rank
+            assert be.inner.contracted == 5, be.inner.contracted
+            dist.barrier()
+            buf.close()
+    finally:
+        HB.direct_fresh_dispatch = False
+        hb.contract_order = orig
+
+
 class _PhasedRail:
     """TorchRail with the NVSHMEM rail's on_phase hook (called between its send and receive halves):
     the hierarchical backend then launches the routing mask inside that hook."""
@@ -366,6 +496,10 @@ def test_combine_reads_rows_in_place(internode_runs, world, P):
 
 def test_cached_dispatch_writes_contract_order(internode_runs):
     internode_runs(4, "direct", 2).check()
+
+
+def test_fresh_dispatch_writes_contract_order(internode_runs):
+    internode_runs(4, "fresh", 2).check()
 
 
 def _slot_ids(S, K, El, p_valid, g, device="cpu"):

@@ -10,11 +10,13 @@ and the survivors that wait on the dead rank directly (its node peers, its rail 
 
     python3 -m pytest -q -m gpu tests/test_internode_gpu.py            # both worlds (needs 4 GPUs for 2x2)
     python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k 2x2
-    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k contract_order   # the cached dispatch of session 10 alone
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k contract_order   # session 10's contract order alone
 
-The last one (2x2 only, its own spawn, a few seconds of GPU time) runs the cached dispatch that writes the
+The last one (2x2 only, two own spawns, a few seconds of GPU time each) runs the cached dispatch that writes the
 contract's order through the inner pull (HierarchicalBackend.direct_cached_dispatch) on each inner pull
-kernel, against the path before it (the reorder pass), bit for bit.
+kernel, against the path before it (the reorder pass), bit for bit; and the fresh dispatch that does
+(direct_fresh_dispatch: stage_pull_tma computes the positions), against contract_order + the reorder pass
+(`-k fresh_dispatch` for that one alone).
 """
 import os
 import time
@@ -174,6 +176,29 @@ def test_peer_dies_mid_dispatch(internode_parts):
 INNER_PULLS = {"stage_pull_tma": ("fused", True), "pull_tma": ("split", True), "register_pull": ("split", False)}
 
 
+def _contract_inputs(rank, world, seed):
+    """(H, x, topk_idx, weights, FP8 scales, second rows) of this rank for the contract-order tests, on its GPU:
+    rows of 14 KB (BF16) / 7 KB (FP8), the bulk-copy kernels' ring, as in the benchmarks."""
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
+    H = 7168
+    xs, idxs, ws = make_inputs(world, 160, H, E, K, seed, torch.bfloat16)
+    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
+    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
+    return H, x, idx, w, scales, (x.float() * 0.5 - 1).to(torch.bfloat16)
+
+
+def _counting_buffer(P, host_sync, H, method):
+    """(buffer, hierarchical backend, inner nvlink backend, calls): a 2x2 nvshmem buffer whose inner backend's
+    `method` appends to `calls` at each call (which path ran), and the inner pull's settings to put back."""
+    buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
+    backend = getattr(buf._backend, "wrapped", buf._backend)
+    inner = backend.inner
+    calls = []
+    orig = getattr(inner, method)
+    setattr(inner, method, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return buf, backend, inner, calls
+
+
 def body_cached_contract_order(rank, world, P):
     """The cached dispatch of session 10 against the path before it, on one 2x2 world: worst-case and host-synced
     sizing, BF16 and FP8 rows, each inner pull kernel (stage_pull_tma, stage + pull_tma, stage + the register pull).
@@ -182,19 +207,9 @@ def body_cached_contract_order(rank, world, P):
     dispatch_scattered per call), and the combine of the rows after it sums the same."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30))
-    H = 7168  # rows of 14 KB (BF16) / 7 KB (FP8): the bulk-copy kernels' ring, as in the benchmarks
-    xs, idxs, ws = make_inputs(world, 160, H, E, K, 41, torch.bfloat16)
-    x, idx, w = xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda()
-    scales = torch.rand(x.shape[0], H // 128, generator=torch.Generator().manual_seed(rank)).cuda() + 0.5
-    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+    H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 41)
     for host_sync in (False, True):
-        buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 192, host_sync, ranks_per_node=P), hidden=H)
-        backend = getattr(buf._backend, "wrapped", buf._backend)
-        inner = backend.inner
-        calls = []
-        scattered = inner.dispatch_scattered
-        inner.dispatch_scattered = lambda *a, **k: calls.append(1) or scattered(*a, **k)
+        buf, _, inner, calls = _counting_buffer(P, host_sync, H, "dispatch_scattered")
         mode, tma = inner.dispatch_mode, inner._rt.tma
         for fp8 in (False, True):
             xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
@@ -236,3 +251,76 @@ def test_cached_dispatch_writes_contract_order():
     world, P = WORLDS["2x2"]
     _need(world)
     spawn(body_cached_contract_order, world, P, backend="nccl", timeout=300)
+
+
+def body_fresh_contract_order(rank, world, P):
+    """The fresh dispatch in contract order (HierarchicalBackend.direct_fresh_dispatch: stage_pull_tma computes each
+    row's contract position from the forwarders' send lists) against the path before (contract_order + the reorder
+    pass), on one 2x2 world, BF16 and FP8 rows, worst-case and host-synced sizing, each inner pull kernel. Where it
+    runs (worst-case, stage_pull_tma: one dispatch_contract call) the valid rows and scales, every row's ids and
+    weights (padding included), the handle's to_contract, counts and num_recv_device equal the path before's bit
+    for bit, and so do the combine and a cached dispatch of each handle; everywhere else it falls back (no
+    dispatch_contract call) with the same results."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 43)
+    assert HierarchicalBackend.direct_fresh_dispatch is False  # the default until this test has passed on a device
+    try:
+        for host_sync in (False, True):
+            buf, backend, inner, calls = _counting_buffer(P, host_sync, H, "dispatch_contract")
+            mode, tma = inner.dispatch_mode, inner._rt.tma
+            for fp8 in (False, True):
+                xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
+                again = (x2.to(torch.float8_e4m3fn), scales * 2) if fp8 else x2
+                for kernel, (dispatch_mode, use_tma) in INNER_PULLS.items():
+                    inner.dispatch_mode, inner._rt.tma = dispatch_mode, use_tma  # read by every fresh call
+                    ctx = f"rank {rank} host_sync {host_sync} fp8 {fp8} {kernel}"
+                    before = len(calls)
+                    HierarchicalBackend.direct_fresh_dispatch = True
+                    try:
+                        now = buf.dispatch(xin, idx, w)
+                    finally:
+                        HierarchicalBackend.direct_fresh_dispatch = False
+                    was = buf.dispatch(xin, idx, w)
+                    torch.cuda.synchronize()
+                    buf.check()
+                    direct = not host_sync and kernel == "stage_pull_tma"
+                    assert len(calls) == before + int(direct), ctx  # where it runs, once; elsewhere the path before
+                    hn, hw = now.handle, was.handle
+                    n = int(hn.num_recv_device)
+                    assert n == int(hw.num_recv_device) and hn.num_recv == hw.num_recv, ctx
+                    (got, got_s), (want, want_s) = (now.x, was.x) if fp8 else ((now.x, None), (was.x, None))
+                    assert got.shape == want.shape, ctx
+                    assert torch.equal(got[:n].view(torch.uint8), want[:n].view(torch.uint8)), ctx
+                    if fp8:
+                        assert torch.equal(got_s[:n], want_s[:n]), ctx
+                    assert torch.equal(now.topk_idx, was.topk_idx), ctx  # padding rows included (-1)
+                    assert torch.equal(now.topk_weights, was.topk_weights), ctx  # padding rows included (0)
+                    assert torch.equal(backend._state(hn).to_contract, backend._state(hw).to_contract), ctx
+                    assert hn.recv_counts == hw.recv_counts and hn.send_counts == hw.send_counts, ctx
+                    c_now = buf.dispatch(again, None, w * 2, handle=hn)
+                    c_was = buf.dispatch(again, None, w * 2, handle=hw)
+                    torch.cuda.synchronize()
+                    (got, got_s), (want, want_s) = (c_now.x, c_was.x) if fp8 else ((c_now.x, None), (c_was.x, None))
+                    assert torch.equal(got[:n].view(torch.uint8), want[:n].view(torch.uint8)), ctx
+                    if fp8:
+                        assert torch.equal(got_s[:n], want_s[:n]), ctx
+                    assert torch.equal(c_now.topk_weights, c_was.topk_weights), ctx
+                    if not fp8:
+                        ys = [buf.combine((t.float() * (rank + 1)).to(torch.bfloat16), h)
+                              for t, h in ((now.x, hn), (was.x, hw))]
+                        torch.cuda.synchronize()
+                        assert torch.equal(ys[0], ys[1]), ctx
+                    buf.check()
+            inner.dispatch_mode, inner._rt.tma = mode, tma
+            buf.check()
+            buf.close()
+    finally:
+        HierarchicalBackend.direct_fresh_dispatch = False
+
+
+def test_fresh_dispatch_writes_contract_order():
+    """2x2 only: with one rank per node there is no inner exchange and so nothing to reorder."""
+    world, P = WORLDS["2x2"]
+    _need(world)
+    spawn(body_fresh_contract_order, world, P, backend="nccl", timeout=300)

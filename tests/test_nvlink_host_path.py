@@ -220,6 +220,44 @@ def test_dispatch_scattered_passes_its_index(gpu, kernel):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_dispatch_contract_passes_its_outputs(gpu, fp8):
+    """dispatch_contract (the hierarchical backend's fresh dispatch in contract order) is notify then one
+    stage_pull_contract with the plain fused dispatch's pointers plus the node count, the index and the counts it
+    returns; every call that would not run the fused bulk-copy pull is refused before any launch
+    (dispatch_contract_fits says False there)."""
+    log, stream, _ = gpu
+    buf = make_buf(dispatch_kernel="fused")
+    be = buf._backend
+    x, idx, w = inputs(fp8)
+    xr, sc = x if fp8 else (x, None)
+    assert be.dispatch_contract_fits(xr, sc, 2)
+    got = be.dispatch_contract(xr, sc, idx, w, 2)
+    res, st = got.out, got.out.handle.state
+    assert names(log) == ["notify", "stage_pull_contract"]
+    assert launches(log)["stage_pull_contract"] == (
+        xr.data_ptr(), T, H * xr.element_size(), ptr(sc), H // 128 if fp8 else 0, idx.data_ptr(), w.data_ptr(), K,
+        res.x.data_ptr(), ptr(res.scales), res.topk_idx.data_ptr(), res.topk_weights.data_ptr(),
+        st.recv_off.data_ptr(), st.recv_src.data_ptr(), R, 2, got.to_contract.data_ptr(), got.recv_counts.data_ptr(),
+        SMS, stream.cuda_stream)
+    assert got.to_contract.shape == (R,) and got.to_contract.dtype == torch.int64
+    assert got.recv_counts.shape == (2 * W,) and got.recv_counts.dtype == torch.int64
+    assert res.handle.num_recv == R and res.x.shape[0] == R
+    assert not be.dispatch_contract_fits(xr, sc, 3)  # 3 nodes do not split max_tokens (16) into slot blocks
+    be._rt.tma = False  # the register pull: the path before
+    assert not be.dispatch_contract_fits(xr, sc, 2)
+    be._rt.tma = True
+    for comm in ({"dispatch_kernel": "split"}, {"dispatch_kernel": "fused", "host_sync": True}):
+        other = make_buf(**comm)
+        log.clear()
+        assert not other._backend.dispatch_contract_fits(xr, sc, 2)
+        with pytest.raises(ValueError, match="dispatch_contract runs the fused bulk-copy pull only"):
+            other._backend.dispatch_contract(xr, sc, idx, w, 2)
+        assert log == []
+        other.close()
+    buf.close()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_fused_dispatch_kernel(gpu, fp8):
     """comm.dispatch_kernel fused: a rank-major dispatch without host sync, and a cached one, launch
     stage and pull as one stage_pull with the same pointers; host-synced and expert-major ones do not."""

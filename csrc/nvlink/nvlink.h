@@ -35,6 +35,8 @@ namespace nvl {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxTopk = 32;
+// Source ranks (nodes * ranks per node) a contract-order pull places (DispatchRoute): one shift each in shared memory.
+constexpr int kMaxContractRanks = 256;
 // F_LISTS: the source's send lists (notify) are complete, before any of its sub-chunks is staged.
 enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_LISTS, F_NUM };
 enum EpochKind { E_NOTIFY = 0, E_DISPATCH, E_COMBINE, E_NUM };
@@ -83,8 +85,20 @@ struct CombineRoute {
 //     scales, local topk ids, weights) go to output row out_rows[i] (int64, values in [0, R_alloc): a
 //     permutation, as a scatter's; a value outside is clamped, so that an index left by a timed-out exchange
 //     cannot write past the outputs); null: row i. recv_src stays in receive order (the handle's).
+//   Contract order (the fresh dispatch, stage_pull_tma only; out_rows null): the pull computes each row's output
+//   row itself. This rank is local rank `me` of a node, its peers the node's ranks, and source l's tokens are
+//   the rail slots s*slot_tokens + t of node s's rows (the hierarchical backend's inner exchange). Received row
+//   i from l out of slot s*M + t goes to start[s*P + l] + (i - recv_off[l] - below[l][s]), below[l][s] being
+//   l's rows to this rank from slots below s*M (a lower bound in l's ascending send list) and start[g] the
+//   prefix over source ranks g = s*P + l of their counts (the contract's order: node, then local index).
+//   to_contract: int64 [R_alloc] written, each row's output row (rows past the valid ones: themselves);
+//   counts: int64 [nodes * P] written by block 0, rows per source rank. What contract_order computes
+//   afterwards (csrc/layout/contract_order.cu), here before the rows move: no index pass, no reorder pass.
 struct DispatchRoute {
   const int64_t* out_rows;
+  int64_t* to_contract;  // non-null: contract order (above)
+  int64_t* counts;
+  int nodes, slot_tokens;
 };
 
 // Everything a kernel needs, passed by value.

@@ -242,6 +242,37 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
                         ptr<const int>(recv_off), ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
 }
 
+bool Runtime::stage_pull_contract_fits(int row_bytes, int nodes) const {
+  set_device();
+  return tma_ && stage_pull_tma_fits(row_bytes) && nodes >= 1 && nodes * world_ <= kMaxContractRanks &&
+         max_tokens_ % nodes == 0;
+}
+
+void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
+                                  uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
+                                  uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src,
+                                  int R_alloc, int nodes, uintptr_t to_contract, uintptr_t counts, int num_sms,
+                                  uintptr_t stream) {
+  check_open();
+  EP_CHECK_ARG(stage_pull_contract_fits(row_bytes, nodes),
+               "stage_pull_contract runs the bulk-copy stage_pull only (tma on: %d, rows of %d bytes fit its ring: "
+               "%d), over nodes x ranks <= %d source ranks with max_tokens %d a multiple of nodes (nodes=%d, "
+               "ranks=%d); ask stage_pull_contract_fits first", static_cast<int>(tma_), row_bytes,
+               static_cast<int>(stage_pull_tma_fits(row_bytes)), kMaxContractRanks, max_tokens_, nodes, world_);
+  EP_CHECK_ARG(to_contract != 0 && counts != 0, "stage_pull_contract writes to_contract and counts: both are needed");
+  check_tokens(T);
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
+               hidden_ / 128);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  Ctx c = ctx_;  // the route in a per-call copy, as routed()'s
+  c.out_route = DispatchRoute{nullptr, ptr<int64_t>(to_contract), ptr<int64_t>(counts), nodes, max_tokens_ / nodes};
+  launch_stage_pull_tma(c, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
+                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
+                        ptr<int>(recv_src), 0, R_alloc, stream_of(stream));
+}
+
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
                       int num_sms, int mode, uintptr_t stream, uintptr_t x_rows, uintptr_t y_blocks,
                       int block_tokens) {

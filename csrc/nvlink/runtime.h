@@ -46,6 +46,16 @@ class Runtime {
                   uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
                   uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc, int num_sms,
                   uintptr_t stream, uintptr_t out_rows = 0);
+  // The fresh stage_pull of the hierarchical backend's inner exchange, writing in the contract's order
+  // (nvlink.h, DispatchRoute's contract order): this rank's tokens are `nodes` blocks of max_tokens / nodes
+  // rail slots; row i and its scales, ids and weights go to its contract position, to_contract [R_alloc] int64
+  // and counts [nodes * world] int64 (rows per source rank) are written. Bulk-copy kernel only: no fallback
+  // (stage_pull_contract_fits says whether it runs; the caller picks the plain path before any launch).
+  bool stage_pull_contract_fits(int row_bytes, int nodes) const;
+  void stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                           uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
+                           uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int R_alloc, int nodes,
+                           uintptr_t to_contract, uintptr_t counts, int num_sms, uintptr_t stream);
   // whether the pulls (rank-major, expert-major) move rows by bulk copies (TMA, the default; rows too
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }

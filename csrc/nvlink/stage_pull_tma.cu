@@ -34,6 +34,13 @@
 // kRouted (Ctx::out_route): the metadata warps also resolve each row's output row (beside its source and
 // token), thread 0 takes it from there into the ring slot's destination, and the ids, weights, scales and
 // padding rows go to the output rows too. The plain instantiation reads no index.
+//
+// Contract order (a fresh dispatch whose Ctx::out_route has to_contract; the hierarchical backend's inner
+// exchange): before their first batch the metadata warps compute one shift per source rank of the contract
+// (contract_shifts: lower bounds in every forwarder's send list, read once LISTS[l] >= e, the wait the fresh
+// pull makes anyway, bounded by the same deadline), then place each row as the routed kernel does, at the
+// position its forwarder and slot give, recording it in to_contract; block 0 writes the per-source counts.
+// No new flag: the lists are complete before any row of them moves, as for the plain fresh pull.
 #include "common/copy.cuh"
 #include "common/error.h"
 #include "common/tma.cuh"
@@ -52,6 +59,12 @@ constexpr int kBatch = 16;           // received rows per hand-off: a lane each 
 constexpr int kSlots = 16;           // batches resolved ahead of thread 0
 constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
+constexpr int kMetaThreads = kMetaWarps * 32;
+constexpr int kMetaBarrier = 2;      // named barrier of the metadata warps (contract order's shifts)
+
+// Where the pull writes row i: row i (plain), out_rows[i] (indexed: a cached dispatch's to_contract), or the
+// position computed from its forwarder and slot (contract: the fresh dispatch; DispatchRoute in nvlink.h).
+enum RouteMode { kPlain = 0, kIndexed = 1, kContract = 2 };
 
 struct StageIn {
   const int4* x;
@@ -110,11 +123,54 @@ __device__ void stage_half(const Ctx& c, const StageIn& in, int row_bytes, int n
   }
 }
 
+// Contract order: s_delta[g] for each source rank g = s*P + l of the contract (P: this node's ranks, the
+// kernel's world), start[g] - recv_off[l] - below[l][s], so that received row i from forwarder l out of slot
+// s*M + t goes to s_delta[g] + i (what contract_order.cu computes after the exchange, from the same counts).
+// Every metadata thread (mt in [0, kMetaThreads)) calls it and reaches both barriers, failed or not; block 0
+// writes the counts. A wait that fails leaves s_fail set (the caller stops on it).
+__device__ void contract_shifts(const Ctx& c, const int* s_off, int e, unsigned long long deadline, int* s_fail,
+                                int* s_delta, int mt) {
+  const int P = c.world, N = c.out_route.nodes, M = c.out_route.slot_tokens, me = c.rank;
+  // below[l][s] into s_delta[s*P + l]: the first entry >= s*M of l's ascending send list to this rank
+  for (int q = mt; q < N * P; q += kMetaThreads) {
+    const int l = q % P, s = q / P;
+    int lo = 0;
+    if (s > 0 && lane_wait(c, flag_at(c, me, F_LISTS, l), e, l, K_PULL, deadline, s_fail)) {
+      const int* sl =
+          reinterpret_cast<const int*>(c.peers[l] + c.off_send_list) + static_cast<size_t>(me) * c.max_tokens;
+      int hi = s_off[l + 1] - s_off[l];
+      const int key = s * M;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (ld_volatile(sl + mid) < key) lo = mid + 1;
+        else hi = mid;
+      }
+    }
+    s_delta[q] = lo;
+  }
+  __syncwarp();  // bar.sync is an aligned barrier: each warp reaches it converged (lanes left the loop apart)
+  named_barrier(kMetaBarrier, kMetaThreads);
+  if (mt == 0) {  // counts and shifts in contract order (g ascending reads s_delta[g] and [g + P] before they change)
+    int start = 0;
+    for (int g = 0; g < N * P; ++g) {
+      const int l = g % P, below = s_delta[g];
+      const int n = (g + P < N * P ? s_delta[g + P] : s_off[l + 1] - s_off[l]) - below;
+      if (blockIdx.x == 0) c.out_route.counts[g] = n;
+      s_delta[g] = start - s_off[l] - below;
+      start += n;
+    }
+  }
+  __syncwarp();
+  named_barrier(kMetaBarrier, kMetaThreads);
+}
+
 // Resolves received row i (lane's row of a batch): its source and token, its local ids and weights
 // (written at output row o), once the source has staged the token. False when a wait failed.
+// kContract: o is computed here from the source and token (s_delta, contract_shifts) and recorded in to_contract.
+template <bool kContract>
 __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, const PullOut& out, int K, int e, int i,
-                                            int o, unsigned long long deadline, int* s_fail, unsigned& lists_ok,
-                                            int& ok_src, int& ok_sub, int& src, int& tok) {
+                                            int& o, const int* s_delta, unsigned long long deadline, int* s_fail,
+                                            unsigned& lists_ok, int& ok_src, int& ok_sub, int& src, int& tok) {
   const int W = c.world, me = c.rank;
   src = find_src(s_off, W, i);
   if (!out.cached && !((lists_ok >> src) & 1u)) {
@@ -122,6 +178,13 @@ __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, cons
     lists_ok |= 1u << src;
   }
   tok = pull_row_token(c, s_off, src, i, out.cached, out.recv_src);
+  if constexpr (kContract) {  // clamped: a token read after a failed wait elsewhere must not write past the outputs
+    const int G = c.out_route.nodes * W;
+    const int g = min(max(tok / c.out_route.slot_tokens * W + src, 0), G - 1);
+    const long long p = static_cast<long long>(s_delta[g]) + i;
+    o = static_cast<int>(p < 0 ? 0 : (p >= out.R_alloc ? out.R_alloc - 1 : p));
+    c.out_route.to_contract[i] = o;
+  }
   const int sub = tok / kStageSub;
   if (src != ok_src || sub != ok_sub) {
     if (!lane_wait(c, stage_ready_at(c, me, src, sub), e, src, K_PULL, deadline, s_fail)) return false;
@@ -135,14 +198,16 @@ __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, cons
   return true;
 }
 
-template <bool kRouted>
+template <int kMode>
 __global__ void __launch_bounds__(kFusedThreads, 1)
 stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot) {
+  constexpr bool kRouted = kMode != kPlain;
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
   __shared__ int s_dst[kRingMaxSlots];  // the output row of each ring slot's item
   __shared__ int s_src[kSlots][kBatch], s_tok[kSlots][kBatch];
   __shared__ int s_out[kRouted ? kSlots : 1][kBatch];  // routed: each resolved row's output row
+  __shared__ int s_delta[kMode == kContract ? kMaxContractRanks : 1];  // contract: each source rank's shift
   __shared__ int s_ready[kSlots];  // batch number resolved into the slot
   __shared__ int s_taken;          // batches thread 0 has issued
   __shared__ int s_off[kMaxRanks + 1];
@@ -182,7 +247,8 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     stage_half(c, in, row_bytes, nscales, K, e, stid);
     // rows [R, R_alloc) of a worst-case output route nowhere
     for (int i = R + blockIdx.x * kHalf + stid; i < out.R_alloc; i += gridDim.x * kHalf) {
-      const size_t o = out_row<kRouted>(c, i, out.R_alloc);
+      const size_t o = out_row<kMode == kIndexed>(c, i, out.R_alloc);  // contract order keeps them in place
+      if constexpr (kMode == kContract) c.out_route.to_contract[i] = i;
       for (int k = 0; k < K; ++k) {
         if (out.idx) out.idx[o * K + k] = -1;
         if (out.w) out.w[o * K + k] = 0.f;
@@ -191,6 +257,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
   } else if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
     unsigned lists_ok = 0;
     int ok_src = -1, ok_sub = -1;
+    if constexpr (kMode == kContract) contract_shifts(c, s_off, e, deadline, &s_fail, s_delta, tid - 32);
     for (int m = warp - 1; m < nbatch; m += kMetaWarps) {
       const int slot = m % kSlots;
       if (lane == 0)  // the slot's previous batch has been issued
@@ -202,8 +269,9 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       const int a = batch_at(m, nrows), i = a + lane;
       int src = 0, tok = 0, o = i;
       if (lane < nrows) {
-        o = out_row<kRouted>(c, i, out.R_alloc);
-        resolve_row(c, s_off, out, K, e, i, o, deadline, &s_fail, lists_ok, ok_src, ok_sub, src, tok);
+        o = out_row<kMode == kIndexed>(c, i, out.R_alloc);
+        resolve_row<kMode == kContract>(c, s_off, out, K, e, i, o, s_delta, deadline, &s_fail, lists_ok, ok_src,
+                                        ok_sub, src, tok);
       }
       __syncwarp();
       if (failed(&s_fail)) break;
@@ -295,14 +363,27 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
   const StageIn in{x, T, scales, topk_idx, weights};
   const PullOut out{reinterpret_cast<char*>(out_x), out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc};
   const size_t smem = static_cast<size_t>(nslot) * row_bytes;
-  if (c.out_route.out_rows != nullptr) {
+  if (c.out_route.to_contract != nullptr) {
+    EP_CHECK_ARG(!out.cached && c.out_route.out_rows == nullptr && c.out_route.counts != nullptr &&
+                     c.out_route.nodes >= 1 && c.out_route.nodes * c.world <= kMaxContractRanks &&
+                     c.out_route.slot_tokens >= 1 && c.out_route.nodes * c.out_route.slot_tokens == c.max_tokens,
+                 "stage_pull (contract order): a fresh dispatch over nodes x ranks <= %d source ranks whose tokens "
+                 "are nodes x slot_tokens = max_tokens; got cached=%d, out_rows %s, counts %s, nodes=%d, ranks=%d, "
+                 "slot_tokens=%d, max_tokens=%d", kMaxContractRanks, out.cached,
+                 c.out_route.out_rows ? "set" : "null", c.out_route.counts ? "set" : "null", c.out_route.nodes,
+                 c.world, c.out_route.slot_tokens, c.max_tokens);
     static bool smem_set[64] = {};  // one set per instantiation: the attribute belongs to each kernel
-    ring_smem_once(stage_pull_tma_kernel<true>, smem_set);
-    stage_pull_tma_kernel<true><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+    ring_smem_once(stage_pull_tma_kernel<kContract>, smem_set);
+    stage_pull_tma_kernel<kContract>
+        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+  } else if (c.out_route.out_rows != nullptr) {
+    static bool smem_set[64] = {};
+    ring_smem_once(stage_pull_tma_kernel<kIndexed>, smem_set);
+    stage_pull_tma_kernel<kIndexed><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
   } else {
     static bool smem_set[64] = {};
-    ring_smem_once(stage_pull_tma_kernel<false>, smem_set);
-    stage_pull_tma_kernel<false><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+    ring_smem_once(stage_pull_tma_kernel<kPlain>, smem_set);
+    stage_pull_tma_kernel<kPlain><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -34,6 +34,12 @@ void bind_nvlink(py::module_& m) {
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("out_x"),
            py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"), py::arg("out_rows") = 0)
+      .def("stage_pull_contract_fits", &Runtime::stage_pull_contract_fits, py::arg("row_bytes"), py::arg("nodes"))
+      .def("stage_pull_contract", &Runtime::stage_pull_contract, py::arg("x"), py::arg("T"), py::arg("row_bytes"),
+           py::arg("scales"), py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"),
+           py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"),
+           py::arg("recv_src"), py::arg("R_alloc"), py::arg("nodes"), py::arg("to_contract"), py::arg("counts"),
+           py::arg("num_sms"), py::arg("stream"))
       .def_property("tma", &Runtime::tma, &Runtime::set_tma,
                     "the pulls move rows by bulk copies (TMA; rows too large for the ring: registers); False: registers")
       .def_property_readonly("tma_supported", &Runtime::tma_supported,

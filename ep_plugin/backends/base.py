@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import expert_major
-from ..types import DispatchOutput, EPEvent, Handle, ROW_DTYPES
+from ..types import ContractDispatch, DispatchOutput, EPEvent, Handle, ROW_DTYPES
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class Capabilities:
     combine_to_blocks: bool = False                   # takes combine_to_blocks (sums stored at device addresses)
     dispatch_scatters: bool = False                   # takes dispatch_scattered (a cached dispatch's rows written
                                                       # through an index by its own kernels: no reorder after them)
+    dispatch_contracts: bool = False                  # takes dispatch_contract where dispatch_contract_fits says so
+                                                      # (a fresh dispatch whose kernels write the hierarchical
+                                                      # contract's order and its index: no contract_order, no reorder)
 
 
 def group_device_problem(group, device: torch.device) -> Optional[str]:
@@ -120,6 +123,22 @@ class Backend(abc.ABC):
         its inner rows written straight into the contract's order (csrc/nvlink/nvlink.h, DispatchRoute)."""
         raise NotImplementedError(f"the {self.name} backend does not write a dispatch's rows through an index "
                                   "(capabilities.dispatch_scatters is False)")
+
+    def dispatch_contract_fits(self, x: torch.Tensor, scales: Optional[torch.Tensor], nodes: int) -> bool:
+        """Whether dispatch_contract takes this call (rows of x's form, `nodes` blocks of slots); False where the
+        backend does not declare `capabilities.dispatch_contracts`. The caller asks before anything launches."""
+        return False
+
+    def dispatch_contract(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                          topk_weights: Optional[torch.Tensor], nodes: int, async_op: bool = False) -> ContractDispatch:
+        """A fresh rank-major dispatch of the hierarchical backend's forwarded slots (x [nodes * M, H], token
+        s*M + t being node s's slot t; this group being one node's P ranks) whose rows, scales, local ids and
+        weights land in the contract's order (source rank s*P + l of the whole job, then slot), as
+        contract_order + scatter_rows would put the plain dispatch's, with that order's index and counts
+        (ContractDispatch). Only where `capabilities.dispatch_contracts` and dispatch_contract_fits(x, scales,
+        nodes): csrc/nvlink/nvlink.h, DispatchRoute's contract order."""
+        raise NotImplementedError(f"the {self.name} backend does not dispatch in the contract's order "
+                                  "(capabilities.dispatch_contracts is False)")
 
     def combine_weights(self, weights: torch.Tensor, handle: Handle, async_op: bool = False,
                         local_only: bool = True):

@@ -19,7 +19,8 @@ a permutation computed on the device from the per-source counts (one small all-t
 the contract's order; with one rank per node the two orders agree. A cached dispatch knows that
 permutation before its inner kernels run: where the inner backend writes through an index
 (dispatch_scatters) its pull stores each row at its contract position, with no reorder pass
-(_forward_cached).
+(_forward_cached). A fresh dispatch can do the same where the inner backend computes the positions in
+its pull (dispatch_contracts; direct_fresh_dispatch, off until checked on a device).
 """
 from __future__ import annotations
 
@@ -163,6 +164,13 @@ class HierarchicalBackend(Backend):
     # declares dispatch_scatters), the index being the fresh dispatch's to_contract. False: the inner dispatch in
     # its own order, then scatter_rows, as before (benchmarks/bench_internode.py --cached-path before).
     direct_cached_dispatch = True
+    # the fresh dispatch without contract_order and its reorder pass (session 10's design, docs/INTERNODE.md): with
+    # several ranks per node the inner pull computes each row's contract position itself and writes the rows, the
+    # index and the counts there (dispatch_contract, where the inner backend declares dispatch_contracts and the
+    # call fits: the worst-case fused bulk-copy pull). Off until a device run has checked it against the path
+    # before (tests/test_internode_gpu.py, test_fresh_dispatch_writes_contract_order; bench_internode.py
+    # --fresh-path direct turns it on).
+    direct_fresh_dispatch = False
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -298,6 +306,17 @@ class HierarchicalBackend(Backend):
             state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail,
                                       slot_row=LocalNode.slot_rows(place, rows.shape[0]))
             tl.mark("forward")
+        elif self._direct_fresh(xf, sf):  # the pull writes each row at its contract position: no reorder pass
+            got = self.inner.dispatch_contract(xf, sf, topk_f, wf, self.N)
+            res, recv_counts, to_contract = got.out, got.recv_counts, got.to_contract
+            if res.event is not None:
+                res.event.current_stream_wait()
+            slot_valid = (topk_f >= 0).any(1)
+            ih = res.handle
+            exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
+            out_x, out_s, out_idx, out_w = res.x, res.scales, res.topk_idx, res.topk_weights
+            state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
+            tl.mark("forward")
         else:
             res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
@@ -376,6 +395,14 @@ class HierarchicalBackend(Backend):
                 tl.end("reorder")
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle)
+
+    def _direct_fresh(self, xf: torch.Tensor, sf: Optional[torch.Tensor]) -> bool:
+        """Whether the fresh dispatch at P > 1 can have the inner pull write into the contract's order: the switch
+        is on, the inner backend declares dispatch_contracts and takes this call (dispatch_contract_fits: on the
+        nvlink backend the worst-case fused bulk-copy pull; host-synced sizing, split kernels, the register pull
+        are the path before). Asked before any inner launch."""
+        return (self.direct_fresh_dispatch and self.inner.capabilities.dispatch_contracts
+                and self.inner.dispatch_contract_fits(xf, sf, self.N))
 
     def _direct_cached(self, st: HierarchicalState) -> bool:
         """Whether the cached dispatch can have the inner pull write into the contract's order: the switch is on,

@@ -18,7 +18,9 @@ A stage a call does not have (reorder with one rank per node) is not marked. The
 every rail peer over P2P its reduce_in_node also stores the rows at the rail peers and rail_send only
 signals; with one rank per node reduce_in_node is empty (the rail's send reads x in place). The cached
 dispatch of session 10 (HierarchicalBackend.direct_cached_dispatch) has no reorder either: where the
-inner backend writes through an index, its pull stores the rows in the contract's order.
+inner backend writes through an index, its pull stores the rows in the contract's order. Nor does the
+fresh dispatch with HierarchicalBackend.direct_fresh_dispatch on (off by default), where the inner pull
+computes the contract positions itself: its forward ends in the contract's order.
 """
 from __future__ import annotations
 

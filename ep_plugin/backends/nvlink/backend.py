@@ -63,7 +63,8 @@ import torch.distributed as dist
 from ..._ext import get_c
 from ...errors import BackendUnavailableError, EPTimeoutError
 from ... import expert_major
-from ...types import FP8_DTYPES, DispatchOutput, ExpertLayout, Handle, PinnedRing, counts_from_lists
+from ...types import (FP8_DTYPES, ContractDispatch, DispatchOutput, ExpertLayout, Handle, PinnedRing,
+                      counts_from_lists)
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
 from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots
@@ -97,7 +98,7 @@ class NvlinkBackend(Backend):
     capabilities = Capabilities(
         row_dtypes=(torch.bfloat16, torch.float16), fp8=True, combine_dtypes=(torch.bfloat16,),
         max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True, merges_repeats=True,
-        combine_gathers=True, combine_to_blocks=True, dispatch_scatters=True,
+        combine_gathers=True, combine_to_blocks=True, dispatch_scatters=True, dispatch_contracts=True,
         hidden_rule=f"a multiple of {HIDDEN_ALIGN} in [{HIDDEN_MIN}, {HIDDEN_MAX}]")
 
     @staticmethod
@@ -249,7 +250,9 @@ class NvlinkBackend(Backend):
                              "needs the handle of an expert-major one")
         return self._dispatch(x, scales, topk_idx, topk_weights, handle, async_op, alignment)
 
-    def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment):
+    def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment, contract=None):
+        """contract: dispatch_contract's ContractDispatch (out None; its index and counts allocated, written by
+        the pull; fresh rank-major worst-case fused only, which dispatch_contract checked)."""
         self.check()
         if scales is None and x.dtype in FP8_DTYPES:
             raise TypeError("FP8 dispatch needs (x_fp8, scales)")
@@ -312,7 +315,12 @@ class NvlinkBackend(Backend):
         recv_src = torch.empty(R, dtype=torch.int32, device=dev)
         s_ptr = out_s.data_ptr() if out_s is not None else 0
         w_ptr = out_w.data_ptr() if out_w is not None else 0
-        if together:
+        if contract is not None:  # dispatch_contract checked that the call goes through stage_pull (together)
+            rt.stage_pull_contract(*stage_args, out_x.data_ptr(), s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
+                                   recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
+                                   contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp)
+            layout = None
+        elif together:
             rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                           recv_src.data_ptr(), 0, R, self.num_sms, sp)
             layout = None
@@ -345,6 +353,8 @@ class NvlinkBackend(Backend):
         if async_op:
             kept = (x, scales, topk_idx, topk_weights, out_x, out_s, out_idx, out_w, recv_src, send_pos, is_in,
                     recv_off, tpe)
+            if contract is not None:
+                kept += (contract.to_contract, contract.recv_counts)
             event = self._finish(s, kept if layout is None else kept + (positions, offsets, scratch))
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle,
                               event=event)
@@ -357,6 +367,30 @@ class NvlinkBackend(Backend):
              torch.empty(W + 1, dtype=torch.int32, device=dev),
              torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
         return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
+
+    def dispatch_contract_fits(self, x, scales, nodes):
+        """Backend.dispatch_contract_fits: the fresh call would run stage_pull_tma (no host sync, comm.dispatch_kernel
+        fused, Runtime.tma on and the row fits its ring), over at most 256 source ranks whose slots split max_tokens
+        evenly (Runtime.stage_pull_contract_fits). Every other case is the plain dispatch's."""
+        return (self.worst_case and self.dispatch_mode == "fused" and x.dim() == 2
+                and self._rt.stage_pull_contract_fits(x.shape[1] * x.element_size(), int(nodes)))
+
+    def dispatch_contract(self, x, scales, topk_idx, topk_weights, nodes, async_op=False):
+        """Backend.dispatch_contract: one stage_pull_tma launch in its contract-order mode (csrc/nvlink/nvlink.h,
+        DispatchRoute) after notify: each row's position computed by the pull from the forwarders' send lists.
+        The handle is this backend's as ever (combine and cached dispatches take it; its recv_topk_idx is the
+        output's, in the contract's order)."""
+        if not self.dispatch_contract_fits(x, scales, nodes):
+            raise ValueError(f"dispatch_contract runs the fused bulk-copy pull only (host_sync off: {self.worst_case}, "
+                             f"dispatch_kernel {self.dispatch_mode!r}, tma {self._rt.tma}, row of {x.shape[-1]} x "
+                             f"{x.element_size()} bytes, {nodes} nodes x {self.world} ranks); ask "
+                             "dispatch_contract_fits first and use dispatch otherwise")
+        dev = x.device
+        got = ContractDispatch(out=None,
+                               to_contract=torch.empty(self.world * self.max_tokens, dtype=torch.int64, device=dev),
+                               recv_counts=torch.empty(int(nodes) * self.world, dtype=torch.int64, device=dev))
+        got.out = self._dispatch(x, scales, topk_idx, topk_weights, None, async_op, None, got)
+        return got
 
     def dispatch_scattered(self, x, scales, topk_weights, handle, out_rows, async_op=False):
         """Backend.dispatch_scattered: a cached rank-major dispatch whose pull (every kernel of it: stage_pull,
