@@ -114,13 +114,12 @@ def use_cached_path_before() -> None:
     HierarchicalBackend.direct_cached_dispatch = False
 
 
-def use_fresh_path_direct() -> None:
-    """The hierarchical fresh dispatch whose inner pull writes the contract's order itself (no contract_order, no
-    reorder pass; HierarchicalBackend.direct_fresh_dispatch, off by default until checked on a device)
-    (--fresh-path direct)."""
+def use_fresh_path_before() -> None:
+    """The hierarchical fresh dispatch as it was before session 10 (same values, two more passes at 2x2): the inner
+    dispatch in its own order, contract_order, then scatter_rows into the contract's (--fresh-path before)."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
-    HierarchicalBackend.direct_fresh_dispatch = True
+    HierarchicalBackend.direct_fresh_dispatch = False
 
 
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
@@ -132,8 +131,8 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
             use_combine_path_before()
         if getattr(args, "cached_path", "now") == "before":
             use_cached_path_before()
-        if getattr(args, "fresh_path", "now") == "direct":
-            use_fresh_path_direct()
+        if getattr(args, "fresh_path", "now") == "before":
+            use_fresh_path_before()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -280,10 +279,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cached-path", choices=("now", "before"), default="now",
                     help="before: the hierarchical cached dispatch before session 10 (the inner dispatch in its own "
                          "order, then the reorder pass), for an A/B on the same machine")
-    ap.add_argument("--fresh-path", choices=("now", "direct"), default="now",
-                    help="direct: the hierarchical fresh dispatch whose inner pull writes the contract's order "
-                         "(direct_fresh_dispatch, off by default: no contract_order, no reorder pass), for an A/B "
-                         "on the same machine")
+    ap.add_argument("--fresh-path", choices=("now", "before"), default="now",
+                    help="before: the hierarchical fresh dispatch before session 10 (the inner dispatch in its own "
+                         "order, contract_order, then the reorder pass), for an A/B on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]

@@ -374,7 +374,7 @@ def body_direct_fresh(rank, world, P):
     from tests.test_hierarchical import E, K, check_against_reference, hierarchical_buffer
 
     HB = hb.HierarchicalBackend
-    assert HB.direct_fresh_dispatch is False  # the default until a device run has checked it
+    assert HB.direct_fresh_dispatch is True  # the default since session 10's device run
     used = []
     orig = hb.contract_order
     hb.contract_order = lambda *a: used.append(1) or orig(*a)
@@ -434,7 +434,7 @@ def body_direct_fresh(rank, world, P):
             dist.barrier()
             buf.close()
     finally:
-        HB.direct_fresh_dispatch = False
+        HB.direct_fresh_dispatch = True
         hb.contract_order = orig
 
 

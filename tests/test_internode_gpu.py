@@ -264,7 +264,7 @@ def body_fresh_contract_order(rank, world, P):
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
     H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 43)
-    assert HierarchicalBackend.direct_fresh_dispatch is False  # the default until this test has passed on a device
+    assert HierarchicalBackend.direct_fresh_dispatch is True  # the default since this test passed (session 10)
     try:
         for host_sync in (False, True):
             buf, backend, inner, calls = _counting_buffer(P, host_sync, H, "dispatch_contract")
@@ -276,12 +276,12 @@ def body_fresh_contract_order(rank, world, P):
                     inner.dispatch_mode, inner._rt.tma = dispatch_mode, use_tma  # read by every fresh call
                     ctx = f"rank {rank} host_sync {host_sync} fp8 {fp8} {kernel}"
                     before = len(calls)
-                    HierarchicalBackend.direct_fresh_dispatch = True
+                    now = buf.dispatch(xin, idx, w)
+                    HierarchicalBackend.direct_fresh_dispatch = False
                     try:
-                        now = buf.dispatch(xin, idx, w)
+                        was = buf.dispatch(xin, idx, w)
                     finally:
-                        HierarchicalBackend.direct_fresh_dispatch = False
-                    was = buf.dispatch(xin, idx, w)
+                        HierarchicalBackend.direct_fresh_dispatch = True
                     torch.cuda.synchronize()
                     buf.check()
                     direct = not host_sync and kernel == "stage_pull_tma"
@@ -316,7 +316,7 @@ def body_fresh_contract_order(rank, world, P):
             buf.check()
             buf.close()
     finally:
-        HierarchicalBackend.direct_fresh_dispatch = False
+        HierarchicalBackend.direct_fresh_dispatch = True
 
 
 def test_fresh_dispatch_writes_contract_order():

@@ -20,7 +20,7 @@ the contract's order; with one rank per node the two orders agree. A cached disp
 permutation before its inner kernels run: where the inner backend writes through an index
 (dispatch_scatters) its pull stores each row at its contract position, with no reorder pass
 (_forward_cached). A fresh dispatch can do the same where the inner backend computes the positions in
-its pull (dispatch_contracts; direct_fresh_dispatch, off until checked on a device).
+its pull (dispatch_contracts; direct_fresh_dispatch).
 """
 from __future__ import annotations
 
@@ -167,10 +167,11 @@ class HierarchicalBackend(Backend):
     # the fresh dispatch without contract_order and its reorder pass (session 10's design, docs/INTERNODE.md): with
     # several ranks per node the inner pull computes each row's contract position itself and writes the rows, the
     # index and the counts there (dispatch_contract, where the inner backend declares dispatch_contracts and the
-    # call fits: the worst-case fused bulk-copy pull). Off until a device run has checked it against the path
-    # before (tests/test_internode_gpu.py, test_fresh_dispatch_writes_contract_order; bench_internode.py
-    # --fresh-path direct turns it on).
-    direct_fresh_dispatch = False
+    # call fits: the worst-case fused bulk-copy pull). On since session 10's device run (4x H100, 2x2): bit for bit
+    # the path before (tests/test_internode_gpu.py, test_fresh_dispatch_writes_contract_order), the contract test
+    # passed with it on, 2x2 fresh dispatch 875 us cold against 1058 (bench_internode.py; --fresh-path before
+    # turns it off for an A/B).
+    direct_fresh_dispatch = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
