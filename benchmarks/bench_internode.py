@@ -122,17 +122,26 @@ def use_fresh_path_before() -> None:
     HierarchicalBackend.direct_fresh_dispatch = False
 
 
+# --NAME-path before: that part of the hierarchical backend as it was before a session's cut (same values), for an
+# A/B on the same machine; NAME -> (what "before" means, the switch)
+PATHS_BEFORE = {
+    "host": ("the hierarchical backend's host path before session 7 (torch routing mask and packing, no local_pack "
+             "kernel)", use_host_path_before),
+    "combine": ("the hierarchical combine before session 8 (gather back to the inner order or to slots, inner combine "
+                "into y_f, the rail copies its rows)", use_combine_path_before),
+    "cached": ("the hierarchical cached dispatch before session 10 (the inner dispatch in its own order, then the "
+               "reorder pass)", use_cached_path_before),
+    "fresh": ("the hierarchical fresh dispatch before session 10 (the inner dispatch in its own order, contract_order, "
+              "then the reorder pass)", use_fresh_path_before),
+}
+
+
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
     try:
         init_rank(rank, world, port)
-        if getattr(args, "host_path", "now") == "before":
-            use_host_path_before()
-        if getattr(args, "combine_path", "now") == "before":
-            use_combine_path_before()
-        if getattr(args, "cached_path", "now") == "before":
-            use_cached_path_before()
-        if getattr(args, "fresh_path", "now") == "before":
-            use_fresh_path_before()
+        for name, (_, use_before) in PATHS_BEFORE.items():
+            if getattr(args, f"{name}_path", "now") == "before":
+                use_before()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -270,18 +279,9 @@ def main(argv=None) -> int:
                          "against)")
     ap.add_argument("--cases", default="uniform,node_limited", help="comma-separated, of uniform, node_limited")
     ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 dispatch rows")
-    ap.add_argument("--host-path", choices=("now", "before"), default="now",
-                    help="before: the hierarchical backend's host path before session 7 (torch routing mask and "
-                         "packing, no local_pack kernel), for an A/B on the same machine")
-    ap.add_argument("--combine-path", choices=("now", "before"), default="now",
-                    help="before: the hierarchical combine before session 8 (gather back to the inner order or to "
-                         "slots, inner combine into y_f, the rail copies its rows), for an A/B on the same machine")
-    ap.add_argument("--cached-path", choices=("now", "before"), default="now",
-                    help="before: the hierarchical cached dispatch before session 10 (the inner dispatch in its own "
-                         "order, then the reorder pass), for an A/B on the same machine")
-    ap.add_argument("--fresh-path", choices=("now", "before"), default="now",
-                    help="before: the hierarchical fresh dispatch before session 10 (the inner dispatch in its own "
-                         "order, contract_order, then the reorder pass), for an A/B on the same machine")
+    for name, (what, _) in PATHS_BEFORE.items():
+        ap.add_argument(f"--{name}-path", choices=("now", "before"), default="now",
+                        help=f"before: {what}, for an A/B on the same machine")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]
