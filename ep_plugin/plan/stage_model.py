@@ -5,7 +5,9 @@ cost_model.py models the kernel DeepEP ships (the rail and the NVLink forwarding
 long as its slowest stage). Our calls today run their stages one after another on one stream
 (hierarchical/timeline.py names them), so here a call is the sum of its stages:
 
-    dispatch  rail_send + rail_recv + layout + forward + reorder + counts
+    dispatch  rail_send + rail_recv + layout + forward + reorder + counts   (the path before session 10)
+    dispatch  rail_send + rail_recv + layout + forward + counts             (now: at P > 1 the inner pull writes
+              the contract's order itself, fresh and cached: no reorder pass; runs_reorder reads which a run had)
     combine   reorder + reduce_in_node + rail_send + rail_recv_sum       (the path before session 8)
     combine   reduce_in_node + rail_send + rail_recv_sum                 (now: no reorder; at P > 1 the inner
               combine stores each node's sum at its origin and the rail only signals; at P = 1 the rail's
@@ -127,23 +129,39 @@ def stage_bytes(shape: Shape, kind: str, fan: Fanout, dtype: str = "bf16") -> Di
     return out
 
 
-def _stages(kind: str, P: int) -> Tuple[str, ...]:
+def _stages(kind: str, P: int, reorder: bool = True) -> Tuple[str, ...]:
     stages = {"dispatch": DISPATCH_STAGES, "dispatch_cached": CACHED_STAGES, "combine": COMBINE_STAGES}[kind]
-    return tuple(s for s in stages if P > 1 or s != "reorder")
+    return tuple(s for s in stages if (P > 1 and reorder) or s != "reorder")
+
+
+def runs_reorder(meta: dict, kind: str) -> bool:
+    """Whether the bench run `meta` describes had the reorder pass in its call `kind` (at P > 1): the dispatches
+    write the contract's order through the inner pull since session 10 (cached: meta "cached_path" "now"; fresh:
+    "fresh_path" "now", or "direct" as its A/B run spelled it before the switch was on); runs from before those
+    keys have it. The combine's has been gone since session 8 (placed_combine)."""
+    if kind == "dispatch_cached":
+        return meta.get("cached_path") != "now"
+    if kind == "dispatch":
+        return meta.get("fresh_path") not in ("now", "direct")
+    return True
 
 
 def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Optional[Hardware] = None,
-                 dtype: str = "bf16", overlap: bool = False) -> Dict[str, float]:
+                 dtype: str = "bf16", overlap: bool = False, reorder: Optional[bool] = None) -> Dict[str, float]:
     """µs per stage and "total" of our call `kind` for `shape`. hw None: on one host (virtual nodes: the
     rail rides NVLink P2P at the measured rate); else the rail's remote share also crosses hw's NIC and
     the forward rate scales by hw.nvlink_gbps / MEASURED_NVLINK_GBPS. overlap: the forwarding runs
-    while the rail's data arrives (what issue 30's item 2 asks for): rail_send + forward -> their max."""
+    while the rail's data arrives (what issue 30's item 2 asks for): rail_send + forward -> their max.
+    reorder: whether the call has the reorder pass at P > 1; None: as the calls run now (the dispatches write
+    the contract's order through the inner pull since session 10: no reorder stage; the combine's table has none)."""
+    if reorder is None:
+        reorder = kind == "combine"
     fan = fanout(shape.nodes, shape.per_node, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
     table = getattr(costs, kind)
     nbytes = stage_bytes(shape, kind, fan, dtype)
     placed = kind == "combine" and placed_combine(costs)
     out: Dict[str, float] = {}
-    for stage in _stages(kind, shape.per_node):
+    for stage in _stages(kind, shape.per_node, reorder):
         how, v = table.get(stage, ("fixed", 0.0))
         if placed and shape.per_node == 1 and stage == "reduce_in_node":
             how, v = ("fixed", 0.0)  # the rail's send reads x through the slot index: no gather at P = 1
@@ -280,7 +298,7 @@ def check(doc: dict, costs: StageCosts, case: str = "uniform") -> List[Dict[str,
         for kind, op in ops.items():
             if op not in got:
                 continue
-            pred = predict_ours(shape, costs, kind)["total"]
+            pred = predict_ours(shape, costs, kind, reorder=runs_reorder(bench["meta"], kind))["total"]
             rows.append({"shape": label, "op": kind, "predicted_us": round(pred), "measured_us": round(got[op]),
                          "error": pred / got[op] - 1})
     return rows
