@@ -14,13 +14,13 @@ NVSHMEM rail with the nvlink backend inside nodes; tests build the same composit
 parts. A node of one rank needs no inner exchange (local.LocalNode packs the rail's slots).
 
 Order: the inner exchange delivers rows by forwarder, then slot (source node, position); the
-contract wants them by source rank (node, local index), then position. With several ranks per node
-a permutation computed on the device from the per-source counts (one small all-to-all) puts them in
-the contract's order; with one rank per node the two orders agree. A cached dispatch knows that
-permutation before its inner kernels run: where the inner backend writes through an index
-(dispatch_scatters) its pull stores each row at its contract position, with no reorder pass
-(_forward_cached). A fresh dispatch can do the same where the inner backend computes the positions in
-its pull (dispatch_contracts; direct_fresh_dispatch).
+contract wants them by source rank (node, local index), then position; with one rank per node the two
+orders agree. With several ranks per node the inner pull writes each row at its contract position: a
+fresh dispatch's pull computes the positions from the forwarders' send lists (dispatch_contracts;
+direct_fresh_dispatch) and a cached one's takes them from the handle (dispatch_scatters; _forward_cached),
+so no pass reorders the rows. Where it cannot (the torch parts; a fresh dispatch also with host-synced sizing or the
+split kernels), contract_order computes the permutation on the device from the inner exchange's per-row
+sources and scatter_rows applies it.
 """
 from __future__ import annotations
 
