@@ -230,16 +230,27 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
          stream, out_rows);
     return;
   }
+  launch_stage_pull_checked(out_rows ? routed(out_rows) : ctx_, x, T, row_bytes, scales, nscales, topk_idx, weights,
+                            K, out_x, out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc, num_sms, stream);
+}
+
+// stage_pull_tma with the call's route in c: the checks of its arguments, then the launch (stage_pull and
+// stage_pull_contract, which checked that the bulk-copy kernel applies).
+void Runtime::launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales,
+                                        int nscales, uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x,
+                                        uintptr_t out_scales, uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off,
+                                        uintptr_t recv_src, int cached, int R_alloc, int num_sms,
+                                        uintptr_t stream) const {
   check_open();
   check_tokens(T);
   check_row_bytes(row_bytes);
   EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
                hidden_ / 128);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
-  launch_stage_pull_tma(out_rows ? routed(out_rows) : ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes,
-                        ptr<const float>(scales), nscales, ptr<const int64_t>(topk_idx), ptr<const float>(weights), K,
-                        ptr<int4>(out_x), ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w),
-                        ptr<const int>(recv_off), ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
+  launch_stage_pull_tma(c, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
+                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
+                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
 }
 
 bool Runtime::stage_pull_contract_fits(int row_bytes, int nodes) const {
@@ -260,17 +271,10 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
                "ranks=%d); ask stage_pull_contract_fits first", static_cast<int>(tma_), row_bytes,
                static_cast<int>(stage_pull_tma_fits(row_bytes)), kMaxContractRanks, max_tokens_, nodes, world_);
   EP_CHECK_ARG(to_contract != 0 && counts != 0, "stage_pull_contract writes to_contract and counts: both are needed");
-  check_tokens(T);
-  check_row_bytes(row_bytes);
-  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
-               hidden_ / 128);
-  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
   Ctx c = ctx_;  // the route in a per-call copy, as routed()'s
   c.out_route = DispatchRoute{nullptr, ptr<int64_t>(to_contract), ptr<int64_t>(counts), nodes, max_tokens_ / nodes};
-  launch_stage_pull_tma(c, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
-                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
-                        ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
-                        ptr<int>(recv_src), 0, R_alloc, stream_of(stream));
+  launch_stage_pull_checked(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
+                            out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream);
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,

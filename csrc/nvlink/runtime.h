@@ -116,6 +116,10 @@ class Runtime {
   void check_tokens(int T) const;
   void check_row_bytes(int row_bytes) const;
   Ctx routed(uintptr_t out_rows) const;  // ctx_ with the call's DispatchRoute
+  void launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
+                                 uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
+                                 uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src,
+                                 int cached, int R_alloc, int num_sms, uintptr_t stream) const;
   int device_, rank_, world_, max_tokens_, hidden_, num_experts_, local_experts_;
   double timeout_s_;
   size_t bytes_ = 0;

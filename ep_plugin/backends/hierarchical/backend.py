@@ -307,35 +307,34 @@ class HierarchicalBackend(Backend):
             state = HierarchicalState(slot_valid=slot_valid, inner=None, order=order, to_contract=None, rail=rail,
                                       slot_row=LocalNode.slot_rows(place, rows.shape[0]))
             tl.mark("forward")
-        elif self._direct_fresh(xf, sf):  # the pull writes each row at its contract position: no reorder pass
-            got = self.inner.dispatch_contract(xf, sf, topk_f, wf, self.N)
-            res, recv_counts, to_contract = got.out, got.recv_counts, got.to_contract
-            if res.event is not None:
-                res.event.current_stream_wait()
-            slot_valid = (topk_f >= 0).any(1)
-            ih = res.handle
-            exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
-            out_x, out_s, out_idx, out_w = res.x, res.scales, res.topk_idx, res.topk_weights
-            state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
-            tl.mark("forward")
         else:
-            res = self.inner.dispatch(xf, sf, topk_f, wf)
+            direct = self._direct_fresh(xf, sf)  # the pull writes each row at its contract position
+            if direct:
+                got = self.inner.dispatch_contract(xf, sf, topk_f, wf, self.N)
+                res = got.out
+            else:
+                res = self.inner.dispatch(xf, sf, topk_f, wf)
             if res.event is not None:
                 res.event.current_stream_wait()
             slot_valid = (topk_f >= 0).any(1)
             tl.mark("forward")
             ih = res.handle
             exact, num_recv, tpe = ih.exact, ih.num_recv_device, ih.num_tokens_per_expert
-            recv_off, recv_src = getattr(ih.state, "recv_off", None), getattr(ih.state, "recv_src", None)
-            if recv_off is not None and recv_src is not None and recv_src.numel() >= ih.num_recv:
-                recv_counts, to_contract = contract_order(recv_off, recv_src, self.N, self.P, self.M, ih.num_recv)
-            else:  # an inner backend that keeps no per-row source (the torch parts): counts by all-to-all
-                recv_counts = self._recv_counts(is_in, slot_valid)
-                to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
-            out_x, out_s, out_idx, out_w = (scatter_rows(t, to_contract)
-                                            for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
+            if direct:  # no contract_order, no reorder pass
+                recv_counts, to_contract = got.recv_counts, got.to_contract
+                out_x, out_s, out_idx, out_w = res.x, res.scales, res.topk_idx, res.topk_weights
+            else:
+                recv_off, recv_src = getattr(ih.state, "recv_off", None), getattr(ih.state, "recv_src", None)
+                if recv_off is not None and recv_src is not None and recv_src.numel() >= ih.num_recv:
+                    recv_counts, to_contract = contract_order(recv_off, recv_src, self.N, self.P, self.M,
+                                                              ih.num_recv)
+                else:  # an inner backend that keeps no per-row source (the torch parts): counts by all-to-all
+                    recv_counts = self._recv_counts(is_in, slot_valid)
+                    to_contract = contract_positions(recv_counts, self.N, self.P, ih.num_recv)
+                out_x, out_s, out_idx, out_w = (scatter_rows(t, to_contract)
+                                                for t in (res.x, res.scales, res.topk_idx, res.topk_weights))
+                tl.mark("reorder")
             state = HierarchicalState(slot_valid=slot_valid, inner=ih, order=None, to_contract=to_contract, rail=rail)
-            tl.mark("reorder")
         tpe = tpe.long()  # the inner nvlink backend's may be int32: one launch, not one per use
         handle = Handle(backend=self.name, num_tokens=T, num_recv=out_x.shape[0], num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
@@ -381,16 +380,15 @@ class HierarchicalBackend(Backend):
             tl.end("forward")
         else:
             inner = dataclasses.replace(st.inner, topk_idx=topk_f)  # the rail's view of the slots is reused
-            if self._direct_cached(st):  # the pull writes each row at its contract position: no reorder pass
-                res = self.inner.dispatch_scattered(xf, sf, wf, inner, st.to_contract)
-                if res.event is not None:
-                    res.event.current_stream_wait()
+            direct = self._direct_cached(st)  # the pull writes each row at its contract position: no reorder pass
+            res = (self.inner.dispatch_scattered(xf, sf, wf, inner, st.to_contract) if direct
+                   else self.inner.dispatch(xf, sf, topk_f, wf, handle=inner))
+            if res.event is not None:
+                res.event.current_stream_wait()
+            if direct:
                 out_x, out_s, out_w = res.x, res.scales, res.topk_weights
                 tl.end("forward")
             else:
-                res = self.inner.dispatch(xf, sf, topk_f, wf, handle=inner)
-                if res.event is not None:
-                    res.event.current_stream_wait()
                 tl.mark("forward")
                 out_x, out_s, out_w = (scatter_rows(t, st.to_contract) for t in (res.x, res.scales, res.topk_weights))
                 tl.end("reorder")

@@ -250,16 +250,17 @@ class NvlinkBackend(Backend):
                              "needs the handle of an expert-major one")
         return self._dispatch(x, scales, topk_idx, topk_weights, handle, async_op, alignment)
 
-    def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment, contract=None):
+    def _dispatch(self, x, scales, topk_idx, topk_weights, handle, async_op, alignment, contract=None, out_rows=None):
         """contract: dispatch_contract's ContractDispatch (out None; its index and counts allocated, written by
-        the pull; fresh rank-major worst-case fused only, which dispatch_contract checked)."""
+        the pull; fresh rank-major worst-case fused only, which dispatch_contract checked). out_rows:
+        dispatch_scattered's index (cached rank-major only, which dispatch_scattered checked)."""
         self.check()
         if scales is None and x.dtype in FP8_DTYPES:
             raise TypeError("FP8 dispatch needs (x_fp8, scales)")
         T, K = x.shape[0], (topk_idx if topk_idx is not None else handle.topk_idx).shape[1]
         self._check_call(x, T, K)
         if handle is not None:
-            return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None, T)
+            return self._dispatch_cached(x, scales, topk_weights, handle, async_op, alignment is not None, T, out_rows)
         W, dev = self.world, x.device
         s, sp, cur = self._stream(async_op)
         capturing = _is_capturing()
@@ -396,11 +397,8 @@ class NvlinkBackend(Backend):
         """Backend.dispatch_scattered: a cached rank-major dispatch whose pull (every kernel of it: stage_pull,
         the bulk-copy pull, the register pull) writes received row i and its scales and weights at row
         out_rows[i] (csrc/nvlink/nvlink.h, DispatchRoute); no pass over the rows after it."""
-        self.check()
         if handle.expert is not None:
             raise ValueError("dispatch_scattered takes the handle of a rank-major dispatch; this one is expert-major")
-        if scales is None and x.dtype in FP8_DTYPES:
-            raise TypeError("FP8 dispatch needs (x_fp8, scales)")
         if (not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or out_rows.dim() != 1
                 or not out_rows.is_contiguous() or out_rows.device != x.device):
             raise TypeError(f"out_rows must be a contiguous 1-D int64 tensor on {x.device}, got "
@@ -409,9 +407,7 @@ class NvlinkBackend(Backend):
         if out_rows.numel() != handle.num_recv:
             raise ValueError(f"out_rows has {out_rows.numel()} entries; the handle's dispatch received "
                              f"{handle.num_recv} rows (one output row per received row, padding included)")
-        T, K = x.shape[0], handle.topk_idx.shape[1]
-        self._check_call(x, T, K)
-        return self._dispatch_cached(x, scales, topk_weights, handle, async_op, False, T, out_rows)
+        return self._dispatch(x, scales, None, topk_weights, handle, async_op, None, out_rows=out_rows)
 
     def _dispatch_cached(self, x, scales, topk_weights, handle, async_op, expert: bool, T: int, out_rows=None):
         """Reuse the handle's layout: no notify; stage, then pull the rows (and weights if given) into
