@@ -209,7 +209,7 @@ def check_case(buf, rank, world, E_l, hidden, tokens, mode, seed, *, use_fp8, ro
 def contract_body(rank, world, device="cpu"):
     E_l = 2 if world == 2 else 3
     full, zero_first = [M] * world, [0] + [M] * (world - 1)
-    odd = [1, M, 7][:world]
+    odd = ([1, M, 7] + [3] * world)[:world]  # T = 1 on rank 0; every rank listed at any world size
     seed = 0
     for hidden, fp8 in ((256, True), (136, False)):  # 136: BF16 rows of 272 bytes, no FP8 (not % 128)
         buf = make_buffer(world, E_l, hidden)
@@ -255,11 +255,12 @@ def contract_body(rank, world, device="cpu"):
 def runs(tmp_path_factory):
     """One spawn per world size; at world 2 the timeout runs after the contract, in abandon mode (it
     leaves rank 1 waiting outside the engine)."""
-    table = {2: [("contract", contract_body, ()), ("timeout", timeout_body, ())], 3: [("contract", contract_body, ())]}
+    table = {2: [("contract", contract_body, ()), ("timeout", timeout_body, ())], 3: [("contract", contract_body, ())],
+             4: [("contract", contract_body, ())]}
     return parts_per_world(tmp_path_factory, "low_latency", table, abandon=True, timeout=300)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_torch_engine_matches_brute_force(runs, world):
     runs(world, "contract").check()
 
