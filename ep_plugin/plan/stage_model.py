@@ -21,7 +21,9 @@ the measurement (GB/s, fixed costs folded in). Bytes per GPU come from the routi
                                                   stage takes max(NIC time, the measured rate's time))
     forward (P > 1)  T * ranks_per_token * row   the nvlink backend's exchange inside the node (rate scaled
                                                   by the target's NVLink GB/s over the measured host's)
-    forward (P = 1)  2 * N*M * row               the one-rank node's gather over every slot
+    forward (P = 1)  2 * N*M * row               the one-rank node's gather over every slot (a local copy: priced
+                                                  at the reorder's rate in fits that have one, else at the
+                                                  "gather" rate of a P = 1 run's timeline in the same JSON)
     reorder          2 * P*N*M * row             a copy over the inner output's worst-case rows
     reduce_in_node   T * ranks_per_token * row   (P = 1: the gather back to slots, 2 * N*M * row)
     rail_recv_sum    T * (nodes_per_token + 1) * row
@@ -46,7 +48,8 @@ times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
 
     python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
 
-MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 8's 2x2 timeline, 2026-11-27).
+MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 11's 2x2 and 2x1 timelines,
+2026-11-27); SESSION_8_2X2 those of the paths before session 10 (with the dispatches' reorder pass).
 A StageCosts with placeholder=True (none now) is marked so in every table printed from it.
 """
 from __future__ import annotations
@@ -85,13 +88,23 @@ class StageCosts:
     wait: Dict[str, float] = field(default_factory=dict)
 
 
-# Fitted from session 8's device run (4x H100, 2026-11-27, main after branch inter8: the combine that places its
-# sums, results/internode_2x2_now_h100x4_2026-11-27_s8call4.json, `python -m ep_plugin.plan.stage_model --from
-# <2x2 and 2x1 JSON> --emit`): each stage the median rank's, the start-skew wait apart (branch model9; the fit
-# before took every stage at its slowest rank, the wait inside a fixed rail_recv). The first fit (4x H200,
-# 2026-11-26, commit bf92bb2, the combine with its reorder and rail copy) is in docs/COST_MODEL.md. Refit with
-# --emit after the next run.
+# Fitted from session 11's device run (4x H100, 2026-11-27 08:43 UTC, commit 4ad842f: both dispatches in the
+# contract's order, no reorder stage left at P > 1; results/internode_2x2_2x1_timeline_h100x4_2026-11-27_s11call2.json,
+# `python -m ep_plugin.plan.stage_model --from <that JSON> --emit`): each stage the median rank's, the start-skew
+# wait apart; the one-rank node's gather ("gather") from the 2x1 timeline of the same run, since no 2x2 stage
+# copies any more. Refit with --emit after the next run.
 MEASURED_2X2 = StageCosts(
+    dispatch={'rail_send': ('rate', 459.7), 'rail_recv': ('fixed', 24.0), 'layout': ('fixed', 3.3), 'forward': ('rate', 375.7), 'counts': ('fixed', 8.4), 'gather': ('rate', 2186.0)},
+    dispatch_cached={'rail_send': ('rate', 433.3), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 518.8), 'gather': ('rate', 2535.1)},
+    combine={'reduce_in_node': ('rate', 265.0), 'rail_send': ('rate', 8832.5), 'rail_recv_sum': ('rate', 982.9)},
+    wait={'dispatch': 27.9, 'dispatch_cached': 15.2, 'combine': 11.6},
+    source='NVIDIA H100 80GB HBM3, 2026-11-27 08:43 UTC, commit 4ad842f, 2x2 uniform timeline')
+
+# Session 8's fit (4x H100, 2026-11-27 01:01 UTC, main after branch inter8: the combine that places its sums, the
+# dispatches still with their reorder pass; results/internode_2x2_now_h100x4_2026-11-27_s8call4.json): the costs of
+# the paths before session 10 (its reorder rates price `reorder=True`), kept for the A/B runs of sessions 8-10. The
+# first fit (4x H200, 2026-11-26, commit bf92bb2, the combine with its reorder and rail copy) is in docs/COST_MODEL.md.
+SESSION_8_2X2 = StageCosts(
     dispatch={'rail_send': ('rate', 440.7), 'rail_recv': ('fixed', 22.4), 'layout': ('fixed', 2.9), 'forward': ('rate', 418.0), 'reorder': ('rate', 2325.0), 'counts': ('fixed', 10.1)},
     dispatch_cached={'rail_send': ('rate', 472.9), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 510.8), 'reorder': ('rate', 2747.1)},
     combine={'reduce_in_node': ('rate', 273.2), 'rail_send': ('rate', 8933.6), 'rail_recv_sum': ('rate', 970.5)},
@@ -167,8 +180,8 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
             how, v = ("fixed", 0.0)  # the rail's send reads x through the slot index: no gather at P = 1
         elif placed and shape.per_node == 1 and stage == "rail_send":
             how, v = costs.dispatch["rail_send"]  # a copy of the rows again, as the dispatch's rail (signal-only at P > 1)
-        elif shape.per_node == 1 and stage in ("forward", "reduce_in_node") and "reorder" in table:
-            how, v = table["reorder"]  # one-rank nodes gather their slots: a copy, as the reorder (fitted at P > 1)
+        elif shape.per_node == 1 and stage in ("forward", "reduce_in_node") and _gather_key(table):
+            how, v = table[_gather_key(table)]  # one-rank nodes gather their slots: a local copy (module docstring)
         if how == "fixed":
             out[stage] = v
             continue
@@ -253,6 +266,27 @@ def measured_cold(bench: dict, case: str = "uniform") -> Dict[str, float]:
     return out
 
 
+def _gather_key(table: Dict[str, Tuple[str, float]]) -> Optional[str]:
+    """The entry that prices a one-rank node's gather over its slots: "gather" (fitted on a P = 1 timeline since
+    the P > 1 calls lost their reorder pass, session 10) or, in fits from before, the reorder's copy rate."""
+    return "gather" if "gather" in table else ("reorder" if "reorder" in table else None)
+
+
+def _gather_rate(benches: Dict[str, dict], kind: str, case: str) -> Optional[float]:
+    """GB/s of the one-rank node's gather (the forward stage at P = 1: 2 * N*M rows) in the first bench of
+    one-rank nodes that has a timeline, else None."""
+    for bench in benches.values():
+        shape = _shape_of(bench, case)
+        row = _row(bench, case)
+        if shape.per_node != 1 or not row.get("timeline"):
+            continue
+        us = typical_stages(row)[0].get(kind, {}).get("forward")
+        if us:
+            fan = fanout(shape.nodes, 1, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
+            return round(stage_bytes(shape, kind, fan)["forward"] / (us * 1e3), 1)
+    return None
+
+
 def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> StageCosts:
     """Stage costs fitted from the `label` bench's timeline: fixed stages as measured, byte stages as
     bytes / measured µs, each the median rank's; the start-skew wait's θ from the waiting rank's excess
@@ -278,6 +312,12 @@ def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> St
             else:
                 table[stage] = ("fixed", round(us, 1))
         kinds[kind] = table
+    if shape.per_node > 1:
+        for kind in ("dispatch", "dispatch_cached"):
+            if "reorder" not in kinds[kind]:  # no P > 1 stage copies any more: the gather's rate from a P = 1 run
+                rate = _gather_rate(benches, kind, case)
+                if rate is not None:
+                    kinds[kind]["gather"] = ("rate", rate)
     measured = {lab: measured_cold(b, case) for lab, b in benches.items()}
     commit = bench["meta"].get("commit", "?")
     wait = {kind: round(us / math.log2(ranks), 1) for kind, us in waits.items()} if ranks > 1 else {}
