@@ -196,8 +196,7 @@ def main(argv=None):
     ap.add_argument("--combine-variant", "--pull-variant", nargs="+", default=[], metavar="V[/S]",
                     help="run each pull (or auto) combine pair once per Runtime.pull_variant V (16: the default since "
                          "session 5, 0: the kernel before it; +1 / +2 half / quarter stager rows, +4 free load slots, +8 contiguous spans per block, +16 x "
-                         "read L2 evict_first, +32 loads paced behind the stage, +64 the stage issued by S lanes at once), "
-                         "with S stager slots if given")
+                         "read L2 evict_first), with S stager slots if given")
     ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
     ap.add_argument("--protocols", nargs="+", default=["cold", "queued", "hidden"], choices=list(PROTOCOLS),
                     help="protocols.py's; `aligned` (diagnostic) separates the start skew from a cold L2")

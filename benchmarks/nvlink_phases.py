@@ -188,8 +188,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--pull-variants", type=int, nargs="*", default=[],
                     help="Runtime.pull_variant values to time (0: as measured so far; +1 / +2 half / quarter "
-                         "stager rows, +4 free load slots, +8 contiguous spans per block, +16 x read L2 evict_first, "
-                         "+32 loads paced behind the stage, +64 the stage issued by one lane per stage slot)")
+                         "stager rows, +4 free load slots, +8 contiguous spans per block, +16 x read L2 evict_first)")
     ap.add_argument("--pull-slots", type=int, nargs="+", default=[3, 4], help="stage slots for --pull-variants")
     ap.add_argument("--pull-profile", action="store_true",
                     help="first, one pull combine per --pull-variants / --pull-slots with Runtime.pull_diag 4: blocks 0 "

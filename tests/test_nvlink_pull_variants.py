@@ -1,12 +1,11 @@
 """The pull combine's variants (Runtime.pull_variant, csrc/nvlink/combine_pull_tma.cu) against the torch
 backend, on real NCCL groups of 2 and 4 GPUs: every variant with several stager slot counts gives the same
 y as variant 0 bit for bit (they change which shared-memory slot a row goes through, how the stager
-cuts rows, which thread stages which row, which block takes which tokens and positions and the L2 policy of x's
-reads, never the order of a token's sum), and y equals the torch backend's within BF16 rounding.
+cuts rows, which block takes which tokens and positions and the L2 policy of x's reads, never the order of a
+token's sum), and y equals the torch backend's within BF16 rounding.
 
 Shapes: the benchmark's (4096 tokens, hidden 7168, 256 experts, top-8: many sub-chunks, every load slot
-reused many times), hidden 2048 (the load ring capped at 32 slots: the full free mask; also with the most
-stage slots, 12, where +64 stages from 12 lanes), and hidden 16384
+reused many times), hidden 2048 (the load ring capped at 32 slots: the full free mask), and hidden 16384
 with 3 stager slots (4 load slots: at EP4 a token may need all of them at once), with empty ranks and
 skewed routing.
 """
@@ -18,9 +17,8 @@ from tests._dist import spawn
 from tests.reference import make_inputs
 
 WORLDS = (2, 4)
-# +1 / +2: stager half / quarter rows; +4: free load slots; +8: contiguous spans per block; +16: x read evict_first;
-# +32: loads paced behind the stage; +64: the stage by lanes (one per stage slot, rows dealt in turn)
-VARIANTS = (0, 1, 2, 4, 5, 6, 8, 12, 16, 24, 29, 48, 52, 64, 80, 84, 116)
+# +1 / +2: stager half / quarter rows; +4: free load slots; +8: contiguous spans per block; +16: x read evict_first
+VARIANTS = (0, 1, 2, 4, 5, 6, 8, 12, 16, 24, 29, 48, 52)
 RING_BYTES = 224 * 1024  # combine_pull_tma.cu kPullRingBytes
 LOAD_MAX_SLOTS = 32
 
@@ -80,10 +78,9 @@ def check_variants(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, slots
 
 def body(rank, world):
     torch.cuda.set_device(rank)
-    # the knob's values: 3 would be split 8, 7 and 11 too; 128 is no bit of a variant; the lanes' stage (+64) has
-    # no pieces (+1, +2) and no spans (+8)
+    # the knob's values: 3 would be split 8, 7 and 11 too; 64 is no bit of a variant
     nv = _buf("nvlink", 8 * world, 4, 2048, 512)
-    for bad in (-1, 3, 7, 11, 65, 66, 72, 88, 128):
+    for bad in (-1, 3, 7, 11, 64):
         with pytest.raises(ValueError, match="pull_variant"):
             nv._backend._rt.pull_variant = bad
     nv.close()
@@ -93,11 +90,11 @@ def body(rank, world):
     check_variants(nv, ref, rank, world, E, K, H, T, 7, "random", (3, 4, 5))
     nv.close()
     ref.close()
-    # small rows (the 32-slot cap; and the most stage slots: 12 lanes for +64), an odd SM count, empty ranks, skew
+    # small rows (the 32-slot cap), an odd SM count, empty ranks, skew
     E, K = 8 * world, 4
     for H, sms in ((2048, 7), (16384, 24)):
         nv, ref = _buf("nvlink", E, K, H, 512, num_sms=sms), _buf("torch", E, K, H, 512)
-        slots = tuple(s for s in (3, 4, 5) + ((12,) if H == 2048 else ()) if _fits(H, world, s))
+        slots = tuple(s for s in (3, 4, 5) if _fits(H, world, s))
         seed = 40
         for mode in ("random", "skew", "starve_last"):
             for tokens in (300, [0] + [9] * (world - 1)):

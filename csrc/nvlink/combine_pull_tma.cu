@@ -63,16 +63,6 @@
 //     run flat out while its own stager -- whose rows every peer is waiting for -- shares the SM's bulk
 //     copies with them: the `skewed` protocol measured one late rank costing the others 1.5x (24 SMs) to
 //     2.3x (48 SMs) its delay. The pace gives the late rank's stage the SM first.
-//   +64, lanes stage (session 11, for the cold call; stage_by_lanes below): lanes 0..S-1 of warp 1 issue the
-//     stage together, lane l owning stage slot l, the block's rows dealt to the lanes in turn. Session 8's
-//     profile had each rank's stager busy for about the whole call, a late rank's stage being the tail that
-//     every peer reads. The stage alone moves a row per 0.83 (24 SMs) to 0.93 us (48) per SM (H200, session
-//     7), far below what an SM's bulk copies reach, and half rows cost the whole kernel a third more queued
-//     (787 vs 593 us, s8 call 3), as if each piece cost what a row did: the reading here is that the one
-//     issuing thread's chain of waits sets the rate -- with kRingLag = 2 it lets at most 2-3 stores read
-//     their slots at a time, and whatever the slot count, the 3rd and later slots only add loads in flight.
-//     Here each lane waits only for its own copies, its slot turning over once its own store has read it (no
-//     slot held back as a lag), and S chains overlap. Not with +1/+2 or +8 (refused by the range check).
 // Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
 // token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
@@ -111,11 +101,8 @@ constexpr int kPend = 64;                   // stager: ring items between loaded
 //   bit 4 (kVarEvictX): the reads of x (staged rows, own rows: read once) are L2 evict_first -- the default
 //     (Runtime::pull_variant_ = 16) since session 5: 2% faster queued and aligned at EP4 24 SMs, level at 48;
 //     +8 (spans) lost 18-36% in the same run (benchmarks/NOTES_nvlink.md, "Cold combine at EP4, session 5").
-//   bit 5 (kVarPace): the loader paced behind its own block's stage;
-//   bit 6 (kVarLanes): the stage issued by S lanes of warp 1 at once (stage_by_lanes; whole rows, no spans).
-// All leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
-constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kVarPace = 32, kVarLanes = 64,
-              kMaxSplit = 4;
+// Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
+constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kVarPace = 32, kMaxSplit = 4;
 constexpr int kPaceDone = 1 << 30;  // s_staged once the stager has published everything
 
 struct TokenDesc {
@@ -138,127 +125,7 @@ __device__ __forceinline__ int span_of(int n, int b) {
   return static_cast<int>(static_cast<long long>(n) * b / gridDim.x);
 }
 
-// kVarLanes: the stage by lanes 0..nslot-1 of warp 1 (each calls it; the other lanes return at once). The block's
-// sub-chunks are variant 0's (u = block + k * grid, owners interleaved), k in order; their rows form one stream
-// that round r deals out as rows r * nslot + l to lane l, so a sub-chunk is spread over every lane and complete
-// about as soon as one thread's whole-rows stage would complete it, but nslot copies are in flight at once.
-// Lane l moves its row x -> slot l -> area and waits only for its own copies: the load before the store, and
-// before the next load the store's read of the slot (wait_group.read 0: no slot is held back for a lag, as
-// BulkRing's kRingLag must for one thread that cannot wait for each store).
-// Publication: a lane commits one bulk group per round in which it has a row, and every lane has one in every
-// round but the last. After round r's commit, wait_group 1 leaves each lane's groups of rounds <= r - 1
-// complete (the writes done), so every row at stream position < r * nslot is in the area; each lane fences
-// its own completed writes (proxy, then system: as variant 0's one stager does), __syncwarp orders those
-// fences before lane 0's releases, and lane 0 releases COMBINE_READY = ce for the sub-chunks that end there.
-// The last (partial) round publishes nothing until every lane's groups are complete (wait_group 0).
-// pace: s_units / s_staged as the one stager keeps them (sub-chunks whose rows are all in the slots).
-template <bool kRouted>
-__device__ __forceinline__ void stage_by_lanes(const Ctx& c, const char* __restrict__ x, const int* s_off, char* slots,
-                                               uint64_t* bars, int nslot, int row_bytes, int ce, bool evict_x,
-                                               uint64_t x_policy, int diag, bool pace, int* s_staged, int* s_units,
-                                               bool prof, int variant) {
-  const int lane = threadIdx.x & 31;
-  if (lane >= nslot) return;
-  const unsigned lanes = (1u << nslot) - 1;  // nslot <= kPullStageMaxSlots < 32
-  const int W = c.world, me = c.rank, npeers = W - 1, b = blockIdx.x, G = gridDim.x;
-  const long long t_stage = prof ? clock64() : 0;
-  const unsigned long long g_stage = prof ? globaltimer() : 0;
-  int most = 0;  // sub-chunks of the owner with the most
-  for (int p = 0; p < npeers; ++p) {
-    const int o = (me + 1 + p) % W;
-    most = max(most, (s_off[o + 1] - s_off[o] + kCombineSub - 1) / kCombineSub);
-  }
-  const int nunits = max(0, (most * npeers - b + G - 1) / G);
-  if (pace && lane == 0) st_release_cta_shared(s_units, nunits);
-  struct Unit {
-    int o, q0, n;  // owner, first position, rows (0: the owner has no rows there)
-  };
-  auto unit = [&](int k) -> Unit {
-    const int u = b + k * G, o = (me + 1 + u % npeers) % W, q0 = u / npeers * kCombineSub;
-    return {o, q0, max(0, min(kCombineSub, s_off[o + 1] - s_off[o] - q0))};
-  };
-  auto release = [&](const Unit& un) {
-    if (un.n > 0) st_release_sys(ready_at(c, un.o, me, un.q0 / kCombineSub), ce);
-  };
-  if (diag & 2) {  // benchmarks: the loads alone
-    for (int k = lane; k < nunits; k += nslot) release(unit(k));
-    if (pace && lane == 0) st_release_cta_shared(s_staged, kPaceDone);
-    return;
-  }
-  char* const area = c.peers[me] + c.off_combine;
-  char* const slot = slots + static_cast<size_t>(lane) * row_bytes;
-  uint64_t* const bar = bars + lane;
-  fence_proxy_async();  // peers' reads of this area (acquired before the call's work) before the bulk writes
-  // this lane's next row: row j of unit k (stream position lane + round * nslot)
-  int k = 0, j = lane;
-  Unit cur{0, 0, 0};
-  auto settle = [&]() {
-    for (; k < nunits; ++k) {
-      cur = unit(k);
-      if (j < cur.n) return;
-      j -= cur.n;
-    }
-  };
-  settle();
-  // lane 0: the next unit to publish, pu, and the stream position where its rows start
-  int pk = 0, pk_pos = 0;
-  Unit pu = nunits > 0 ? unit(0) : Unit{0, 0, 0};
-  auto publish = [&](int done) {  // every row at stream position < done is written
-    int go = 0;
-    if (lane == 0) {
-      while (pk < nunits && pu.n == 0)  // no rows, no flag
-        if (++pk < nunits) pu = unit(pk);
-      go = pk < nunits && pk_pos + pu.n <= done;
-    }
-    if (!__shfl_sync(lanes, go, 0)) return;
-    fence_proxy_async();  // this lane's completed bulk writes before the flags
-    __threadfence_system();
-    __syncwarp(lanes);
-    if (lane != 0) return;
-    for (; pk < nunits && pk_pos + pu.n <= done;) {
-      release(pu);
-      pk_pos += pu.n;
-      if (++pk < nunits) pu = unit(pk);
-    }
-  };
-  uint32_t par = 0;
-  for (int round = 0;; ++round) {
-    const bool have = k < nunits;
-    const unsigned with = __ballot_sync(lanes, have);
-    if (with == 0) break;
-    char* dst = nullptr;
-    if (have) {
-      const int i = s_off[cur.o] + cur.q0 + j;
-      const size_t xr = kRouted && c.route.x_rows != nullptr ? x_row(c, i) : static_cast<size_t>(i);
-      dst = area + (static_cast<size_t>(cur.o) * c.max_tokens + cur.q0 + j) * row_bytes;
-      tma_store_wait_read<0>();  // this slot's last store has read it
-      tma_load(slot, x + xr * row_bytes, row_bytes, bar, evict_x, x_policy);
-      j += nslot;  // the next row's place, while the load is in flight
-      settle();
-    }
-    // lane 0's next row is stream position (round + 1) * nslot: every unit before its unit is in the slots
-    if (pace && lane == 0) st_release_cta_shared(s_staged, k);
-    if (have) {
-      mbar_wait(bar, par);
-      par ^= 1;
-      tma_store(dst, slot, row_bytes);
-      tma_commit();
-    }
-    if (with == lanes) {  // every lane committed this round: after wait_group 1, rounds < round are written
-      tma_store_wait<1>();
-      publish(round * nslot);
-    }
-  }
-  tma_store_wait_all();
-  publish(1 << 30);
-  if (pace && lane == 0) st_release_cta_shared(s_staged, kPaceDone);
-  if (prof && lane == 0)
-    printf("pull prof rank %d block %d variant %d: stager (%d lanes) %lld kcycles, globaltimer us %llu -> %llu\n", me,
-           blockIdx.x, variant, nslot, (clock64() - t_stage) / 1000, (g_stage / 1000) % 1000000,
-           (globaltimer() / 1000) % 1000000);
-}
-
-template <int MAXW, int U, bool kFree, bool kRouted, bool kLanes>
+template <int MAXW, int U, bool kFree, bool kRouted>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
@@ -283,7 +150,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int row_bytes = c.hidden * 2;
   const int variant = diag >> 4;
   diag &= 15;
-  const bool spans = !kLanes && (variant & kVarSpans), evict_x = variant & kVarEvictX, pace = variant & kVarPace;
+  const bool spans = variant & kVarSpans, evict_x = variant & kVarEvictX, pace = variant & kVarPace;
   const uint64_t x_policy = evict_x ? l2_policy_evict_first() : 0;
   // diag & 4 (benchmarks: nvlink_phases.py --pull-profile): blocks 0 and the last print where their loader
   // and stager spent the call, in SM cycles (clock64): waits on a peer's COMBINE_READY, on a free load
@@ -294,7 +161,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   // The ring keeps nslot - kRingLag loads in flight, so at 4 stage slots whole rows leave 2 rows of local
   // loads in flight per SM, halves 3 and quarters 3.5, and at 3 slots 1 / 2 / 2.5: the stage needs fewer
   // slots for the same rate, and the loads get the rest.
-  int split = kLanes ? 1 : min(1 << (variant & kVarSplitMask), kMaxSplit);
+  int split = min(1 << (variant & kVarSplitMask), kMaxSplit);
   while (split > 1 && row_bytes % (16 * split)) split >>= 1;
   const int item_bytes = row_bytes / split;
   char* const load_buf = s_mem + static_cast<size_t>(nslot_stage) * row_bytes;
@@ -316,10 +183,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
   if (warp == 1) {  // ---- the stager
-    if constexpr (kLanes) {
-      stage_by_lanes<kRouted>(c, x, s_off, s_mem, s_sbar, nslot_stage, row_bytes, ce, evict_x, x_policy, diag, pace,
-                              &s_staged, &s_units, prof, variant);
-    } else if (lane == 0) {
+    if (lane == 0) {
       char* area = c.peers[me] + c.off_combine;
       const int npeers = W - 1;
       int published = 0;
@@ -674,7 +538,7 @@ bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
 
 namespace {
 
-template <int MAXW, int U, bool kFree, bool kRouted, bool kLanes>
+template <int MAXW, int U, bool kFree, bool kRouted>
 void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
@@ -683,39 +547,23 @@ void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64 || !smem_set[dev]) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree, kRouted, kLanes>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kPullRingBytes));
+    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree, kRouted>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U, kFree, kRouted, kLanes><<<blocks, kThreads, smem, stream>>>(
-      c, x, send_pos, recv_off, y, T, nslot_stage, nload, diag);
+  combine_pull_tma_kernel<MAXW, U, kFree, kRouted><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
+                                                                                        nslot_stage, nload, diag);
 }
 
 // A routed call (CombineRoute: the hierarchical backend's inner combine) and a plain one compile apart: the plain
 // kernel is the one measured before routes existed (its 24-SM rows read 4-5% slower with the checks compiled in).
-template <int MAXW, int U, bool kFree, bool kLanes>
+template <int MAXW, int U, bool kFree>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   if (c.route.x_rows != nullptr || c.route.y_blocks != nullptr)
-    launch_pull_kernel<MAXW, U, kFree, true, kLanes>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
+    launch_pull_kernel<MAXW, U, kFree, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
   else
-    launch_pull_kernel<MAXW, U, kFree, false, kLanes>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
-}
-
-// The variant bits that pick a compiled instance (kVarFreeSlots, kVarLanes); the others are read at run time.
-template <int MAXW, int U>
-void launch_world(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
-  const int variant = diag >> 4;
-  const bool free_slots = variant & kVarFreeSlots, lanes = variant & kVarLanes;
-  if (free_slots && lanes)
-    launch_pull<MAXW, U, true, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
-  else if (free_slots)
-    launch_pull<MAXW, U, true, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
-  else if (lanes)
-    launch_pull<MAXW, U, false, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
-  else
-    launch_pull<MAXW, U, false, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
+    launch_pull_kernel<MAXW, U, kFree, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
 }
 
 }  // namespace
@@ -724,12 +572,23 @@ void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int*
                              int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-  if (c.world <= 2)
-    launch_world<2, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
-  else if (c.world <= 4)
-    launch_world<4, 4>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
-  else
-    launch_world<8, 2>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  const bool free_slots = (diag >> 4) & kVarFreeSlots;  // Runtime::pull_variant (see kVarFreeSlots)
+  if (c.world <= 2) {
+    if (free_slots)
+      launch_pull<2, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<2, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  } else if (c.world <= 4) {
+    if (free_slots)
+      launch_pull<4, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<4, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  } else {
+    if (free_slots)
+      launch_pull<8, 2, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+    else
+      launch_pull<8, 2, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
+  }
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

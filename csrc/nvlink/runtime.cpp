@@ -317,11 +317,8 @@ void Runtime::set_pull_stage_slots(int n) {
 }
 
 void Runtime::set_pull_variant(int v) {
-  // +64 (the stage by lanes) moves whole rows and strides the block's sub-chunks as variant 0 does: it has no
-  // pieces (+1 / +2) and no spans (+8) to combine with
-  EP_CHECK_ARG(v >= 0 && v < 128 && (v & 3) != 3 && !((v & 64) && (v & 11)),
-               "pull_variant must be in [0, 127] with bits 0-1 not both set (3, 7, ... are not variants) and +64 "
-               "without +1, +2 or +8, got %d", v);
+  EP_CHECK_ARG(v >= 0 && v < 64 && (v & 3) != 3,
+               "pull_variant must be in [0, 63] with bits 0-1 not both set (3, 7, ... are not variants), got %d", v);
   pull_variant_ = v;
 }
 

@@ -72,9 +72,7 @@ class Runtime {
   // The pull combine's variant (combine_pull_tma.cu, kVar*), for A/B runs; 0 is the kernel as measured
   // so far. Bits 0-1: the stager moves rows (0), halves (1) or quarters (2) through its slots; bit 2: load
   // slots from a free mask, own row loaded last; bit 3: contiguous spans per block (no work queue); bit 4:
-  // x read L2 evict_first; bit 5: loads paced behind the block's stage; bit 6: the stage issued by
-  // pull_stage_slots lanes at once, one slot each (not with bits 0, 1, 3). Every variant sums the same way
-  // (y bit for bit equal).
+  // x read L2 evict_first. Every variant sums the same way (y bit for bit equal).
   int pull_variant() const { return pull_variant_; }
   void set_pull_variant(int v);
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.

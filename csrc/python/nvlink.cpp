@@ -52,8 +52,7 @@ void bind_nvlink(py::module_& m) {
       .def_property("pull_variant", &Runtime::pull_variant, &Runtime::set_pull_variant,
                     "the pull combine's variant for A/B runs (same y): +1 / +2 stager moves half / quarter rows, "
                     "+4 load slots from a free mask, +8 contiguous spans per block, +16 x read L2 evict_first (the default: "
-                    "16; 0 is the kernel as measured before session 5), +32 loads paced behind the block's stage, +64 "
-                    "the stage issued by pull_stage_slots lanes at once, one slot each (not with +1, +2 or +8)")
+                    "16; 0 is the kernel as measured before session 5)")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"), py::arg("x_rows") = 0,
            py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
