@@ -76,6 +76,10 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
   const char* rows = c.heap + c.comb_rows[p];
   const long long row_bytes = c.hidden * 2ll;
   const long long pull_off = c.comb_rows[p] + static_cast<long long>(c.node) * M * row_bytes;
+  // The pulled form's rows are a remote read away (~1-2 us over NVLink, not HBM's few hundred ns): twice the
+  // bytes in flight per warp (4 units of a row, 2 nodes at a time; the same registers). Only how many loads
+  // are issued before the adds changes; every element still adds its nodes in ascending order.
+  constexpr int kU = kPull ? 4 : kUnits, kB = kPull ? 2 : kBatch;
   for (int i = blockIdx.x * warps + warp; i < T * parts; i += gwarps) {
     const int t = i / parts, part = i % parts;
     const int node = lane < K ? node_of(c, topk[static_cast<long long>(t) * K + lane], s_ok) : -1;
@@ -90,29 +94,29 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
     __syncwarp();
     const int nn = __popc(firsts);
     const int begin = part * chunk, end = min(units, begin + chunk);
-    for (int u0 = begin; u0 < end; u0 += 32 * kUnits) {
-      float acc[kUnits][8];
+    for (int u0 = begin; u0 < end; u0 += 32 * kU) {
+      float acc[kU][8];
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u)
+      for (int u = 0; u < kU; ++u)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
-      for (int q0 = 0; q0 < nn; q0 += kBatch) {
-        int4 v[kBatch][kUnits];
+      for (int q0 = 0; q0 < nn; q0 += kB) {
+        int4 v[kB][kU];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
+        for (int b = 0; b < kB; ++b) {
           if (q0 + b >= nn) break;
           const int m = nodes[q0 + b];
           const int4* row = reinterpret_cast<const int4*>(
               kPull ? c.peer[m] + pull_off + t * row_bytes : rows + (static_cast<long long>(m) * M + t) * row_bytes);
 #pragma unroll
-          for (int u = 0; u < kUnits; ++u)
+          for (int u = 0; u < kU; ++u)
             if (u0 + u * 32 + lane < end) v[b][u] = ld_nc_v4(row + u0 + u * 32 + lane);
         }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {  // nodes in ascending order, each add rounded to float32
+        for (int b = 0; b < kB; ++b) {  // nodes in ascending order, each add rounded to float32
           if (q0 + b >= nn) break;
 #pragma unroll
-          for (int u = 0; u < kUnits; ++u) {
+          for (int u = 0; u < kU; ++u) {
             if (u0 + u * 32 + lane >= end) continue;
             const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b][u]);
 #pragma unroll
@@ -125,7 +129,7 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int j = u0 + u * 32 + lane;
         if (j >= end) continue;
         int4 out;
