@@ -17,6 +17,11 @@ contract's order through the inner pull (HierarchicalBackend.direct_cached_dispa
 kernel, against the path before it (the reorder pass), bit for bit; and the fresh dispatch that does
 (direct_fresh_dispatch: stage_pull_tma computes the positions), against contract_order + the reorder pass
 (`-k fresh_dispatch` for that one alone).
+
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k pull_combine     # session 11's pulled combine
+
+runs HierarchicalBackend.pull_combine at 2x1 and 2x2 (one spawn each) against the reference and, bit for bit,
+against the pushed combine (today's) on the same handles.
 """
 import os
 import time
