@@ -106,6 +106,15 @@ def use_combine_path_before() -> None:
     HierarchicalBackend.fused_combine = False
 
 
+def use_combine_path_pull() -> None:
+    """The pulled combine of session 11 (same values): each forwarder keeps the sums it owes an origin in its own rail
+    rows and the origin's receive + sum reads them over P2P, instead of the inner combine storing them at the origin
+    (--combine-path pull; HierarchicalBackend.pull_combine)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    HierarchicalBackend.pull_combine = True
+
+
 def use_cached_path_before() -> None:
     """The hierarchical cached dispatch as it was before session 10 (same values, one more pass at 2x2): the inner
     dispatch in its own order, then scatter_rows into the contract's (--cached-path before)."""
@@ -134,6 +143,12 @@ PATHS_BEFORE = {
     "fresh": ("the hierarchical fresh dispatch before session 10 (the inner dispatch in its own order, contract_order, "
               "then the reorder pass)", use_fresh_path_before),
 }
+# --NAME-path VALUE beyond now/before: a new path behind its switch, off by default until measured; NAME -> {VALUE:
+# (what, the switch)}
+PATHS_NEW = {
+    "combine": {"pull": ("the pulled combine (session 11: sums kept in the forwarder's own rail rows, the origin "
+                         "reads them over P2P)", use_combine_path_pull)},
+}
 
 
 def rank_main(rank: int, world: int, port: int, args, q) -> None:
@@ -142,6 +157,10 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
         for name, (_, use_before) in PATHS_BEFORE.items():
             if getattr(args, f"{name}_path", "now") == "before":
                 use_before()
+        for name, paths in PATHS_NEW.items():
+            new = paths.get(getattr(args, f"{name}_path", "now"))
+            if new is not None:
+                new[1]()
         P = args.ranks_per_node
         nodes = world // P
         proto = Protocols(args.warmup, args.iters)
@@ -280,8 +299,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="uniform,node_limited", help="comma-separated, of uniform, node_limited")
     ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the FP8 dispatch rows")
     for name, (what, _) in PATHS_BEFORE.items():
-        ap.add_argument(f"--{name}-path", choices=("now", "before"), default="now",
-                        help=f"before: {what}, for an A/B on the same machine")
+        new = PATHS_NEW.get(name, {})
+        ap.add_argument(f"--{name}-path", choices=("now", "before") + tuple(new), default="now",
+                        help=f"before: {what}, for an A/B on the same machine"
+                             + "".join(f"; {v}: {w}" for v, (w, _) in new.items()))
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.cases = [c for c in args.cases.split(",") if c]

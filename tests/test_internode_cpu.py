@@ -66,8 +66,9 @@ def body_timeline(rank, world, P):
 # world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
 RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2),
             ("routed", "body_routed_combine", 2), ("direct", "body_direct_cached", 2),
-            ("fresh", "body_direct_fresh", 2)),
-        2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1)),
+            ("fresh", "body_direct_fresh", 2), ("pulled", "body_pull_combine", 2)),
+        2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1),
+            ("pulled", "body_pull_combine", 1)),
         6: (("sources", "body_sources_path", 3),)}
 
 
@@ -227,6 +228,64 @@ def body_routed_combine(rank, world, P):
         assert be.inner.gathered >= 6, be.inner.gathered  # every combine above took the routed path
     dist.barrier()
     buf.close()
+
+
+def body_pull_combine(rank, world, P):
+    """HierarchicalBackend.pull_combine (session 11) on CPU, where the torch rail takes pull=True with the same exchange:
+    every combine branch of the backend hands the rail pull=True (P > 1: the routed combine through an inner backend
+    that gathers, and the gather path of fused_combine False; P = 1: x read in place, and to_slots), the sums match
+    the reference, and the pushed path (pull_combine False) bit for bit. The kernels' side is tests/test_internode_gpu.py
+    (test_pull_combine)."""
+    import torch.distributed as dist
+
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+    from tests.reference import make_inputs
+    from tests.test_hierarchical import E, K, check_against_reference, check_node_limited, hierarchical_buffer
+
+    assert HierarchicalBackend.pull_combine is False  # off until measured on GPUs
+    buf = hierarchical_buffer(128, P, max_tokens=24)
+    be = buf._backend
+    if P > 1:
+        be.inner = _InnerGathering(be.inner, P)
+    rail = be._rails[be.fp8]
+    seen = []
+    orig = rail.combine
+    rail.combine = lambda *a, **kw: seen.append(kw.get("pull", False)) or orig(*a, **kw)
+    HierarchicalBackend.pull_combine = True
+    try:
+        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20),
+                                               ("starve_last", 24))):
+            check_against_reference(buf, rank, world, 128, tokens, 90 + seed, mode, "cpu")
+        check_node_limited(buf, rank, world, P, "cpu")
+        assert seen and all(seen), seen
+        xs, idxs, ws = make_inputs(world, 17, 128, E, K, 5, torch.bfloat16)
+        a = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        rows = (a.x.float() * (rank + 1) - 0.5).to(torch.bfloat16)
+        n = int(a.handle.num_recv_device)
+        got, want = [], []
+        for fused in (True, False):  # the routed / in-place branches, then the gather branches
+            HierarchicalBackend.fused_combine = fused
+            try:
+                del seen[:]
+                got += [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]
+                assert seen == [True, True], (fused, seen)
+                HierarchicalBackend.pull_combine = False
+                want += [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]
+                assert seen == [True, True, False, False], (fused, seen)
+            finally:
+                HierarchicalBackend.fused_combine = True
+                HierarchicalBackend.pull_combine = True
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (rank, (g.float() - w.float()).abs().max())
+    finally:
+        HierarchicalBackend.pull_combine = False
+    dist.barrier()
+    buf.close()
+
+
+@pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
+def test_pull_combine_hands_the_rail_pull(internode_runs, world, P):
+    internode_runs(world, "pulled", P).check()
 
 
 class _InnerScattering(_InnerWithSources):

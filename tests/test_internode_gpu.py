@@ -17,6 +17,11 @@ contract's order through the inner pull (HierarchicalBackend.direct_cached_dispa
 kernel, against the path before it (the reorder pass), bit for bit; and the fresh dispatch that does
 (direct_fresh_dispatch: stage_pull_tma computes the positions), against contract_order + the reorder pass
 (`-k fresh_dispatch` for that one alone).
+
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k pull_combine     # session 11's pulled combine
+
+runs HierarchicalBackend.pull_combine at 2x1 and 2x2 (one spawn each) against the reference and, bit for bit,
+against the pushed combine (today's) on the same handles.
 """
 import os
 import time
@@ -324,3 +329,99 @@ def test_fresh_dispatch_writes_contract_order():
     world, P = WORLDS["2x2"]
     _need(world)
     spawn(body_fresh_contract_order, world, P, backend="nccl", timeout=300)
+
+
+def _pulled_and_pushed(buf, rows, handle):
+    """(pulled, pushed): combine of rows through handle with HierarchicalBackend.pull_combine on, then off (full x and,
+    where the dispatch was sized for the worst case, x cut to its valid rows)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    n = int(handle.num_recv_device)
+    xs = [rows] + ([rows[:n].contiguous()] if n < rows.shape[0] else [])
+    out = []
+    for pull in (True, False):
+        HierarchicalBackend.pull_combine = pull
+        try:
+            out.append([buf.combine(x, handle) for x in xs])
+        finally:
+            HierarchicalBackend.pull_combine = True  # the body's setting
+    torch.cuda.synchronize()
+    buf.check()
+    return out
+
+
+def body_pull_combine(rank, world, P):
+    """The pulled combine (session 11, HierarchicalBackend.pull_combine) on one world: with it on, the contract against
+    the reference (random, skewed -- every rank but 0 receives nothing --, unrouted, starved, zero-token ranks;
+    worst-case and host-synced sizing; an FP8 dispatch before it, a cached dispatch after it; node-limited routing;
+    a CUDA graph), and each combine bit for bit against the pushed path (pull_combine off: today's) on the same
+    handle, after a fresh BF16 dispatch, an FP8 one and a cached one. Every combine above took the pulled rail
+    path (the rail saw pull=True), where the rail can (every rail peer over P2P: always on one host)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+    from ep_plugin.backends.nvshmem.rail import NvshmemRail
+
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
+    pulled = []
+    orig = {name: getattr(NvshmemRail, name) for name in ("combine", "combine_placed")}
+
+    def counting(name):
+        def call(self, *a, **kw):
+            pulled.append(bool(kw.get("pull", False)))
+            return orig[name](self, *a, **kw)
+        return call
+
+    for name in orig:
+        setattr(NvshmemRail, name, counting(name))
+    HierarchicalBackend.pull_combine = True
+    try:
+        seed = 500
+        for host_sync in (False, True):
+            buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 512, host_sync, ranks_per_node=P), hidden=7168)
+            assert buf.backend_name == "nvshmem"
+            rail = next(iter(getattr(buf._backend, "wrapped", buf._backend)._rails.values()))
+            assert rail.can_pull, f"rank {rank}: a rail peer on this host is not P2P-mapped"
+            cases = (("random", 512), ("skew", "zero_first"), ("nowhere", 17), ("starve_last", 300)) if not host_sync \
+                else (("random", 512), ("skew", "zero_first"))
+            for mode, tokens in cases:
+                seed += 1
+                tokens = [0] + [9] * (world - 1) if tokens == "zero_first" else tokens
+                ctx = f"rank {rank} {world // P}x{P} host_sync {host_sync} mode {mode} tokens {tokens}"
+                res = check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+                rows = (res.x.float() * 0.5 + 1).to(torch.bfloat16)
+                now, was = _pulled_and_pushed(buf, rows, res.handle)
+                for a, b in zip(now, was):
+                    assert torch.equal(a, b), f"{ctx}: pulled combine off by {(a.float() - b.float()).abs().max()}"
+                # a cached dispatch after the pulled combines, then its rows' combine both ways
+                xs, _, _ = make_inputs(world, tokens, 7168, E, K, seed, torch.bfloat16, mode)
+                again = buf.dispatch((xs[rank].float() * 0.25).to(torch.bfloat16).cuda(), handle=res.handle)
+                rows = (again.x.float() * (rank + 1) - 0.5).to(torch.bfloat16)
+                now, was = _pulled_and_pushed(buf, rows, again.handle)
+                for a, b in zip(now, was):
+                    assert torch.equal(a, b), f"{ctx}: pulled combine after a cached dispatch differs"
+            # an FP8 dispatch before it (the other rail: made at its first call), against the reference and bit for bit
+            res = check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 7, "random", "cuda",
+                                          fp8=True)
+            data, got_scales = res.x
+            rows = (data.float() * got_scales.float().repeat_interleave(128, dim=1) * (rank + 1)).to(torch.bfloat16)
+            now, was = _pulled_and_pushed(buf, rows, res.handle)
+            for a, b in zip(now, was):
+                assert torch.equal(a, b), f"rank {rank} host_sync {host_sync}: pulled combine after FP8 differs"
+            check_node_limited(buf, rank, world, P, "cuda")  # num_groups = nodes, group_topk 1
+            if not host_sync:
+                check_graph(buf, rank, world)  # dispatch + pulled combine captured, replayed twice
+            buf.check()
+            buf.close()
+    finally:
+        HierarchicalBackend.pull_combine = False
+        for name, fn in orig.items():
+            setattr(NvshmemRail, name, fn)
+    # the pushed halves of _pulled_and_pushed are the only calls without pull
+    assert pulled.count(True) > pulled.count(False) > 0, (pulled.count(True), pulled.count(False))
+
+
+@pytest.mark.parametrize("shape", list(WORLDS))
+def test_pull_combine(shape):
+    """`-k pull_combine`: both worlds, one spawn each (~20-30 s each on 4x H100)."""
+    world, P = WORLDS[shape]
+    _need(world)
+    spawn(body_pull_combine, world, P, backend="nccl", timeout=240)

@@ -299,6 +299,19 @@ def check_case(eng, ref, rank, M, hidden, E, K, fp8, tokens, mode, seed, weights
     soft.expect(y.shape == (T, hidden) and y.dtype == torch.bfloat16, f"combine gave {y.dtype} {list(y.shape)}")
     soft.expect(torch.equal(y, y_ref), "combine differs from TorchRail")
     soft.expect(torch.equal(y, y_bf), "combine differs from brute force")
+    # the pulled form (session 11): the rows stay at the forwarder, the origin reads them; the same sums bit for bit
+    # where every rail peer is P2P, refused before any launch (on every rank alike) where one is not
+    if eng.can_pull:
+        y_pull = eng.combine(y_f, slot_valid, idx, T, pull=True)
+        _rail_done(eng, f"{ctx} pulled combine")
+        torch.cuda.synchronize()
+        soft.expect(torch.equal(y_pull, y), "pulled combine differs from the pushed one")
+    else:
+        try:
+            eng.combine(y_f, slot_valid, idx, T, pull=True)
+            soft.expect(False, "pull=True was taken by a rail with a peer not over P2P")
+        except ValueError:
+            pass
     _agree(soft)
 
 

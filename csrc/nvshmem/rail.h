@@ -18,6 +18,14 @@
 //   origin sums, per token, the rows of the nodes its ids select, in float32, nodes ascending.
 //   Placed rows (every rail peer P2P): the caller's kernel, earlier on the stream, has stored those rows
 //   itself at combine_targets(parity of the send) and fenced them; the send half then only signals.
+// - pulled combine (pull = 1, every rail peer P2P; HierarchicalBackend.pull_combine): the forwarder keeps
+//   row s*M + t in its OWN comb_rows[p] (its send half copies y_f there, or the caller's kernel stored it at
+//   combine_own_targets(p) and fenced it), then signals as above; the origin's receive half waits for the same
+//   signals and reads node m's row of token t from rank (m, l)'s comb_rows[p] row n*M + t over P2P. Every rank
+//   of the group must take the same form for a call (the signal means "ready to read" here, "landed" there).
+//   The rows stay put until the forwarder's combine k + 2 overwrites them, which it issues after its receive
+//   half of combine k + 1, which waited for every origin's send of k + 1, issued after that origin's reads of
+//   combine k: the same chain as the pushed form's (below), with reader and writer swapped.
 //
 // Parity. Each kind has its own epochs (device, for signal values: replays of a CUDA graph advance
 // them) and its own two buffers; the buffer of call k is k & 1, counted on the host (calls are
@@ -65,13 +73,17 @@ class Runtime {
                 uintptr_t stream);
   // y_rows (0: none): int64 [N*M], slot i's row is y_f[y_rows[i]]. placed: the send half only signals (y_f and
   // y_rows 0): the rows are in place (combine_targets), which needs every rail peer over P2P.
+  // pull: the pulled combine (protocol above), both halves of a call alike; needs every rail peer over P2P.
   void combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, int T, int K, int phases, uintptr_t y,
-               uintptr_t stream, uintptr_t y_rows = 0, int placed = 0);
+               uintptr_t stream, uintptr_t y_rows = 0, int placed = 0, int pull = 0);
   Buffers buffers(int parity) const;
   int next_dispatch_parity() const { return static_cast<int>(disp_recv_calls_ & 1); }
   // Where combine's send half of parity p puts this node's rows at each rail peer: [N] addresses (the row of
   // slot s*M + t is at [s] + t * 2H), every one mapped here over P2P; empty unless all_p2p().
   std::vector<uintptr_t> combine_targets(int parity) const;
+  // The pulled combine's: [N] addresses in this rank's own comb_rows of parity p (slot s*M + t at [s] + t * 2H),
+  // for a kernel of the caller's to store the rows there; empty unless all_p2p() (the origins read them over P2P).
+  std::vector<uintptr_t> combine_own_targets(int parity) const;
   int next_combine_parity() const { return static_cast<int>(comb_send_calls_ & 1); }
 
   void set_mask(const std::vector<int>& left_out);  // global ranks; clears a recorded timeout (synchronous)

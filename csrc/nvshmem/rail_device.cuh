@@ -9,7 +9,8 @@
 //   disp_topk[p][N*M*K]    int64 topk_f, row-major for the call's K (room for KMAX)
 //   disp_w[p][N*M*K]       float32 wf
 //   comb_flag[p][N]        u64, as disp_flag, for combine
-//   comb_rows[p][N*M]      BF16 [H] rows the forwarder on node s sent back for token t
+//   comb_rows[p][N*M]      BF16 [H] rows the forwarder on node s sent back for token t (pulled combine: the
+//                          rows this rank forwarded, slot s*M + t at row s*M + t, read by rank (s, l))
 // RDMA staging (only when a peer is not reachable over P2P: NVSHMEM puts need a symmetric source):
 //   stage_x[M], stage_sf[M][H/128], stage_topk[N][M*K], stage_w[N][M*K], comb_stage[N*M].
 #pragma once
@@ -117,6 +118,8 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch(Ctx c, DispatchIn in, int T, int K, int phases, int send_parity, int recv_parity);
 
+// kPull: the pulled combine (rail.h): rows stay in the forwarder's own comb_rows, the origin reads them.
+template <bool kPull>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* y_f, const int64_t* y_rows, const uint8_t* slot_valid, const int64_t* topk, int T, int K,
             int phases, int send_parity, int recv_parity, int4* y);

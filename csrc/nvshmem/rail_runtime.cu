@@ -208,8 +208,10 @@ void Runtime::dispatch(uintptr_t x, uintptr_t scales, uintptr_t topk_idx, uintpt
 }
 
 void Runtime::combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, int T, int K, int phases, uintptr_t y,
-                      uintptr_t stream, uintptr_t y_rows, int placed) {
+                      uintptr_t stream, uintptr_t y_rows, int placed, int pull) {
   check_call(T, K, phases, "combine");
+  EP_CHECK_ARG(!pull || all_p2p_, "rail combine: the pulled combine reads the rail peers' rows, which needs every "
+               "rail peer over P2P (all_p2p)");
   if ((phases & kSend) && placed) {
     EP_CHECK_ARG(all_p2p_, "rail combine: placed rows need every rail peer over P2P (combine_targets)");
     EP_CHECK_ARG(y_f == 0 && y_rows == 0, "rail combine: placed rows take no y_f / y_rows");
@@ -220,7 +222,8 @@ void Runtime::combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, i
     EP_CHECK_ARG(T == 0 || (topk_idx != 0 && y != 0), "rail combine: topk_idx and y are required for %d tokens", T);
   const Ctx& c = *static_cast<Ctx*>(ctx_);
   const int send_parity = static_cast<int>(comb_send_calls_ & 1), recv_parity = static_cast<int>(comb_recv_calls_ & 1);
-  ::ep::rail::combine<<<num_blocks_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  auto* kernel = pull ? ::ep::rail::combine<true> : ::ep::rail::combine<false>;
+  kernel<<<num_blocks_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       c, reinterpret_cast<const int4*>(y_f), reinterpret_cast<const int64_t*>(y_rows),
       reinterpret_cast<const uint8_t*>(slot_valid),
       reinterpret_cast<const int64_t*>(topk_idx), T, K, phases, send_parity, recv_parity, reinterpret_cast<int4*>(y));
@@ -246,6 +249,18 @@ std::vector<uintptr_t> Runtime::combine_targets(int parity) const {
   const Ctx& c = *static_cast<const Ctx*>(ctx_);
   const long long off = c.comb_rows[parity] + static_cast<long long>(c.node) * max_tokens_ * hidden_ * 2;
   for (int m = 0; m < nodes_; ++m) out.push_back(reinterpret_cast<uintptr_t>(c.peer[m] + off));
+  return out;
+}
+
+std::vector<uintptr_t> Runtime::combine_own_targets(int parity) const {
+  EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "RailRuntime: used after destroy()");
+  EP_CHECK_ARG(parity == 0 || parity == 1, "rail combine_own_targets: parity must be 0 or 1, got %d", parity);
+  std::vector<uintptr_t> out;
+  if (!all_p2p_) return out;
+  const Ctx& c = *static_cast<const Ctx*>(ctx_);
+  for (int m = 0; m < nodes_; ++m)
+    out.push_back(reinterpret_cast<uintptr_t>(heap_ + c.comb_rows[parity] +
+                                              static_cast<long long>(m) * max_tokens_ * hidden_ * 2));
   return out;
 }
 

@@ -70,10 +70,14 @@ void bind_nvshmem(py::module_& m) {
       .def("dispatch", &Rail::dispatch, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"),
            py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("stream"))
       .def("combine", &Rail::combine, py::arg("y_f"), py::arg("slot_valid"), py::arg("topk_idx"), py::arg("T"),
-           py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"), py::arg("y_rows") = 0, py::arg("placed") = 0)
+           py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"), py::arg("y_rows") = 0, py::arg("placed") = 0,
+           py::arg("pull") = 0)
       .def("combine_targets", &Rail::combine_targets, py::arg("parity"),
            "[N] addresses where combine's send half of `parity` puts this node's rows at each rail peer (row of slot "
            "s*M + t at [s] + t * 2H); empty unless every rail peer is P2P")
+      .def("combine_own_targets", &Rail::combine_own_targets, py::arg("parity"),
+           "[N] addresses in this rank's own combine rows of `parity` where the pulled combine keeps the row of slot "
+           "s*M + t (at [s] + t * 2H) for rank (s, l) to read; empty unless every rail peer is P2P")
       .def("next_combine_parity", &Rail::next_combine_parity, "The parity of the next combine's send half")
       .def(
           "buffers",

@@ -7,7 +7,8 @@ group, nvlink on GPUs). Combine runs the other way: the inner combine sums a tok
 each node first, then one row per node goes back over the rail, where the origin sums them in
 ascending node order. The inner combine reads the rows through the reorder's index and, where every
 rail peer is mapped (P2P), stores each sum straight into its origin's rail rows, so that the rail
-only signals (combine, _combine_routed).
+only signals (combine, _combine_routed). With pull_combine on (issue 30, session 11) those sums stay in the
+forwarder's own rail rows (local stores) and the origin's receive half reads them from its rail peers over P2P.
 
 The parts come from the registry by name (no backend imports another): NvshmemBackend is the
 NVSHMEM rail with the nvlink backend inside nodes; tests build the same composition from torch
@@ -172,6 +173,14 @@ class HierarchicalBackend(Backend):
     # passed with it on, 2x2 fresh dispatch 875 us cold against 1058 (bench_internode.py; --fresh-path before
     # turns it off for an A/B).
     direct_fresh_dispatch = True
+    # the pulled combine (session 11, issue 30): where the rail can (can_pull: every rail peer over P2P, virtual nodes
+    # on one host), each forwarder keeps the sums it owes an origin in its OWN rail rows (the inner combine's stores,
+    # or the rail's send half at P = 1, go to local HBM) and signals; the origin's receive + sum reads its rail peers'
+    # rows over P2P. Session 8's timeline put ~220 us of the 2x2 combine in the inner combine's remote stores; here
+    # they become the origin's remote reads. The same sums in the same order, bit for bit. Off until measured on
+    # GPUs (benchmarks/bench_internode.py --combine-path pull). Every rank must have the same value: the rail's
+    # signal means "ready to read" on this path and "landed" on the other (class attribute, as the other switches).
+    pull_combine = False
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -440,37 +449,42 @@ class HierarchicalBackend(Backend):
             # the passes cut below read x in place: they need its rows as they are in memory (any mix of ranks
             # taking them or not is fine: the kernels' protocols are the same either way)
             direct = self.fused_combine and x.is_contiguous() and x.data_ptr() % 16 == 0
+            # unlike `direct`, the same on every rank (the switch and the rail's P2P reach), as the pulled
+            # protocol needs: each branch below takes it
+            pull = {"pull": True} if self.pull_combine and getattr(rail, "can_pull", False) else {}
             if self.P == 1:
                 slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
                 if direct and x.shape[0] > 0:  # the rail's send reads each slot's row of x in place: no gather
                     tl.mark("reduce_in_node")
-                    y = rail.combine(x, st.slot_valid, handle.topk_idx, handle.num_tokens, y_rows=slot_row)
+                    y = rail.combine(x, st.slot_valid, handle.topk_idx, handle.num_tokens, y_rows=slot_row, **pull)
                     tl.end("rail_recv_sum")
                     return y, (self._event(s, (x, y)) if async_op else None)
                 y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
             else:  # back to the inner order
                 to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
                 if direct and self.inner.capabilities.combine_gathers:
-                    return self._combine_routed(x, to_inner, handle, st, rail, s, async_op)
+                    return self._combine_routed(x, to_inner, handle, st, rail, s, async_op, pull)
                 rows = gather_rows(x, to_inner)
                 tl.mark("reorder")
                 y_f, ev = self.inner.combine(rows, st.inner)
                 if ev is not None:
                     ev.current_stream_wait()
             tl.mark("reduce_in_node")
-            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, **pull)
             tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
-    def _combine_routed(self, x, to_inner, handle, st, rail, s, async_op):
+    def _combine_routed(self, x, to_inner, handle, st, rail, s, async_op, pull):
         """combine with several ranks per node, where the inner backend gathers in its kernels (combine_gathers):
         its combine reads x[to_inner] in place (no reorder pass back to the inner order), and where the rail names
         the rail peers' receive rows (combine_targets: every rail peer over P2P, none masked) and the inner backend
         can store there (combine_to_blocks), the inner reduce writes each node's sum of slot s*M + t straight
         into rank (s, l)'s rows, so the rail's send half only signals (no y_f, no copy of the rows). The sums
-        are the same values in the same order as the passes they replace, bit for bit."""
+        are the same values in the same order as the passes they replace, bit for bit. pull ({"pull": True} or {}):
+        the pulled combine, where the targets are this rank's own rail rows (rail.combine_targets(pull=True)) and
+        the rail's receive half reads its peers' (or, without such targets, the rail's send half copies y_f there)."""
         tl = self.timeline
-        targets = rail.combine_targets() if self.inner.capabilities.combine_to_blocks else None
+        targets = rail.combine_targets(**pull) if self.inner.capabilities.combine_to_blocks else None
         if targets is not None:
             ev = self.inner.combine_to_blocks(x, to_inner, st.inner, targets, self.M)
         else:
@@ -479,9 +493,9 @@ class HierarchicalBackend(Backend):
             ev.current_stream_wait()
         tl.mark("reduce_in_node")
         if targets is not None:
-            y = rail.combine_placed(handle.topk_idx, handle.num_tokens)
+            y = rail.combine_placed(handle.topk_idx, handle.num_tokens, **pull)
         else:
-            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens)
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, **pull)
         tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 

@@ -20,6 +20,10 @@ its received rows in place instead of gathering them back to slots first), or al
 rail peer is mapped over P2P, ``combine_targets()`` names the rail peers' receive rows of the next combine
 and a kernel of the caller's (the hierarchical backend's inner combine) stores each node's sums there
 itself; ``combine_placed`` then only signals and receives (no copy of the rows, docs/INTERNODE.md, session 8).
+The pulled form (``pull=True`` on combine, combine_targets and combine_placed, where ``can_pull``: every rail peer
+over P2P) keeps each forwarder's rows in its own receive rows (local stores, by its send half or by the caller's
+kernel at ``combine_targets(pull=True)``) and has the origin's receive half read them from its rail peers; every
+rank of the group must pass the same ``pull`` to a call (csrc/nvshmem/rail.h, pulled combine).
 
 A wait past comm.timeout_s records the missing rail peer in host-mapped memory; check() raises it as
 EPTimeoutError naming its group rank (once), and set_mask() lets the others go on without it.
@@ -113,6 +117,8 @@ class NvshmemRail(ReportsFaults):
         # combine_targets() per parity, made now: a copy to the GPU is not allowed while a CUDA graph is captured
         self._targets = ([torch.tensor(self._rt.combine_targets(p), dtype=torch.int64, device=self.device)
                           for p in (0, 1)] if self._rt.all_p2p else [None, None])
+        self._own_targets = ([torch.tensor(self._rt.combine_own_targets(p), dtype=torch.int64, device=self.device)
+                              for p in (0, 1)] if self._rt.all_p2p else [None, None])
         self._masked = False          # a set_mask() left a rank out: combine sends through its own half
         self._reported = False
         # called with "rail_send" between the send and the receive launch of each call (the backend's
@@ -173,13 +179,26 @@ class NvshmemRail(ReportsFaults):
         return xf, sf, ids[:n].view(-1, K), (w[:n].view(-1, K) if topk_weights is not None else None)
 
     # ------------------------------------------------------------------ combine
+    @property
+    def can_pull(self) -> bool:
+        """Whether combine can take pull=True: every rail peer is mapped over P2P (the same on every rank)."""
+        return self._rt is not None and bool(self._rt.all_p2p)
+
+    def _check_pull(self, pull: bool) -> int:
+        if pull and not self.can_pull:
+            raise ValueError("the pulled rail combine (pull=True) reads the rail peers' rows over P2P: this rail has a "
+                             "peer without P2P (across hosts, or force_puts); check can_pull first")
+        return int(bool(pull))
+
     def combine(self, y_f: torch.Tensor, slot_valid: torch.Tensor, topk_idx: torch.Tensor,
-                num_tokens: int, y_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                num_tokens: int, y_rows: Optional[torch.Tensor] = None, pull: bool = False) -> torch.Tensor:
         """y_f [N*M, H] bf16 (a row per slot this rank forwarded; with y_rows int64 [N*M], slot i's row is
         y_f[y_rows[i]] and y_f has any number of rows, y_rows' values in range where slot_valid), slot_valid
-        [N*M] bool/uint8, topk_idx [T, K] this rank's dispatch ids -> y [T, H] bf16 (a new tensor)."""
+        [N*M] bool/uint8, topk_idx [T, K] this rank's dispatch ids -> y [T, H] bf16 (a new tensor). pull: the
+        pulled form (module docstring; the same on every rank)."""
         NM, H = self.N * self.M, self.hidden
         T, K = self._check_combine(topk_idx, num_tokens)
+        pull = self._check_pull(pull)
         rows_ok = (y_f.shape[1:] == (H,) and y_f.shape[0] > 0) if y_rows is not None else tuple(y_f.shape) == (NM, H)
         if y_f.dtype != torch.bfloat16 or y_f.dim() != 2 or not rows_ok or not y_f.is_contiguous():
             raise TypeError(f"y_f must be contiguous bfloat16 [{'R > 0' if y_rows is not None else NM}, {H}], got "
@@ -196,33 +215,39 @@ class NvshmemRail(ReportsFaults):
         rt = self._rt
         stream = _current_stream()
         rt.combine(y_f.data_ptr(), slot_valid.data_ptr(), 0, T, K, SEND, 0, stream,
-                   0 if y_rows is None else y_rows.data_ptr(), 0)
+                   0 if y_rows is None else y_rows.data_ptr(), 0, pull)
         if self.on_phase is not None:
             self.on_phase("rail_send")
-        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
+        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream, 0, 0, pull)
         return y
 
-    def combine_targets(self) -> Optional[torch.Tensor]:
+    def combine_targets(self, pull: bool = False) -> Optional[torch.Tensor]:
         """[N] int64 on this GPU: where the next combine puts this node's rows at each rail peer (the row of slot
         s*M + t goes to address [s] + t * 2H), for a kernel that stores them there itself before combine_placed;
         None where they must go through combine's send half (NVSHMEM puts across hosts, a rank left out by
-        set_mask). Valid for the next combine on this rail only (the two parities alternate)."""
+        set_mask). Valid for the next combine on this rail only (the two parities alternate). pull: the addresses
+        in this rank's own rows where the pulled combine keeps them (combine_placed(pull=True) after the stores);
+        a mask does not matter there (nothing is stored at a peer; its rows are simply not read)."""
+        if pull:
+            return self._own_targets[self._rt.next_combine_parity()] if self.can_pull else None
         if self._masked or not self._rt.all_p2p:
             return None
         return self._targets[self._rt.next_combine_parity()]
 
-    def combine_placed(self, topk_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def combine_placed(self, topk_idx: torch.Tensor, num_tokens: int, pull: bool = False) -> torch.Tensor:
         """combine whose rows are in place: work enqueued before it on the current stream has stored every valid
-        slot's row at combine_targets() (taken just before) and fenced it. The send half only signals the rail
-        peers; the receive half waits and sums as combine's. -> y [T, H] bf16."""
+        slot's row at combine_targets(pull) (taken just before) and fenced it. The send half only signals the rail
+        peers; the receive half waits and sums as combine's (pull: reading the rows from the rail peers).
+        -> y [T, H] bf16."""
         T, K = self._check_combine(topk_idx, num_tokens)
+        pull = self._check_pull(pull)
         y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
         rt = self._rt
         stream = _current_stream()
-        rt.combine(0, 0, 0, T, K, SEND, 0, stream, 0, 1)
+        rt.combine(0, 0, 0, T, K, SEND, 0, stream, 0, 1, pull)
         if self.on_phase is not None:
             self.on_phase("rail_send")
-        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream)
+        rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream, 0, 0, pull)
         return y
 
     def _check_combine(self, topk_idx: torch.Tensor, num_tokens: int):
@@ -248,3 +273,4 @@ class NvshmemRail(ReportsFaults):
     def _release(self) -> None:
         self._views = None  # views of the heap: freed with it
         self._targets = [None, None]
+        self._own_targets = [None, None]

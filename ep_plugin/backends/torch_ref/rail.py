@@ -14,8 +14,10 @@ row of each slot it received (slot_valid), y_f[i] for slot i, or y_f[y_rows[i]] 
 [N*M]) is given; y[t] is the float32 sum, over the nodes m that token t selected (ascending m), of
 forwarder m's row for it, rounded once to bf16; 0 for a token that selected nothing.
 
-combine_targets() -> None: this rail has no memory a caller could write the rows into (the NVSHMEM
-rail's combine_targets / combine_placed).
+combine_targets(pull=False) -> None: this rail has no memory a caller could write the rows into (the NVSHMEM
+rail's combine_targets / combine_placed). combine(..., pull=True): the NVSHMEM rail's pulled form (the origin
+reads the forwarders' rows instead of receiving them); the result is defined to be the same, and here the
+exchange is the same either way (can_pull is True, so the hierarchical backend's pulled path runs on CPU).
 
 Rows travel as bytes in one all_to_all_single over the whole group (M rows to each rail peer, none
 to anyone else), so it runs on gloo and NCCL alike. The NVSHMEM kernels (backends/nvshmem/rail.py)
@@ -115,8 +117,10 @@ class TorchRail:
         sf = outs.pop(0).view(torch.float32) if scales is not None else None
         return xf, sf, topk_f, wf
 
+    can_pull = True
+
     def combine(self, y_f: torch.Tensor, slot_valid: torch.Tensor, topk_idx: torch.Tensor,
-                num_tokens: int, y_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                num_tokens: int, y_rows: Optional[torch.Tensor] = None, pull: bool = False) -> torch.Tensor:
         N, M, H = self.N, self.M, y_f.shape[1]
         if y_rows is not None:
             y_f = y_f.index_select(0, y_rows)
@@ -129,7 +133,7 @@ class TorchRail:
             acc = torch.where(hit[:, m:m + 1], acc + back[m, :T].float(), acc)
         return acc.to(torch.bfloat16)
 
-    def combine_targets(self) -> None:
+    def combine_targets(self, pull: bool = False) -> None:
         return None
 
     # the engine interface the NVSHMEM rail shares
