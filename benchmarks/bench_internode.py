@@ -115,6 +115,14 @@ def use_combine_path_pull() -> None:
     HierarchicalBackend.pull_combine = True
 
 
+def use_combine_path_push() -> None:
+    """The pushed combine of sessions 8-10 at every P (same values): the inner combine (P > 1) or the rail's send
+    (P = 1) stores each sum at its origin's rail rows (--combine-path push; the default pulls at P > 1)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    HierarchicalBackend.pull_combine = False
+
+
 def use_cached_path_before() -> None:
     """The hierarchical cached dispatch as it was before session 10 (same values, one more pass at 2x2): the inner
     dispatch in its own order, then scatter_rows into the contract's (--cached-path before)."""
@@ -143,11 +151,12 @@ PATHS_BEFORE = {
     "fresh": ("the hierarchical fresh dispatch before session 10 (the inner dispatch in its own order, contract_order, "
               "then the reorder pass)", use_fresh_path_before),
 }
-# --NAME-path VALUE beyond now/before: a new path behind its switch, off by default until measured; NAME -> {VALUE:
-# (what, the switch)}
+# --NAME-path VALUE beyond now/before: another path behind its switch, for an A/B; NAME -> {VALUE: (what, the switch)}
 PATHS_NEW = {
-    "combine": {"pull": ("the pulled combine (session 11: sums kept in the forwarder's own rail rows, the origin "
-                         "reads them over P2P)", use_combine_path_pull)},
+    "combine": {"pull": ("the pulled combine at every P (session 11: sums kept in the forwarder's own rail rows, the "
+                         "origin reads them over P2P; the default at P > 1)", use_combine_path_pull),
+                "push": ("the pushed combine at every P (sessions 8-10: the sums stored at the origin's rail rows; "
+                         "the default at P = 1)", use_combine_path_push)},
 }
 
 

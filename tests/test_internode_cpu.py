@@ -242,7 +242,7 @@ def body_pull_combine(rank, world, P):
     from tests.reference import make_inputs
     from tests.test_hierarchical import E, K, check_against_reference, check_node_limited, hierarchical_buffer
 
-    assert HierarchicalBackend.pull_combine is False  # off until measured on GPUs
+    assert HierarchicalBackend.pull_combine is None  # the default: pulled with several ranks per node
     buf = hierarchical_buffer(128, P, max_tokens=24)
     be = buf._backend
     if P > 1:
@@ -251,6 +251,9 @@ def body_pull_combine(rank, world, P):
     seen = []
     orig = rail.combine
     rail.combine = lambda *a, **kw: seen.append(kw.get("pull", False)) or orig(*a, **kw)
+    check_against_reference(buf, rank, world, 128, 24, 89, "random", "cpu")
+    assert seen and all(pulled == (P > 1) for pulled in seen), (P, seen)  # the default's choice per P
+    del seen[:]
     HierarchicalBackend.pull_combine = True
     try:
         for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20),
@@ -278,7 +281,7 @@ def body_pull_combine(rank, world, P):
         for g, w in zip(got, want):
             assert torch.equal(g, w), (rank, (g.float() - w.float()).abs().max())
     finally:
-        HierarchicalBackend.pull_combine = False
+        HierarchicalBackend.pull_combine = None
     dist.barrier()
     buf.close()
 

@@ -177,10 +177,13 @@ class HierarchicalBackend(Backend):
     # on one host), each forwarder keeps the sums it owes an origin in its OWN rail rows (the inner combine's stores,
     # or the rail's send half at P = 1, go to local HBM) and signals; the origin's receive + sum reads its rail peers'
     # rows over P2P. Session 8's timeline put ~220 us of the 2x2 combine in the inner combine's remote stores; here
-    # they become the origin's remote reads. The same sums in the same order, bit for bit. Off until measured on
-    # GPUs (benchmarks/bench_internode.py --combine-path pull). Every rank must have the same value: the rail's
+    # they become the origin's remote reads. The same sums in the same order, bit for bit. None (the default): pulled
+    # with several ranks per node -- session 11's device run (4x H100, 2x2, 24 SMs): 882.6 us cold against 1057.8
+    # pushed, 1.25x flat nvlink's 705.1 (tests/test_internode_gpu.py, test_pull_combine, bit for bit the pushed
+    # path) -- and pushed at P = 1 (not measured there); True / False: pulled / pushed at every P
+    # (benchmarks/bench_internode.py --combine-path pull / push). Every rank must have the same value: the rail's
     # signal means "ready to read" on this path and "landed" on the other (class attribute, as the other switches).
-    pull_combine = False
+    pull_combine: Optional[bool] = None
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -404,6 +407,12 @@ class HierarchicalBackend(Backend):
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx, topk_weights=out_w,
                               handle=handle)
 
+    def _pulls(self, rail) -> bool:
+        """Whether this combine is the pulled one: the switch (None: with several ranks per node) and the rail's P2P
+        reach to every rail peer -- both the same on every rank, as the pulled protocol needs."""
+        want = self.P > 1 if self.pull_combine is None else self.pull_combine
+        return bool(want) and getattr(rail, "can_pull", False)
+
     def _direct_fresh(self, xf: torch.Tensor, sf: Optional[torch.Tensor]) -> bool:
         """Whether the fresh dispatch at P > 1 can have the inner pull write into the contract's order: the switch
         is on, the inner backend declares dispatch_contracts and takes this call (dispatch_contract_fits: on the
@@ -451,7 +460,7 @@ class HierarchicalBackend(Backend):
             direct = self.fused_combine and x.is_contiguous() and x.data_ptr() % 16 == 0
             # unlike `direct`, the same on every rank (the switch and the rail's P2P reach), as the pulled
             # protocol needs: each branch below takes it
-            pull = {"pull": True} if self.pull_combine and getattr(rail, "can_pull", False) else {}
+            pull = {"pull": True} if self._pulls(rail) else {}
             if self.P == 1:
                 slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
                 if direct and x.shape[0] > 0:  # the rail's send reads each slot's row of x in place: no gather
