@@ -116,8 +116,8 @@ def use_combine_path_pull() -> None:
 
 
 def use_combine_path_push() -> None:
-    """The pushed combine of sessions 8-10 at every P (same values): the inner combine (P > 1) or the rail's send
-    (P = 1) stores each sum at its origin's rail rows (--combine-path push; the default pulls at P > 1)."""
+    """The pushed combine of sessions 8-10 (same values): the inner combine (P > 1) or the rail's send (P = 1) stores
+    each sum at its origin's rail rows (--combine-path push; the default pulls where every rail peer is P2P)."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
     HierarchicalBackend.pull_combine = False
@@ -153,10 +153,10 @@ PATHS_BEFORE = {
 }
 # --NAME-path VALUE beyond now/before: another path behind its switch, for an A/B; NAME -> {VALUE: (what, the switch)}
 PATHS_NEW = {
-    "combine": {"pull": ("the pulled combine at every P (session 11: sums kept in the forwarder's own rail rows, the "
-                         "origin reads them over P2P; the default at P > 1)", use_combine_path_pull),
-                "push": ("the pushed combine at every P (sessions 8-10: the sums stored at the origin's rail rows; "
-                         "the default at P = 1)", use_combine_path_push)},
+    "combine": {"pull": ("the pulled combine (session 11: sums kept in the forwarder's own rail rows, the origin reads "
+                         "them over P2P; the default)", use_combine_path_pull),
+                "push": ("the pushed combine (sessions 8-10: the sums stored at the origin's rail rows)",
+                         use_combine_path_push)},
 }
 
 

@@ -412,7 +412,7 @@ def body_pull_combine(rank, world, P):
             buf.check()
             buf.close()
     finally:
-        HierarchicalBackend.pull_combine = None  # the default
+        HierarchicalBackend.pull_combine = True  # the default
         for name, fn in orig.items():
             setattr(NvshmemRail, name, fn)
     # the pushed halves of _pulled_and_pushed are the only calls without pull

@@ -7,8 +7,9 @@ group, nvlink on GPUs). Combine runs the other way: the inner combine sums a tok
 each node first, then one row per node goes back over the rail, where the origin sums them in
 ascending node order. The inner combine reads the rows through the reorder's index and, where every
 rail peer is mapped (P2P), stores each sum straight into its origin's rail rows, so that the rail
-only signals (combine, _combine_routed). With pull_combine on (issue 30, session 11) those sums stay in the
-forwarder's own rail rows (local stores) and the origin's receive half reads them from its rail peers over P2P.
+only signals (combine, _combine_routed). With pull_combine (issue 30, session 11; the default where every rail
+peer is P2P) those sums stay in the forwarder's own rail rows (local stores) and the origin's receive half reads
+them from its rail peers over P2P.
 
 The parts come from the registry by name (no backend imports another): NvshmemBackend is the
 NVSHMEM rail with the nvlink backend inside nodes; tests build the same composition from torch
@@ -177,13 +178,13 @@ class HierarchicalBackend(Backend):
     # on one host), each forwarder keeps the sums it owes an origin in its OWN rail rows (the inner combine's stores,
     # or the rail's send half at P = 1, go to local HBM) and signals; the origin's receive + sum reads its rail peers'
     # rows over P2P. Session 8's timeline put ~220 us of the 2x2 combine in the inner combine's remote stores; here
-    # they become the origin's remote reads. The same sums in the same order, bit for bit. None (the default): pulled
-    # with several ranks per node -- session 11's device run (4x H100, 2x2, 24 SMs): 882.6 us cold against 1057.8
-    # pushed, 1.25x flat nvlink's 705.1 (tests/test_internode_gpu.py, test_pull_combine, bit for bit the pushed
-    # path) -- and pushed at P = 1 (not measured there); True / False: pulled / pushed at every P
-    # (benchmarks/bench_internode.py --combine-path pull / push). Every rank must have the same value: the rail's
-    # signal means "ready to read" on this path and "landed" on the other (class attribute, as the other switches).
-    pull_combine: Optional[bool] = None
+    # they become the origin's remote reads. The same sums in the same order, bit for bit. On by default since session
+    # 11's device runs (4x H100, 24 SMs, cold): 2x2 882.6 us against 1057.8 pushed (1.25x flat nvlink's 705.1), 2x1
+    # 424.0 against 532.3 (tests/test_internode_gpu.py test_pull_combine: bit for bit the pushed path);
+    # False: pushed (benchmarks/bench_internode.py --combine-path push). Every rank must have the same value: the
+    # rail's signal means "ready to read" on this path and "landed" on the other (class attribute, as the other
+    # switches; the rail's P2P reach is the same on every rank too).
+    pull_combine = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -408,10 +409,9 @@ class HierarchicalBackend(Backend):
                               handle=handle)
 
     def _pulls(self, rail) -> bool:
-        """Whether this combine is the pulled one: the switch (None: with several ranks per node) and the rail's P2P
-        reach to every rail peer -- both the same on every rank, as the pulled protocol needs."""
-        want = self.P > 1 if self.pull_combine is None else self.pull_combine
-        return bool(want) and getattr(rail, "can_pull", False)
+        """Whether this combine is the pulled one: the switch and the rail's P2P reach to every rail peer -- both the
+        same on every rank, as the pulled protocol needs."""
+        return self.pull_combine and getattr(rail, "can_pull", False)
 
     def _direct_fresh(self, xf: torch.Tensor, sf: Optional[torch.Tensor]) -> bool:
         """Whether the fresh dispatch at P > 1 can have the inner pull write into the contract's order: the switch
