@@ -229,7 +229,10 @@ class HierarchicalBackend(Backend):
         self.worst_case = not cfg.comm.host_sync
         self._ring = None
         self._comm_stream = None
-        self._side_stream = None  # the overlapped combine's receive half (created at its first call)
+        # the overlapped combine's receive half: made now where it may run (a stream made during a CUDA graph's capture
+        # would be an API call the capture may refuse), else at its first call
+        self._side_stream = torch.cuda.Stream() if P > 1 and torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
         self._sms = None
         self.timeline = NO_TIMELINE  # a StageTimeline (timeline.py) marks each call's stages
 
