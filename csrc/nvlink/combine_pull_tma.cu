@@ -528,9 +528,10 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
       __syncwarp();  // every lane has read the slots before they are handed back (and stored its part of the sum)
       if constexpr (kReady) {
         // the token's sum (the warp's stores, ordered before lane 0's fence by the warp barrier above), then one more
-        // token of its chunk done: the origin reading this rank's rows waits for the chunk's count (ready_word)
+        // token of its chunk done: the origin reading this rank's rows waits for the chunk's count (ready_word). A
+        // release pattern (fence.acq_rel.sys, then the relaxed add) is enough, and cheaper than fence.sc once a token.
         if (lane == 0) {
-          __threadfence_system();
+          fence_acq_rel_sys();
           red_add_relaxed_sys(ready_word(c, T, td.t / kChunk), 1);
         }
       }
