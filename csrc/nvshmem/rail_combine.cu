@@ -61,7 +61,8 @@ __device__ void send_back(const Ctx& c, int p, const int4* y_f, const int64_t* y
 // k naming it) waits for that node's ready word of t's chunk (slot n*M + t at rank (m, l), tag + the chunk's slots),
 // a wait that fails leaves the node out for the block (s_ok, as a signal that timed out does; the timeout names the
 // rail peer), then every lane's node again (-1 for those left out). The acquire and the warp barrier order the
-// rows' loads after the words.
+// rows' loads after the words (ld_nc_v4 is a plain coherent load that skips L1, not the read-only path: rows
+// written while this kernel runs are read as the pushed form reads rows that land during its waits).
 __device__ __forceinline__ int wait_ready_nodes(const Ctx& c, int p, const int64_t* topk, int t, int K, int* s_ok,
                                                 int ready_tag, unsigned long long deadline) {
   const int lane = threadIdx.x % 32, M = c.max_tokens, N = c.nodes;
@@ -143,14 +144,7 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
               kPull ? c.peer[m] + pull_off + t * row_bytes : rows + (static_cast<long long>(m) * M + t) * row_bytes);
 #pragma unroll
           for (int u = 0; u < kU; ++u)
-            if (u0 + u * 32 + lane < end) {
-              // kReady: the rows are written while this kernel runs (before their ready word): coherent loads, not
-              // the read-only path
-              if constexpr (kReady)
-                v[b][u] = row[u0 + u * 32 + lane];
-              else
-                v[b][u] = ld_nc_v4(row + u0 + u * 32 + lane);
-            }
+            if (u0 + u * 32 + lane < end) v[b][u] = ld_nc_v4(row + u0 + u * 32 + lane);
         }
 #pragma unroll
         for (int b = 0; b < kB; ++b) {  // nodes in ascending order, each add rounded to float32
