@@ -72,7 +72,24 @@ __device__ __forceinline__ int wait_ready_nodes(const Ctx& c, int p, const int64
     const int slot = c.node * M + t, chunk = slot / kReadyTokens;
     const int want = ready_tag + min(kReadyTokens, N * M - chunk * kReadyTokens);
     const int* w = reinterpret_cast<const int*>(c.peer[node] + c.comb_ready[p]) + chunk;
-    const int got = wait_geq(w, want, deadline, c.aborted);
+    // wait_geq's loop with a pause between polls: a node-1 origin waits out the first half of its rail peer's inner
+    // combine (the slots of node 0 come first), and a few hundred warps polling a remote word flat out would take
+    // NVLink from that combine's own traffic
+    int got = kArrived;
+    for (unsigned it = 1; static_cast<int>(static_cast<unsigned>(ld_acquire_sys(w)) - static_cast<unsigned>(want)) < 0;
+         ++it) {
+      __nanosleep(128);
+      if ((it & 31u) == 0) {
+        if (ld_volatile(c.aborted)) {
+          got = kGaveUp;
+          break;
+        }
+        if (globaltimer() > deadline) {
+          got = kTimedOut;
+          break;
+        }
+      }
+    }
     if (got != kArrived) {
       if (got == kTimedOut) record_timeout(c, node, kKernelCombine);
       *reinterpret_cast<volatile int*>(&s_ok[node]) = 0;
