@@ -22,6 +22,11 @@ kernel, against the path before it (the reorder pass), bit for bit; and the fres
 
 runs HierarchicalBackend.pull_combine at 2x1 and 2x2 (one spawn each) against the reference and, bit for bit,
 against the pushed combine (today's) on the same handles.
+
+    python3 -m pytest -q -m gpu tests/test_internode_gpu.py -k overlap_combine  # session 11's overlapped combine
+
+runs HierarchicalBackend.overlap_combine at 2x2 (the inner combine releases ready words, the rail's receive runs
+beside it on a side stream) against the reference and, bit for bit, against the pulled combine without it.
 """
 import os
 import time
@@ -425,3 +430,102 @@ def test_pull_combine(shape):
     world, P = WORLDS[shape]
     _need(world)
     spawn(body_pull_combine, world, P, backend="nccl", timeout=240)
+
+
+def _overlapped_and_pulled(buf, rows, handle):
+    """(overlapped, pulled): combine of rows through handle with HierarchicalBackend.overlap_combine on, then off (full x
+    and, where the dispatch was sized for the worst case, x cut to its valid rows)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    n = int(handle.num_recv_device)
+    xs = [rows] + ([rows[:n].contiguous()] if n < rows.shape[0] else [])
+    out = []
+    for overlap in (True, False):
+        HierarchicalBackend.overlap_combine = overlap
+        try:
+            out.append([buf.combine(x, handle) for x in xs])
+        finally:
+            HierarchicalBackend.overlap_combine = True  # the body's setting
+    torch.cuda.synchronize()
+    buf.check()
+    return out
+
+
+def body_overlap_combine(rank, world, P):
+    """The overlapped combine (session 11, HierarchicalBackend.overlap_combine; pulled, P > 1) on one world: with it on,
+    the contract against the reference (random, skewed -- every rank but 0 receives nothing --, unrouted, starved,
+    zero-token ranks; worst-case and host-synced sizing; an FP8 dispatch before it, a cached dispatch after it;
+    node-limited routing; a CUDA graph), and each combine bit for bit against the pulled combine without the overlap
+    on the same handle, after a fresh BF16 dispatch, an FP8 one and a cached one. Every combine with the switch on
+    took the overlapped path (the rail's combine_ready ran), none with it off."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+    from ep_plugin.backends.nvshmem.rail import NvshmemRail
+
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
+    calls = {"ready": 0, "placed": 0}
+    orig = {"combine_ready": NvshmemRail.combine_ready, "combine_placed": NvshmemRail.combine_placed}
+
+    def counting(name, key):
+        def call(self, *a, **kw):
+            calls[key] += 1
+            return orig[name](self, *a, **kw)
+        return call
+
+    NvshmemRail.combine_ready = counting("combine_ready", "ready")
+    NvshmemRail.combine_placed = counting("combine_placed", "placed")
+    HierarchicalBackend.overlap_combine = True
+    try:
+        seed = 700
+        for host_sync in (False, True):
+            buf = ep_plugin.EPBuffer(None, _cfg("nvshmem", 512, host_sync, ranks_per_node=P), hidden=7168)
+            assert buf.backend_name == "nvshmem"
+            be = getattr(buf._backend, "wrapped", buf._backend)
+            rail = next(iter(be._rails.values()))
+            assert rail.can_overlap, f"rank {rank}: a rail peer on this host is not P2P-mapped"
+            cases = (("random", 512), ("skew", "zero_first"), ("nowhere", 17), ("starve_last", 300)) if not host_sync \
+                else (("random", 512), ("skew", "zero_first"))
+            for mode, tokens in cases:
+                seed += 1
+                tokens = [0] + [9] * (world - 1) if tokens == "zero_first" else tokens
+                ctx = f"rank {rank} {world // P}x{P} host_sync {host_sync} mode {mode} tokens {tokens}"
+                before = calls["ready"]
+                res = check_against_reference(buf, rank, world, 7168, tokens, seed, mode, "cuda")  # + combine, cached
+                assert calls["ready"] > before, f"{ctx}: the combine was not the overlapped one"
+                assert be._overlaps(res.handle.state.rail, res.handle.state), ctx
+                rows = (res.x.float() * 0.5 + 1).to(torch.bfloat16)
+                now, was = _overlapped_and_pulled(buf, rows, res.handle)
+                for a, b in zip(now, was):
+                    assert torch.equal(a, b), f"{ctx}: overlapped combine off by {(a.float() - b.float()).abs().max()}"
+                xs, _, _ = make_inputs(world, tokens, 7168, E, K, seed, torch.bfloat16, mode)
+                again = buf.dispatch((xs[rank].float() * 0.25).to(torch.bfloat16).cuda(), handle=res.handle)
+                rows = (again.x.float() * (rank + 1) - 0.5).to(torch.bfloat16)
+                now, was = _overlapped_and_pulled(buf, rows, again.handle)
+                for a, b in zip(now, was):
+                    assert torch.equal(a, b), f"{ctx}: overlapped combine after a cached dispatch differs"
+            res = check_against_reference(buf, rank, world, 7168, [0] + [200] * (world - 1), 7, "random", "cuda",
+                                          fp8=True)
+            data, got_scales = res.x
+            rows = (data.float() * got_scales.float().repeat_interleave(128, dim=1) * (rank + 1)).to(torch.bfloat16)
+            now, was = _overlapped_and_pulled(buf, rows, res.handle)
+            for a, b in zip(now, was):
+                assert torch.equal(a, b), f"rank {rank} host_sync {host_sync}: overlapped combine after FP8 differs"
+            check_node_limited(buf, rank, world, P, "cuda")
+            if not host_sync:
+                before = calls["ready"]
+                check_graph(buf, rank, world)  # dispatch + overlapped combine captured (side stream forked), replayed
+                assert calls["ready"] >= before + 2, "the graph's combine was not the overlapped one"
+            buf.check()
+            buf.close()
+    finally:
+        HierarchicalBackend.overlap_combine = False
+        for name, fn in orig.items():
+            setattr(NvshmemRail, name, fn)
+    # the pulled halves of _overlapped_and_pulled are the only combines without the overlap
+    assert calls["ready"] > calls["placed"] > 0, calls
+
+
+def test_overlap_combine():
+    """`-k overlap_combine`: 2x2 only (the overlap needs an inner combine: P > 1)."""
+    world, P = WORLDS["2x2"]
+    _need(world)
+    spawn(body_overlap_combine, world, P, backend="nccl", timeout=240)
