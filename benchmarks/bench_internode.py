@@ -123,16 +123,6 @@ def use_combine_path_push() -> None:
     HierarchicalBackend.pull_combine = False
 
 
-def use_combine_path_overlap() -> None:
-    """The pulled combine with its receive + sum beside the inner combine (session 11, same values): the inner
-    combine's reducers release a ready word per chunk of 8 slots and the rail's receive, on a side stream, sums each
-    chunk once both nodes' words are in (--combine-path overlap; HierarchicalBackend.overlap_combine, pulled at
-    P > 1 as the default is)."""
-    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
-
-    HierarchicalBackend.overlap_combine = True
-
-
 def use_cached_path_before() -> None:
     """The hierarchical cached dispatch as it was before session 10 (same values, one more pass at 2x2): the inner
     dispatch in its own order, then scatter_rows into the contract's (--cached-path before)."""
@@ -166,9 +156,7 @@ PATHS_NEW = {
     "combine": {"pull": ("the pulled combine (session 11: sums kept in the forwarder's own rail rows, the origin reads "
                          "them over P2P; the default)", use_combine_path_pull),
                 "push": ("the pushed combine (sessions 8-10: the sums stored at the origin's rail rows)",
-                         use_combine_path_push),
-                "overlap": ("the pulled combine with its receive + sum overlapped with the inner combine (session 11: "
-                            "per-chunk ready words, the receive on a side stream)", use_combine_path_overlap)},
+                         use_combine_path_push)},
 }
 
 

@@ -66,10 +66,9 @@ def body_timeline(rank, world, P):
 # world -> the bodies run in its one spawn: (name, body, ranks per node); the tests below name theirs
 RUNS = {4: (("timeline", "body_timeline", 2), ("sources", "body_sources_path", 2), ("phased", "body_phased_rail", 2),
             ("routed", "body_routed_combine", 2), ("direct", "body_direct_cached", 2),
-            ("fresh", "body_direct_fresh", 2), ("pulled", "body_pull_combine", 2),
-            ("overlap", "body_overlap_falls_back", 2)),
+            ("fresh", "body_direct_fresh", 2), ("pulled", "body_pull_combine", 2)),
         2: (("timeline", "body_timeline", 1), ("phased", "body_phased_rail", 1), ("routed", "body_routed_combine", 1),
-            ("pulled", "body_pull_combine", 1), ("overlap", "body_overlap_falls_back", 1)),
+            ("pulled", "body_pull_combine", 1)),
         6: (("sources", "body_sources_path", 3),)}
 
 
@@ -290,59 +289,6 @@ def body_pull_combine(rank, world, P):
 @pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
 def test_pull_combine_hands_the_rail_pull(internode_runs, world, P):
     internode_runs(world, "pulled", P).check()
-
-
-def body_overlap_falls_back(rank, world, P):
-    """HierarchicalBackend.overlap_combine (session 11) on CPU: the torch parts cannot run it (no side stream, a rail
-    without can_overlap, an inner backend without combine_ready), so with the switch on every combine is the pulled
-    one as before: _overlaps says no, the rail gets pull=True (P > 1) through its usual halves, and the sums match the
-    reference and, bit for bit, the combine with the switch off. The overlapped path itself is
-    tests/test_internode_gpu.py's (test_overlap_combine)."""
-    import torch.distributed as dist
-
-    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
-    from tests.reference import make_inputs
-    from tests.test_hierarchical import E, K, check_against_reference, hierarchical_buffer
-
-    assert HierarchicalBackend.overlap_combine is False  # off until measured
-    buf = hierarchical_buffer(128, P, max_tokens=24)
-    be = buf._backend
-    if P > 1:
-        be.inner = _InnerGathering(be.inner, P)
-    rail = be._rails[be.fp8]
-    assert not getattr(rail, "can_overlap", False)
-    assert P == 1 or not be.inner.capabilities.combine_ready
-    seen, overlapped = [], []
-    orig = rail.combine
-    rail.combine = lambda *a, **kw: seen.append(kw.get("pull", False)) or orig(*a, **kw)
-    orig_ov = be._combine_overlapped
-    be._combine_overlapped = lambda *a, **kw: overlapped.append(1) or orig_ov(*a, **kw)
-    HierarchicalBackend.overlap_combine = True
-    try:
-        for seed, (mode, tokens) in enumerate((("random", 24), ("skew", [0] + [7] * (world - 1)), ("nowhere", 20))):
-            check_against_reference(buf, rank, world, 128, tokens, 190 + seed, mode, "cpu")
-        assert seen and all(pulled == (P > 1) for pulled in seen), (P, seen)  # the pulled combine, as without it
-        xs, idxs, ws = make_inputs(world, 17, 128, E, K, 6, torch.bfloat16)
-        a = buf.dispatch(xs[rank], idxs[rank], ws[rank])
-        if P > 1:
-            assert not be._overlaps(rail, a.handle.state), "the torch parts have no overlapped combine"
-        rows = (a.x.float() * (rank + 1) - 0.5).to(torch.bfloat16)
-        n = int(a.handle.num_recv_device)
-        got = [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]
-        HierarchicalBackend.overlap_combine = False
-        want = [buf.combine(rows, a.handle), buf.combine(rows[:n].contiguous(), a.handle)]
-        for g, w in zip(got, want):
-            assert torch.equal(g, w), (rank, (g.float() - w.float()).abs().max())
-        assert not overlapped, "the overlapped path ran on CPU"
-    finally:
-        HierarchicalBackend.overlap_combine = False
-    dist.barrier()
-    buf.close()
-
-
-@pytest.mark.parametrize("world,P", [(4, 2), (2, 1)])
-def test_overlap_combine_falls_back_on_cpu(internode_runs, world, P):
-    internode_runs(world, "overlap", P).check()
 
 
 class _InnerScattering(_InnerWithSources):

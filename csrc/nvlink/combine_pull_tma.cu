@@ -125,26 +125,7 @@ __device__ __forceinline__ int span_of(int n, int b) {
   return static_cast<int>(static_cast<long long>(n) * b / gridDim.x);
 }
 
-// kReady (the hierarchical backend's overlapped combine, docs/INTERNODE.md session 11): two more entries after
-// the CombineRoute's y_blocks (nb = ceil(T / block_tokens) of them): [nb] the address of this call's ready words,
-// one int per chunk of kChunk tokens (the rail's comb_ready, this rank's own, read by the origins over P2P), [nb + 1]
-// the address of the epoch (an int) the words are tagged with (the rail's combine-send epoch, before this call's
-// send half advances it). A word holds tag * kReadyScale + tokens of the chunk reduced, tag = epoch + 1: the loader
-// sets it to tag * kReadyScale when it takes the chunk, each reducer adds 1 after the token's sum and a system
-// fence; an origin waits for >= tag * kReadyScale + the chunk's tokens, so a word left by an earlier call (a lower
-// tag) never passes. Carried in y_blocks so that Ctx (every kernel's parameters) stays as it is.
-constexpr int kReadyScale = 16;  // > kChunk
-static_assert(kChunk < kReadyScale, "a ready word's count must stay below its tag's step");
-__device__ __forceinline__ int* ready_word(const Ctx& c, int T, int chunk) {
-  const int nb = (T + c.route.block_tokens - 1) / c.route.block_tokens;
-  return reinterpret_cast<int*>(c.route.y_blocks[nb]) + chunk;
-}
-__device__ __forceinline__ int ready_tag(const Ctx& c, int T) {
-  const int nb = (T + c.route.block_tokens - 1) / c.route.block_tokens;
-  return (ld_volatile(reinterpret_cast<const int*>(c.route.y_blocks[nb + 1])) + 1) * kReadyScale;
-}
-
-template <int MAXW, int U, bool kFree, bool kRouted, bool kReady>
+template <int MAXW, int U, bool kFree, bool kRouted>
 __global__ void __launch_bounds__(kThreads, 1)
 combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict__ send_pos,
                         const int* __restrict__ recv_off, __nv_bfloat16* __restrict__ y, int T, int nslot_stage,
@@ -376,9 +357,6 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         while (ld_acquire_cta_shared(&s_staged) < need) spin_pause();
       }
       const int t0 = chunk * kChunk, nt = min(kChunk, T - t0);
-      if constexpr (kReady) {  // the chunk's ready word to this call's tag, count 0, before any of its tokens is handed out
-        if (lane == 0) atomicExch_system(ready_word(c, T, chunk), ready_tag(c, T));
-      }
       for (int i = lane; i < nt * W; i += 32) s_pos[i] = send_pos[static_cast<size_t>(t0) * W + i];
       if (kRouted && c.route.x_rows != nullptr && lane < nt) {
         const int pos = send_pos[static_cast<size_t>(t0 + lane) * W + me];
@@ -525,16 +503,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         if (c.route.y_blocks != nullptr && td.present == 0) yrow = nullptr;
       }
       if (yrow != nullptr) sum_rows_bf16<MAXW, U>(src, yrow, n16, lane, [](const int4* p) { return *p; });
-      __syncwarp();  // every lane has read the slots before they are handed back (and stored its part of the sum)
-      if constexpr (kReady) {
-        // the token's sum (the warp's stores, ordered before lane 0's fence by the warp barrier above), then one more
-        // token of its chunk done: the origin reading this rank's rows waits for the chunk's count (ready_word). A
-        // release pattern (fence.acq_rel.sys, then the relaxed add) is enough, and cheaper than fence.sc once a token.
-        if (lane == 0) {
-          fence_acq_rel_sys();
-          red_add_relaxed_sys(ready_word(c, T, td.t / kChunk), 1);
-        }
-      }
+      __syncwarp();  // every lane has read the slots before they are handed back
       if (lane == 0) {
         if constexpr (kFree) {
           __threadfence_block();  // with the relaxed atomicOr, a release: the slots' reads before their reuse
@@ -569,7 +538,7 @@ bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
 
 namespace {
 
-template <int MAXW, int U, bool kFree, bool kRouted, bool kReady>
+template <int MAXW, int U, bool kFree, bool kRouted>
 void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
                  __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
   const int row_bytes = c.hidden * 2, nload = load_slots(row_bytes, nslot_stage);
@@ -578,11 +547,11 @@ void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send
   int dev = 0;
   EP_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64 || !smem_set[dev]) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree, kRouted, kReady>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    EP_CUDA_CHECK(cudaFuncSetAttribute(combine_pull_tma_kernel<MAXW, U, kFree, kRouted>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        kPullRingBytes));
     if (dev >= 0 && dev < 64) smem_set[dev] = true;
   }
-  combine_pull_tma_kernel<MAXW, U, kFree, kRouted, kReady><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
+  combine_pull_tma_kernel<MAXW, U, kFree, kRouted><<<blocks, kThreads, smem, stream>>>(c, x, send_pos, recv_off, y, T,
                                                                                         nslot_stage, nload, diag);
 }
 
@@ -590,37 +559,35 @@ void launch_pull_kernel(const Ctx& c, int blocks, const char* x, const int* send
 // kernel is the one measured before routes existed (its 24-SM rows read 4-5% slower with the checks compiled in).
 template <int MAXW, int U, bool kFree>
 void launch_pull(const Ctx& c, int blocks, const char* x, const int* send_pos, const int* recv_off,
-                 __nv_bfloat16* y, int T, int nslot_stage, int diag, bool ready, cudaStream_t stream) {
-  if (ready)  // the routed kernel that also releases ready words (kReady): a third instance, the other two unchanged
-    launch_pull_kernel<MAXW, U, kFree, true, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
-  else if (c.route.x_rows != nullptr || c.route.y_blocks != nullptr)
-    launch_pull_kernel<MAXW, U, kFree, true, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
+                 __nv_bfloat16* y, int T, int nslot_stage, int diag, cudaStream_t stream) {
+  if (c.route.x_rows != nullptr || c.route.y_blocks != nullptr)
+    launch_pull_kernel<MAXW, U, kFree, true>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
   else
-    launch_pull_kernel<MAXW, U, kFree, false, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
+    launch_pull_kernel<MAXW, U, kFree, false>(c, blocks, x, send_pos, recv_off, y, T, nslot_stage, diag, stream);
 }
 
 }  // namespace
 
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_slots, int diag, bool ready, cudaStream_t stream) {
+                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   const bool free_slots = (diag >> 4) & kVarFreeSlots;  // Runtime::pull_variant (see kVarFreeSlots)
   if (c.world <= 2) {
     if (free_slots)
-      launch_pull<2, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<2, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
     else
-      launch_pull<2, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<2, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   } else if (c.world <= 4) {
     if (free_slots)
-      launch_pull<4, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<4, 4, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
     else
-      launch_pull<4, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<4, 4, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   } else {
     if (free_slots)
-      launch_pull<8, 2, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<8, 2, true>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
     else
-      launch_pull<8, 2, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, ready, stream);
+      launch_pull<8, 2, false>(c, blocks, xb, send_pos, recv_off, yb, T, stage_slots, diag, stream);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -78,11 +78,10 @@ void launch_combine_pipe_tma(const Ctx& c, int blocks, const int4* x, const int*
 // combine_pull_tma.cu: the owners read their rows from the ranks that staged them (remote loads);
 // where its two shared-memory rings hold a token's rows, on sm_90+ (combine_pull_tma_fits).
 // stage_slots: the stager's shared-memory rows (the loads get the rest); diag: see Runtime::pull_diag.
-// ready: a routed call that also releases per-chunk ready words (combine_pull_tma.cu, kReady; Runtime::combine).
 constexpr int kPullStageMaxSlots = 12;
 bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots);
 void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
-                             int4* y, int T, int stage_slots, int diag, bool ready, cudaStream_t stream);
+                             int4* y, int T, int stage_slots, int diag, cudaStream_t stream);
 
 }  // namespace nvl
 }  // namespace ep

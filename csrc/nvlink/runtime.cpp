@@ -279,7 +279,7 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
                       int num_sms, int mode, uintptr_t stream, uintptr_t x_rows, uintptr_t y_blocks,
-                      int block_tokens, int ready) {
+                      int block_tokens) {
   check_open();
   check_tokens(T);
   set_device();
@@ -287,17 +287,13 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
                "2 (pipelined) or 3 (pull), got %d", mode);
   EP_CHECK_ARG(y_blocks == 0 || block_tokens > 0, "combine: y_blocks needs block_tokens > 0, got %d", block_tokens);
   EP_CHECK_ARG(T == 0 || y != 0 || y_blocks != 0, "combine: y or y_blocks is required for %d tokens", T);
-  // a combine whose kernel would not release the ready words would leave the origins waiting out timeout_s
-  EP_CHECK_ARG(!ready || (y_blocks != 0 && mode == kCombinePull && pull_combine_fits()),
-               "combine: ready words need y_blocks and the bulk-copy pull kernel (mode 3, pull_combine_fits)");
   const int blocks = grid_for(num_sms);
   // the call's route travels in a copy of the context (ctx_'s stays zero: dispatches and combine_expert)
   Ctx c = ctx_;
   c.route = CombineRoute{ptr<const int64_t>(x_rows), ptr<char* const>(y_blocks), y_blocks != 0 ? block_tokens : 0};
   if (mode == kCombinePull && tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_)) {
     launch_combine_pull_tma(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_ | (pull_variant_ << 4), ready != 0,
-                            stream_of(stream));
+                            ptr<int4>(y), T, pull_stage_slots_, pull_diag_ | (pull_variant_ << 4), stream_of(stream));
     return;
   }
   if (mode == kCombinePipelined && tma_ && combine_pipe_tma_fits(hidden_ * 2)) {
@@ -313,10 +309,6 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   launch_combine_send(c, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
   launch_combine_reduce(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                         ptr<int4>(y), T, false, stream_of(stream));
-}
-
-bool Runtime::pull_combine_fits() const {
-  return tma_ && combine_pull_tma_fits(hidden_ * 2, world_, pull_stage_slots_);
 }
 
 void Runtime::set_pull_stage_slots(int n) {

@@ -81,14 +81,9 @@ class Runtime {
   // dispatch); kCombinePipelined: the same protocol with bulk-copy sends (fused where they do not apply).
   // x_rows / y_blocks + block_tokens (0: none): the call's CombineRoute (nvlink.h): rows read as x[x_rows[i]]
   // (int64 [rows]), sums written to y_blocks[t / block_tokens] (int64 addresses) instead of y (then 0).
-  // ready (with y_blocks, mode kCombinePull where pull_combine_fits()): y_blocks holds two more addresses, per-chunk
-  // ready words and their epoch, which the reducers release as they go (combine_pull_tma.cu, kReady): the
-  // hierarchical backend's overlapped combine, whose rail receive reads the sums while later chunks are reduced.
   void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
                int num_sms, int mode, uintptr_t stream, uintptr_t x_rows = 0, uintptr_t y_blocks = 0,
-               int block_tokens = 0, int ready = 0);
-  // Whether combine in mode kCombinePull runs the bulk-copy pull kernel (the one that can release ready words).
-  bool pull_combine_fits() const;
+               int block_tokens = 0);
 
   // Expert-major receive (expert.cu), replacing pull. Fresh (cached=0): recv_src, out_idx [R_alloc,K],
   // positions [R_alloc,K] int32 and offsets [EL+1] int64 written; scratch holds

@@ -26,15 +26,6 @@
 //   The rows stay put until the forwarder's combine k + 2 overwrites them, which it issues after its receive
 //   half of combine k + 1, which waited for every origin's send of k + 1, issued after that origin's reads of
 //   combine k: the same chain as the pushed form's (below), with reader and writer swapped.
-// - overlapped combine (pull = 1 and ready; HierarchicalBackend.overlap_combine): the caller's inner combine stores
-//   the rows as in the pulled form and, per chunk of 8 slots, releases a ready word in comb_ready[p] (tag * 16 + slots
-//   stored, tag = its combine-send epoch + 1: set to tag * 16 when its loader takes the chunk, + 1 per slot after a
-//   system fence). The origin's receive half runs beside it (another stream), waits for word (n*M + t) / 8 of rank
-//   (m, l) >= tag * 16 + the chunk's slots before reading row n*M + t there (a timeout names that rail peer), and
-//   after its sums waits for the signals as before. Words of an earlier call hold a lower tag and never pass. Reuse:
-//   the forwarder rewrites its parity-p rows and words in combine k + 2, issued after its receive half of k + 1
-//   returned, which waited (at its end) for every origin's send of k + 1, which each origin issues after joining its
-//   receive half of k (the backend joins the streams before returning y): after that origin's reads of combine k.
 //
 // Parity. Each kind has its own epochs (device, for signal values: replays of a CUDA graph advance
 // them) and its own two buffers; the buffer of call k is k & 1, counted on the host (calls are
@@ -83,10 +74,8 @@ class Runtime {
   // y_rows (0: none): int64 [N*M], slot i's row is y_f[y_rows[i]]. placed: the send half only signals (y_f and
   // y_rows 0): the rows are in place (combine_targets), which needs every rail peer over P2P.
   // pull: the pulled combine (protocol above), both halves of a call alike; needs every rail peer over P2P.
-  // ready: the overlapped receive half (pull, phases kRecv only; protocol above): waits per chunk of slots for the
-  // ready words the rail peers' inner combines release, not for the signals up front.
   void combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, int T, int K, int phases, uintptr_t y,
-               uintptr_t stream, uintptr_t y_rows = 0, int placed = 0, int pull = 0, int ready = 0);
+               uintptr_t stream, uintptr_t y_rows = 0, int placed = 0, int pull = 0);
   Buffers buffers(int parity) const;
   int next_dispatch_parity() const { return static_cast<int>(disp_recv_calls_ & 1); }
   // Where combine's send half of parity p puts this node's rows at each rail peer: [N] addresses (the row of
@@ -95,9 +84,6 @@ class Runtime {
   // The pulled combine's: [N] addresses in this rank's own comb_rows of parity p (slot s*M + t at [s] + t * 2H),
   // for a kernel of the caller's to store the rows there; empty unless all_p2p() (the origins read them over P2P).
   std::vector<uintptr_t> combine_own_targets(int parity) const;
-  // The overlapped combine's: {this rank's comb_ready of parity p, the combine-send epoch word} (device addresses on
-  // this GPU) for the inner combine's kReady kernel; empty unless all_p2p().
-  std::vector<uintptr_t> combine_ready_targets(int parity) const;
   int next_combine_parity() const { return static_cast<int>(comb_send_calls_ & 1); }
 
   void set_mask(const std::vector<int>& left_out);  // global ranks; clears a recorded timeout (synchronous)

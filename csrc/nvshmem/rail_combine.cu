@@ -57,65 +57,16 @@ __device__ void send_back(const Ctx& c, int p, const int4* y_f, const int64_t* y
 // (ascending, those that arrived) of the row their forwarder sent; zeros where t selects none.
 // kPull: node m's row of token t is row n*M + t of the forwarder's own comb_rows, read over P2P
 // (peer[m]; this rank's own for m = n), instead of row m*M + t of ours.
-// The overlapped receive (combine_ready), per token t, by the whole warp: the lane of each node t selects (its first
-// k naming it) waits for that node's ready word of t's chunk (slot n*M + t at rank (m, l), tag + the chunk's slots),
-// a wait that fails leaves the node out for the block (s_ok, as a signal that timed out does; the timeout names the
-// rail peer), then every lane's node again (-1 for those left out). The acquire and the warp barrier order the
-// rows' loads after the words (ld_nc_v4 is a plain coherent load that skips L1, not the read-only path: rows
-// written while this kernel runs are read as the pushed form reads rows that land during its waits).
-__device__ __forceinline__ int wait_ready_nodes(const Ctx& c, int p, const int64_t* topk, int t, int K, int* s_ok,
-                                                int ready_tag, unsigned long long deadline) {
-  const int lane = threadIdx.x % 32, M = c.max_tokens, N = c.nodes;
-  const long long e = lane < K ? topk[static_cast<long long>(t) * K + lane] : -1;
-  const int node = lane < K ? node_of(c, e, s_ok) : -1;
-  if (first_of_node(node, K, lane)) {
-    const int slot = c.node * M + t, chunk = slot / kReadyTokens;
-    const int want = ready_tag + min(kReadyTokens, N * M - chunk * kReadyTokens);
-    const int* w = reinterpret_cast<const int*>(c.peer[node] + c.comb_ready[p]) + chunk;
-    // wait_geq's loop with a pause between polls: a node-1 origin waits out the first half of its rail peer's inner
-    // combine (the slots of node 0 come first), and a few hundred warps polling a remote word flat out would take
-    // NVLink from that combine's own traffic
-    int got = kArrived;
-    for (unsigned it = 1; static_cast<int>(static_cast<unsigned>(ld_acquire_sys(w)) - static_cast<unsigned>(want)) < 0;
-         ++it) {
-      __nanosleep(128);
-      if ((it & 31u) == 0) {
-        if (ld_volatile(c.aborted)) {
-          got = kGaveUp;
-          break;
-        }
-        if (globaltimer() > deadline) {
-          got = kTimedOut;
-          break;
-        }
-      }
-    }
-    if (got != kArrived) {
-      if (got == kTimedOut) record_timeout(c, node, kKernelCombine);
-      *reinterpret_cast<volatile int*>(&s_ok[node]) = 0;
-    }
-  }
-  __syncwarp();
-  return lane < K ? node_of(c, e, s_ok) : -1;  // __syncwarp: s_ok read again (other warps' drops too)
-}
-
-// kReady (with kPull; the overlapped combine): no wait up front; per token, the lane of each node it selects waits for
-// that node's ready word of the token's chunk (slot n*M + t at rank (m, l)); a node whose word times out is left out
-// as a node whose signal timed out is. After the sums, the signals (every block): the reuse chain (rail.h).
-template <bool kPull, bool kReady = false>
+template <bool kPull>
 __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, int K, int4* y,
                               const int* s_live) {
-  static_assert(!kReady || kPull, "the ready words are read where the rows are: the pulled form");
   __shared__ int s_ok[kMaxNodes];
   __shared__ int s_nodes[kThreads / 32][kMaxTopk];  // per warp: the token's nodes, ascending
   const int M = c.max_tokens, N = c.nodes;
   const int epoch = ld_volatile(c.state + kCombRecvEpoch);
   for (int m = threadIdx.x; m < N; m += blockDim.x)
-    s_ok[m] = kReady ? s_live[m] : s_live[m] && wait_signal(c, c.comb_flag[p], m, epoch + 1, kKernelCombine);
+    s_ok[m] = s_live[m] && wait_signal(c, c.comb_flag[p], m, epoch + 1, kKernelCombine);
   __syncthreads();
-  // kReady: one deadline for the call's waits (as wait_signal's, from the kernel's start)
-  const unsigned long long deadline = kReady ? globaltimer() + c.timeout_ns : 0;
-  const int ready_tag = (epoch + 1) * kReadyScale;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int gwarps = gridDim.x * warps;
   const int units = c.hidden / 8;
@@ -131,9 +82,7 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
   constexpr int kU = kPull ? 4 : kUnits, kB = kPull ? 2 : kBatch;
   for (int i = blockIdx.x * warps + warp; i < T * parts; i += gwarps) {
     const int t = i / parts, part = i % parts;
-    // kReady: the token's nodes once their ready words for its chunk are in (wait_ready_nodes); else as they are
-    const int node = kReady ? wait_ready_nodes(c, p, topk, t, K, s_ok, ready_tag, deadline)
-                            : lane < K ? node_of(c, topk[static_cast<long long>(t) * K + lane], s_ok) : -1;
+    const int node = lane < K ? node_of(c, topk[static_cast<long long>(t) * K + lane], s_ok) : -1;
     const bool first = first_of_node(node, K, lane);
     const unsigned firsts = __ballot_sync(kFull, first);
     int rank = 0;  // distinct nodes below this lane's
@@ -192,12 +141,6 @@ __device__ void reduce_tokens(const Ctx& c, int p, const int64_t* topk, int T, i
     }
     __syncwarp();  // nodes[] is rewritten for the warp's next token
   }
-  if constexpr (kReady) {
-    // the signals of this call's send halves (sent after each rail peer's inner combine): this kernel's end then
-    // means every rail peer's send of this call is in, which the reuse chain needs (rail.h)
-    for (int m = threadIdx.x; m < N; m += blockDim.x)
-      if (s_live[m]) wait_signal(c, c.comb_flag[p], m, epoch + 1, kKernelCombine);
-  }
 }
 
 }  // namespace
@@ -219,14 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     reduce_tokens<kPull>(c, recv_parity, topk, T, K, y, s_live);
     finish_recv(c, kCombRecvEpoch, kTicketCombRecv);
   }
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    combine_ready(Ctx c, const int64_t* topk, int T, int K, int recv_parity, int4* y) {
-  __shared__ int s_live[kMaxNodes];
-  load_live(c, s_live);
-  reduce_tokens<true, true>(c, recv_parity, topk, T, K, y, s_live);
-  finish_recv(c, kCombRecvEpoch, kTicketCombRecv);
 }
 
 template __global__ void combine<false>(Ctx, const int4*, const int64_t*, const uint8_t*, const int64_t*, int, int,

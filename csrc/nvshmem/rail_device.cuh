@@ -11,9 +11,6 @@
 //   comb_flag[p][N]        u64, as disp_flag, for combine
 //   comb_rows[p][N*M]      BF16 [H] rows the forwarder on node s sent back for token t (pulled combine: the
 //                          rows this rank forwarded, slot s*M + t at row s*M + t, read by rank (s, l))
-//   comb_ready[p][ceil(N*M/8)] int ready words of the overlapped combine (pulled, HierarchicalBackend.overlap_combine):
-//                          word j counts the slots j*8 .. j*8+7 whose sums the inner combine has stored in
-//                          comb_rows[p], tagged with the combine-send epoch (csrc/nvlink/combine_pull_tma.cu, kReady)
 // RDMA staging (only when a peer is not reachable over P2P: NVSHMEM puts need a symmetric source):
 //   stage_x[M], stage_sf[M][H/128], stage_topk[N][M*K], stage_w[N][M*K], comb_stage[N*M].
 #pragma once
@@ -59,12 +56,7 @@ struct Ctx {
   int* aborted;
   HostInfo* host;
   unsigned long long timeout_ns;
-  long long comb_ready[2];     // last: the other fields keep their offsets in every kernel's parameters
 };
-
-// The overlapped combine's ready words (comb_ready): one per kReadyTokens slots, holding tag * kReadyScale + the
-// slots reduced, tag = combine-send epoch + 1 (nvlink's kChunk and kReadyScale, csrc/nvlink/combine_pull_tma.cu).
-constexpr int kReadyTokens = 8, kReadyScale = 16;
 
 __device__ __forceinline__ int rail_pe(const Ctx& c, int m) { return m * c.ranks_per_node + c.local; }
 
@@ -131,12 +123,6 @@ template <bool kPull>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(Ctx c, const int4* y_f, const int64_t* y_rows, const uint8_t* slot_valid, const int64_t* topk, int T, int K,
             int phases, int send_parity, int recv_parity, int4* y);
-
-// The overlapped combine's receive half (pulled; HierarchicalBackend.overlap_combine): launched beside the inner
-// combine (another stream), it waits per chunk of slots for both nodes' ready words instead of the signals up
-// front, sums as combine<true>'s receive half, then waits for the signals (rail.h, the reuse chain).
-__global__ void __launch_bounds__(kThreads, 1)
-    combine_ready(Ctx c, const int64_t* topk, int T, int K, int recv_parity, int4* y);
 
 }  // namespace rail
 }  // namespace ep

@@ -26,7 +26,7 @@ size_t layout(Ctx* c, const Shape& s, bool stage) {
   const size_t NM = static_cast<size_t>(s.nodes) * s.max_tokens, N = s.nodes, M = s.max_tokens;
   size_t at = 0;
   auto take = [&at](size_t n) { const size_t o = at; at = align16(at + n); return static_cast<long long>(o); };
-  long long flag[2], count[2], x[2], sf[2], topk[2], w[2], cflag[2], rows[2], ready[2];
+  long long flag[2], count[2], x[2], sf[2], topk[2], w[2], cflag[2], rows[2];
   for (int p = 0; p < 2; ++p) {
     flag[p] = take(8 * N);
     count[p] = take(4 * N);
@@ -36,7 +36,6 @@ size_t layout(Ctx* c, const Shape& s, bool stage) {
     topk[p] = take(8 * NM * s.max_topk);
     w[p] = take(4 * NM * s.max_topk);
     rows[p] = take(NM * 2 * s.hidden);
-    ready[p] = take(4 * ((NM + kReadyTokens - 1) / kReadyTokens));
   }
   long long stage_x = -1, stage_sf = -1, stage_topk = -1, stage_w = -1, comb_stage = -1;
   if (stage) {
@@ -56,7 +55,6 @@ size_t layout(Ctx* c, const Shape& s, bool stage) {
       c->disp_w[p] = w[p];
       c->comb_flag[p] = cflag[p];
       c->comb_rows[p] = rows[p];
-      c->comb_ready[p] = ready[p];
     }
     c->stage_x = stage_x;
     c->stage_sf = stage_sf;
@@ -210,20 +208,8 @@ void Runtime::dispatch(uintptr_t x, uintptr_t scales, uintptr_t topk_idx, uintpt
 }
 
 void Runtime::combine(uintptr_t y_f, uintptr_t slot_valid, uintptr_t topk_idx, int T, int K, int phases, uintptr_t y,
-                      uintptr_t stream, uintptr_t y_rows, int placed, int pull, int ready) {
+                      uintptr_t stream, uintptr_t y_rows, int placed, int pull) {
   check_call(T, K, phases, "combine");
-  if (ready) {  // the overlapped receive half: the rows' and ready words' writer is the caller's inner combine
-    EP_CHECK_ARG(pull && phases == kRecv && all_p2p_, "rail combine: ready (the overlapped receive) is a pulled "
-                 "receive half alone, with every rail peer over P2P");
-    EP_CHECK_ARG(T == 0 || (topk_idx != 0 && y != 0), "rail combine: topk_idx and y are required for %d tokens", T);
-    const Ctx& c = *static_cast<Ctx*>(ctx_);
-    ::ep::rail::combine_ready<<<num_blocks_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        c, reinterpret_cast<const int64_t*>(topk_idx), T, K, static_cast<int>(comb_recv_calls_ & 1),
-        reinterpret_cast<int4*>(y));
-    EP_CUDA_CHECK(cudaGetLastError());
-    ++comb_recv_calls_;
-    return;
-  }
   EP_CHECK_ARG(!pull || all_p2p_, "rail combine: the pulled combine reads the rail peers' rows, which needs every "
                "rail peer over P2P (all_p2p)");
   if ((phases & kSend) && placed) {
@@ -275,17 +261,6 @@ std::vector<uintptr_t> Runtime::combine_own_targets(int parity) const {
   for (int m = 0; m < nodes_; ++m)
     out.push_back(reinterpret_cast<uintptr_t>(heap_ + c.comb_rows[parity] +
                                               static_cast<long long>(m) * max_tokens_ * hidden_ * 2));
-  return out;
-}
-
-std::vector<uintptr_t> Runtime::combine_ready_targets(int parity) const {
-  EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "RailRuntime: used after destroy()");
-  EP_CHECK_ARG(parity == 0 || parity == 1, "rail combine_ready_targets: parity must be 0 or 1, got %d", parity);
-  std::vector<uintptr_t> out;
-  if (!all_p2p_) return out;
-  const Ctx& c = *static_cast<const Ctx*>(ctx_);
-  out.push_back(reinterpret_cast<uintptr_t>(heap_ + c.comb_ready[parity]));
-  out.push_back(reinterpret_cast<uintptr_t>(state_ + kCombSendEpoch));
   return out;
 }
 

@@ -55,9 +55,7 @@ void bind_nvlink(py::module_& m) {
                     "16; 0 is the kernel as measured before session 5)")
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"), py::arg("x_rows") = 0,
-           py::arg("y_blocks") = 0, py::arg("block_tokens") = 0, py::arg("ready") = 0)
-      .def_property_readonly("pull_combine_fits", &Runtime::pull_combine_fits,
-                             "whether combine mode 3 (pull) runs the bulk-copy pull kernel, the one that takes ready=1")
+           py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("positions"), py::arg("cached"), py::arg("R_alloc"), py::arg("alignment"),

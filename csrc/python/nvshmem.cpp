@@ -71,10 +71,7 @@ void bind_nvshmem(py::module_& m) {
            py::arg("T"), py::arg("K"), py::arg("phases"), py::arg("stream"))
       .def("combine", &Rail::combine, py::arg("y_f"), py::arg("slot_valid"), py::arg("topk_idx"), py::arg("T"),
            py::arg("K"), py::arg("phases"), py::arg("y"), py::arg("stream"), py::arg("y_rows") = 0, py::arg("placed") = 0,
-           py::arg("pull") = 0, py::arg("ready") = 0)
-      .def("combine_ready_targets", &Rail::combine_ready_targets, py::arg("parity"),
-           "[2] addresses for the overlapped combine's inner kernel: this rank's ready words of `parity` and the "
-           "combine-send epoch they are tagged with; empty unless every rail peer is P2P")
+           py::arg("pull") = 0)
       .def("combine_targets", &Rail::combine_targets, py::arg("parity"),
            "[N] addresses where combine's send half of `parity` puts this node's rows at each rail peer (row of slot "
            "s*M + t at [s] + t * 2H); empty unless every rail peer is P2P")

@@ -43,9 +43,6 @@ class Capabilities:
     combine_gathers: bool = False                     # combine_gathered reads x through the index in its own
                                                       # kernels (no gather pass before them)
     combine_to_blocks: bool = False                   # takes combine_to_blocks (sums stored at device addresses)
-    combine_ready: bool = False                       # combine_to_blocks(ready=True) releases per-chunk ready words
-                                                      # as its sums are stored, where combine_ready_fits says so
-                                                      # (the hierarchical backend's overlapped combine)
     dispatch_scatters: bool = False                   # takes dispatch_scattered (a cached dispatch's rows written
                                                       # through an index by its own kernels: no reorder after them)
     dispatch_contracts: bool = False                  # takes dispatch_contract where dispatch_contract_fits says so
@@ -115,12 +112,6 @@ class Backend(abc.ABC):
         sums straight into the rail peers' receive rows (csrc/nvlink/nvlink.h, CombineRoute)."""
         raise NotImplementedError(f"the {self.name} backend does not write combine's sums to other buffers "
                                   "(capabilities.combine_to_blocks is False)")
-
-    def combine_ready_fits(self, num_tokens: int) -> bool:
-        """Whether combine_to_blocks(..., ready=True) runs for a combine of num_tokens tokens: where
-        `capabilities.combine_ready` and the call's kernel releases per-chunk ready words (the hierarchical backend's
-        overlapped combine asks before it forks its receive off; the answer is the same on every rank)."""
-        return False
 
     def dispatch_scattered(self, x, scales: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                            handle: Handle, out_rows: torch.Tensor, async_op: bool = False) -> DispatchOutput:

@@ -185,17 +185,6 @@ class HierarchicalBackend(Backend):
     # rail's signal means "ready to read" on this path and "landed" on the other (class attribute, as the other
     # switches; the rail's P2P reach is the same on every rank too).
     pull_combine = True
-    # the overlapped combine (session 11, issue 30; docs/INTERNODE.md): where the pulled combine runs with several ranks
-    # per node, the rail's receive + sum (282-303 us of the 2x2 combine on 4x H100, after the 625-667 us inner
-    # combine) runs on a side stream beside the inner combine, whose reducers release a ready word per chunk of 8
-    # slots (the rail's comb_ready; csrc/nvlink/combine_pull_tma.cu, kReady); the receive waits per chunk for both
-    # nodes' words, then reads and sums as the pulled combine does (bit for bit). Only where the inner backend
-    # declares combine_ready and its combine fits it (the bulk-copy pull kernel), the rail can_overlap, the inner
-    # tokens are the rail's N*M slots, and both kernels' blocks fit on the GPU at once (the receive spins on words
-    # the inner combine releases: they must be resident together); elsewhere the pulled combine as before. Every rank
-    # must have the same value (the origins wait for words only an overlapped forwarder releases). Off until measured
-    # (benchmarks/bench_internode.py --combine-path overlap).
-    overlap_combine = False
 
     def __init__(self, group, cfg, hidden: int, num_experts: int, *, ranks_per_node: Optional[int] = None):
         from .. import registry  # the parts are named, never imported
@@ -230,11 +219,6 @@ class HierarchicalBackend(Backend):
         self.worst_case = not cfg.comm.host_sync
         self._ring = None
         self._comm_stream = None
-        # the overlapped combine's receive half: made now where it may run (a stream made during a CUDA graph's capture
-        # would be an API call the capture may refuse), else at its first call
-        self._side_stream = torch.cuda.Stream() if P > 1 and torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
-        self._sms = None
         self.timeline = NO_TIMELINE  # a StageTimeline (timeline.py) marks each call's stages
 
     # ------------------------------------------------------------------ helpers
@@ -429,23 +413,6 @@ class HierarchicalBackend(Backend):
         same on every rank, as the pulled protocol needs."""
         return self.pull_combine and getattr(rail, "can_pull", False)
 
-    def _overlaps(self, rail, st: HierarchicalState) -> bool:
-        """Whether this combine is the overlapped one (overlap_combine): the pulled combine with several ranks per node,
-        a rail that can_overlap, an inner backend whose combine of the slots releases ready words (combine_ready and
-        combine_ready_fits), the inner tokens the rail's N*M slots (the words' chunks are the slots'), and room on the
-        GPU for the inner combine's blocks and the rail's receive blocks at once. Every input is the same on every rank
-        (switches, configuration, GPU model), as the protocol needs; asked before any launch."""
-        if not (self.overlap_combine and self.P > 1 and self._pulls(rail) and getattr(rail, "can_overlap", False)
-                and self.inner.capabilities.combine_ready and self.inner.capabilities.combine_to_blocks
-                and st.inner is not None and st.inner.num_tokens == self.N * self.M and torch.cuda.is_available()):
-            return False
-        inner_blocks, rail_blocks = getattr(self.inner, "num_sms", None), getattr(rail, "num_blocks", None)
-        if inner_blocks is None or rail_blocks is None:
-            return False
-        if self._sms is None:  # once: no device query on every combine
-            self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        return int(inner_blocks) + int(rail_blocks) <= self._sms and self.inner.combine_ready_fits(st.inner.num_tokens)
-
     def _direct_fresh(self, xf: torch.Tensor, sf: Optional[torch.Tensor]) -> bool:
         """Whether the fresh dispatch at P > 1 can have the inner pull write into the contract's order: the switch
         is on, the inner backend declares dispatch_contracts and takes this call (dispatch_contract_fits: on the
@@ -504,11 +471,6 @@ class HierarchicalBackend(Backend):
                 y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
             else:  # back to the inner order
                 to_inner = self._cut_index(st.to_contract, x.shape[0], False) if cut else st.to_contract
-                if pull and self._overlaps(rail, st):  # the same on every rank: whatever `direct`, this path
-                    if not (direct and self.inner.capabilities.combine_gathers):
-                        x, to_inner = gather_rows(x, to_inner), None
-                        tl.mark("reorder")
-                    return self._combine_overlapped(x, to_inner, handle, st, rail, s, async_op)
                 if direct and self.inner.capabilities.combine_gathers:
                     return self._combine_routed(x, to_inner, handle, st, rail, s, async_op, pull)
                 rows = gather_rows(x, to_inner)
@@ -544,40 +506,6 @@ class HierarchicalBackend(Backend):
         else:
             y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, **pull)
         tl.end("rail_recv_sum")
-        return y, (self._event(s, (x, y)) if async_op else None)
-
-    def _combine_overlapped(self, x, to_inner, handle, st, rail, s, async_op):
-        """The pulled combine with its receive half beside the inner combine (overlap_combine; _overlaps said so).
-        On the current stream: the inner combine (its sums into this rank's own rail rows, a ready word per chunk of 8
-        slots released as they are stored), then the rail's signal. On a side stream forked from it before the inner
-        combine (so that both kernels are resident at once: _overlaps checked the blocks fit): the rail's receive
-        half, which waits per chunk for the words of its token's nodes (own node local, the rail peer's over P2P),
-        reads and sums the rows as combine_placed(pull=True) does (bit for bit), then waits for the rail peers'
-        signals. Joined back before y is returned: y, the event (async_op) and everything after this call on the
-        stream wait for the receive. Reuse of rows and words: csrc/nvshmem/rail.h, overlapped combine (the join
-        orders this rank's reads of combine k before its send of k + 1, which its rail peers wait for before their
-        combine k + 2 rewrites that parity). The side stream is captured with the main one in a CUDA graph (an
-        event record / wait pair each way)."""
-        tl = self.timeline
-        main = torch.cuda.current_stream()
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=main.device)
-        side = self._side_stream
-        T = handle.num_tokens
-        # y on the main stream (the one that uses it and frees it); the side stream only writes it before the join
-        y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=handle.topk_idx.device)
-        targets = rail.combine_targets(pull=True, ready=True)
-        side.wait_stream(main)  # x, topk_idx, y and earlier work on this stream before the receive starts
-        ev = self.inner.combine_to_blocks(x, to_inner, st.inner, targets, self.M, ready=True)
-        if ev is not None:
-            ev.current_stream_wait()
-        with torch.cuda.stream(side):
-            rail.combine_ready(handle.topk_idx, T, y=y)
-        tl.mark("reduce_in_node")
-        rail.combine_signal()
-        tl.mark("rail_send")
-        main.wait_stream(side)
-        tl.end("rail_recv_sum")  # on this stream: the receive's tail not hidden behind the inner combine
         return y, (self._event(s, (x, y)) if async_op else None)
 
     # ------------------------------------------------------------------ faults

@@ -98,7 +98,7 @@ class NvlinkBackend(Backend):
     capabilities = Capabilities(
         row_dtypes=(torch.bfloat16, torch.float16), fp8=True, combine_dtypes=(torch.bfloat16,),
         max_topk=MAX_TOPK, max_ranks=MAX_RANKS, checks_expert_ids=True, merges_repeats=True,
-        combine_gathers=True, combine_to_blocks=True, combine_ready=True, dispatch_scatters=True, dispatch_contracts=True,
+        combine_gathers=True, combine_to_blocks=True, dispatch_scatters=True, dispatch_contracts=True,
         hidden_rule=f"a multiple of {HIDDEN_ALIGN} in [{HIDDEN_MIN}, {HIDDEN_MAX}]")
 
     @staticmethod
@@ -479,34 +479,20 @@ class NvlinkBackend(Backend):
         y = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
         return y, self._combine_routed(x, handle, async_op, x_rows, None, 0, y)
 
-    def combine_ready_fits(self, num_tokens: int) -> bool:
-        """Whether combine_to_blocks(ready=True) runs for a combine of num_tokens tokens (Backend.combine_ready_fits):
-        the call plans the bulk-copy pull kernel, the one whose reducers release ready words (same on every rank of
-        one configuration and GPU model)."""
-        mode = plan_combine_kernel(self.combine_mode, int(num_tokens), self.world, self.num_sms)
-        return mode == "pull" and bool(self._rt.pull_combine_fits)
-
-    def combine_to_blocks(self, x, x_rows, handle, y_blocks, block_tokens, async_op=False, ready=False):
+    def combine_to_blocks(self, x, x_rows, handle, y_blocks, block_tokens, async_op=False):
         """combine whose sums the kernels store at y_blocks' addresses (Backend.combine_to_blocks): the event
-        (async_op) or None. ready: y_blocks has two more entries (ready words, their epoch: the rail's
-        combine_targets(pull=True, ready=True)) which the reducers release per chunk of 8 tokens (combine_ready_fits
-        must hold; csrc/nvlink/combine_pull_tma.cu, kReady)."""
+        (async_op) or None."""
         if (not isinstance(y_blocks, torch.Tensor) or y_blocks.dtype != torch.int64 or y_blocks.dim() != 1
                 or not y_blocks.is_contiguous() or y_blocks.device != x.device):
             raise TypeError(f"y_blocks must be a contiguous 1-D int64 tensor of addresses on {x.device}, got "
                             f"{getattr(y_blocks, 'dtype', type(y_blocks))} {list(getattr(y_blocks, 'shape', ()))}")
         block_tokens = int(block_tokens)
-        if ready and not self.combine_ready_fits(handle.num_tokens):
-            raise ValueError("combine_to_blocks(ready=True) needs the bulk-copy pull combine (combine_ready_fits)")
-        if block_tokens >= 1 and ready and y_blocks.numel() != -(-handle.num_tokens // block_tokens) + 2:
-            raise ValueError(f"y_blocks with ready words must hold ceil({handle.num_tokens} / {block_tokens}) block "
-                             f"addresses and 2 more, got {y_blocks.numel()}")
-        if block_tokens < 1 or (y_blocks.numel() - (2 if ready else 0)) * block_tokens < handle.num_tokens:
+        if block_tokens < 1 or y_blocks.numel() * block_tokens < handle.num_tokens:
             raise ValueError(f"y_blocks ({y_blocks.numel()} blocks of block_tokens={block_tokens}) must hold the "
                              f"handle's {handle.num_tokens} tokens")
-        return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, None, ready)
+        return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, None)
 
-    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, y, ready=False):
+    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, y):
         self.check()
         st = self._state(handle)
         if not x.is_contiguous() or x.data_ptr() % 16:
@@ -521,7 +507,7 @@ class NvlinkBackend(Backend):
                          0 if y is None else y.data_ptr(), T, self.num_sms,
                          COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp,
                          0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
-                         block_tokens, *((1,) if ready else ()))
+                         block_tokens)
         return self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None
 
     # ---------------------------------------------------------------- teardown

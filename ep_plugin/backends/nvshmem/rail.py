@@ -23,10 +23,7 @@ itself; ``combine_placed`` then only signals and receives (no copy of the rows, 
 The pulled form (``pull=True`` on combine, combine_targets and combine_placed, where ``can_pull``: every rail peer
 over P2P) keeps each forwarder's rows in its own receive rows (local stores, by its send half or by the caller's
 kernel at ``combine_targets(pull=True)``) and has the origin's receive half read them from its rail peers; every
-rank of the group must pass the same ``pull`` to a call (csrc/nvshmem/rail.h, pulled combine). The overlapped form
-(``combine_targets(pull=True, ready=True)`` for the caller's kernel, which also releases per-chunk ready words;
-``combine_signal``; ``combine_ready`` on another stream beside that kernel) has the receive wait per chunk of slots
-instead of for the signals up front (rail.h, overlapped combine; HierarchicalBackend.overlap_combine).
+rank of the group must pass the same ``pull`` to a call (csrc/nvshmem/rail.h, pulled combine).
 
 A wait past comm.timeout_s records the missing rail peer in host-mapped memory; check() raises it as
 EPTimeoutError naming its group rank (once), and set_mask() lets the others go on without it.
@@ -122,11 +119,6 @@ class NvshmemRail(ReportsFaults):
                           for p in (0, 1)] if self._rt.all_p2p else [None, None])
         self._own_targets = ([torch.tensor(self._rt.combine_own_targets(p), dtype=torch.int64, device=self.device)
                               for p in (0, 1)] if self._rt.all_p2p else [None, None])
-        # the overlapped combine's (combine_targets(pull=True, ready=True)): the own targets, then this rank's ready
-        # words of the parity and the combine-send epoch that tags them (csrc/nvshmem/rail.h, overlapped combine)
-        self._ready_targets = ([torch.tensor(self._rt.combine_own_targets(p) + self._rt.combine_ready_targets(p),
-                                             dtype=torch.int64, device=self.device)
-                                for p in (0, 1)] if self._rt.all_p2p else [None, None])
         self._masked = False          # a set_mask() left a rank out: combine sends through its own half
         self._reported = False
         # called with "rail_send" between the send and the receive launch of each call (the backend's
@@ -229,29 +221,15 @@ class NvshmemRail(ReportsFaults):
         rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream, 0, 0, pull)
         return y
 
-    @property
-    def can_overlap(self) -> bool:
-        """Whether the overlapped receive (combine_targets(pull=True, ready=True), combine_signal, combine_ready) runs
-        here: the pulled combine's reach (can_pull)."""
-        return self.can_pull
-
-    def combine_targets(self, pull: bool = False, ready: bool = False) -> Optional[torch.Tensor]:
+    def combine_targets(self, pull: bool = False) -> Optional[torch.Tensor]:
         """[N] int64 on this GPU: where the next combine puts this node's rows at each rail peer (the row of slot
         s*M + t goes to address [s] + t * 2H), for a kernel that stores them there itself before combine_placed;
         None where they must go through combine's send half (NVSHMEM puts across hosts, a rank left out by
         set_mask). Valid for the next combine on this rail only (the two parities alternate). pull: the addresses
         in this rank's own rows where the pulled combine keeps them (combine_placed(pull=True) after the stores);
-        a mask does not matter there (nothing is stored at a peer; its rows are simply not read). ready (with pull):
-        [N + 2], the own targets then two addresses for a kernel that releases per-chunk ready words as it stores the
-        rows (nvlink's combine_to_blocks(ready=True)): this rank's ready words of the parity and the epoch that tags
-        them; the overlapped combine (combine_signal and combine_ready after it) reads them."""
+        a mask does not matter there (nothing is stored at a peer; its rows are simply not read)."""
         if pull:
-            if not self.can_pull:
-                return None
-            own = self._ready_targets if ready else self._own_targets
-            return own[self._rt.next_combine_parity()]
-        if ready:
-            raise ValueError("ready targets are the overlapped (pulled) combine's: pass pull=True")
+            return self._own_targets[self._rt.next_combine_parity()] if self.can_pull else None
         if self._masked or not self._rt.all_p2p:
             return None
         return self._targets[self._rt.next_combine_parity()]
@@ -270,29 +248,6 @@ class NvshmemRail(ReportsFaults):
         if self.on_phase is not None:
             self.on_phase("rail_send")
         rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), stream, 0, 0, pull)
-        return y
-
-    def combine_signal(self) -> None:
-        """The overlapped combine's send half, on the current stream after the kernel that stored the rows at
-        combine_targets(pull=True, ready=True) and released their ready words: it only signals (the rows stay put; the
-        signal is what the rail peers' combine_ready waits for at its end, the reuse chain of rail.h)."""
-        if not self.can_overlap:
-            raise ValueError("the overlapped combine needs every rail peer over P2P (can_overlap)")
-        self._rt.combine(0, 0, 0, 0, 1, SEND, 0, _current_stream(), 0, 1, 1)
-
-    def combine_ready(self, topk_idx: torch.Tensor, num_tokens: int, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The overlapped combine's receive half on the current stream (meant for a side stream beside the inner
-        combine): per chunk of slots it waits for the rail peers' ready words, then reads and sums as
-        combine_placed(pull=True)'s receive half (bit for bit), then waits for their signals. y: [T, H] bf16 to write
-        (allocated by the caller on the stream that will use it), else a new tensor. -> y."""
-        T, K = self._check_combine(topk_idx, num_tokens)
-        if not self.can_overlap:
-            raise ValueError("the overlapped combine needs every rail peer over P2P (can_overlap)")
-        if y is None:
-            y = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
-        elif y.dtype != torch.bfloat16 or tuple(y.shape) != (T, self.hidden) or not y.is_contiguous():
-            raise TypeError(f"y must be contiguous bfloat16 [{T}, {self.hidden}], got {y.dtype} {list(y.shape)}")
-        self._rt.combine(0, 0, topk_idx.data_ptr(), T, K, RECV, y.data_ptr(), _current_stream(), 0, 0, 1, 1)
         return y
 
     def _check_combine(self, topk_idx: torch.Tensor, num_tokens: int):
@@ -319,4 +274,3 @@ class NvshmemRail(ReportsFaults):
         self._views = None  # views of the heap: freed with it
         self._targets = [None, None]
         self._own_targets = [None, None]
-        self._ready_targets = [None, None]
