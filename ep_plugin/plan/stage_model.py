@@ -88,17 +88,19 @@ class StageCosts:
     wait: Dict[str, float] = field(default_factory=dict)
 
 
-# Fitted from session 11's device run (4x H100, 2026-11-27 08:43 UTC, commit 4ad842f: both dispatches in the
-# contract's order, no reorder stage left at P > 1; results/internode_2x2_2x1_timeline_h100x4_2026-11-27_s11call2.json,
-# `python -m ep_plugin.plan.stage_model --from <that JSON> --emit`): each stage the median rank's, the start-skew
-# wait apart; the one-rank node's gather ("gather") from the 2x1 timeline of the same run, since no 2x2 stage
-# copies any more. Refit with --emit after the next run.
+# Fitted from session 11's device runs (4x H100, 2026-11-27; `python -m ep_plugin.plan.stage_model --from <JSON>
+# --emit` on each, then the two tables joined): the dispatches from call 2's timeline (08:43 UTC, commit 4ad842f: both
+# dispatches in the contract's order, no reorder stage at P > 1; the one-rank node's gather ("gather") from the 2x1
+# timeline of that run, since no 2x2 stage copies any more; results/internode_2x2_2x1_timeline_h100x4_2026-11-27_s11call2.json),
+# the combine from call 5's (09:19 UTC, the pulled combine, the default since; results/internode_2x2_default_h100x4_
+# 2026-11-27_s11call5.json). Each stage the median rank's, the start-skew wait apart. Refit after the next run.
 MEASURED_2X2 = StageCosts(
     dispatch={'rail_send': ('rate', 459.7), 'rail_recv': ('fixed', 24.0), 'layout': ('fixed', 3.3), 'forward': ('rate', 375.7), 'counts': ('fixed', 8.4), 'gather': ('rate', 2186.0)},
     dispatch_cached={'rail_send': ('rate', 433.3), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 518.8), 'gather': ('rate', 2535.1)},
-    combine={'reduce_in_node': ('rate', 265.0), 'rail_send': ('rate', 8832.5), 'rail_recv_sum': ('rate', 982.9)},
-    wait={'dispatch': 27.9, 'dispatch_cached': 15.2, 'combine': 11.6},
-    source='NVIDIA H100 80GB HBM3, 2026-11-27 08:43 UTC, commit 4ad842f, 2x2 uniform timeline')
+    combine={'reduce_in_node': ('rate', 356.8), 'rail_send': ('rate', 9072.1), 'rail_recv_sum': ('rate', 826.3)},
+    wait={'dispatch': 27.9, 'dispatch_cached': 15.2, 'combine': 34.8},
+    source='NVIDIA H100 80GB HBM3, 2026-11-27, commit 4ad842f (dispatches, 08:43 UTC) and the pulled combine of 10274e6 '
+           '(09:19 UTC), 2x2 uniform timelines')
 
 # Session 8's fit (4x H100, 2026-11-27 01:01 UTC, main after branch inter8: the combine that places its sums, the
 # dispatches still with their reorder pass; results/internode_2x2_now_h100x4_2026-11-27_s8call4.json): the costs of
