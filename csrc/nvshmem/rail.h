@@ -96,6 +96,7 @@ class Runtime {
   void destroy(bool collective);  // nvshmem_free (collective) unless after a fault
 
  private:
+  std::vector<uintptr_t> comb_rows_of(int parity, bool own) const;  // combine_targets / combine_own_targets
   void check_call(int T, int K, int phases, const char* what) const;
   int world_, ranks_per_node_, local_, nodes_, max_tokens_, max_topk_, hidden_, fp8_, num_blocks_;
   unsigned long long disp_send_calls_ = 0, disp_recv_calls_ = 0, comb_send_calls_ = 0, comb_recv_calls_ = 0;

@@ -241,26 +241,22 @@ Buffers Runtime::buffers(int parity) const {
                  at(c.disp_w[parity])};
 }
 
-std::vector<uintptr_t> Runtime::combine_targets(int parity) const {
-  EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "RailRuntime: used after destroy()");
-  EP_CHECK_ARG(parity == 0 || parity == 1, "rail combine_targets: parity must be 0 or 1, got %d", parity);
-  std::vector<uintptr_t> out;
-  if (!all_p2p_) return out;
-  const Ctx& c = *static_cast<const Ctx*>(ctx_);
-  const long long off = c.comb_rows[parity] + static_cast<long long>(c.node) * max_tokens_ * hidden_ * 2;
-  for (int m = 0; m < nodes_; ++m) out.push_back(reinterpret_cast<uintptr_t>(c.peer[m] + off));
-  return out;
-}
+std::vector<uintptr_t> Runtime::combine_targets(int parity) const { return comb_rows_of(parity, false); }
 
-std::vector<uintptr_t> Runtime::combine_own_targets(int parity) const {
+std::vector<uintptr_t> Runtime::combine_own_targets(int parity) const { return comb_rows_of(parity, true); }
+
+// [N] row-block addresses in comb_rows of `parity`, node m's block each: this node's block at every rail peer m
+// (the pushed form's targets) or block m of this rank's own (the pulled form's); empty unless all_p2p().
+std::vector<uintptr_t> Runtime::comb_rows_of(int parity, bool own) const {
   EP_CHECK(ctx_ != nullptr && heap_ != nullptr, "RailRuntime: used after destroy()");
-  EP_CHECK_ARG(parity == 0 || parity == 1, "rail combine_own_targets: parity must be 0 or 1, got %d", parity);
+  EP_CHECK_ARG(parity == 0 || parity == 1, "rail combine targets: parity must be 0 or 1, got %d", parity);
   std::vector<uintptr_t> out;
   if (!all_p2p_) return out;
   const Ctx& c = *static_cast<const Ctx*>(ctx_);
+  const long long block = static_cast<long long>(max_tokens_) * hidden_ * 2;
   for (int m = 0; m < nodes_; ++m)
-    out.push_back(reinterpret_cast<uintptr_t>(heap_ + c.comb_rows[parity] +
-                                              static_cast<long long>(m) * max_tokens_ * hidden_ * 2));
+    out.push_back(own ? reinterpret_cast<uintptr_t>(heap_ + c.comb_rows[parity] + m * block)
+                      : reinterpret_cast<uintptr_t>(c.peer[m] + c.comb_rows[parity] + c.node * block));
   return out;
 }
 

@@ -460,12 +460,12 @@ class HierarchicalBackend(Backend):
             direct = self.fused_combine and x.is_contiguous() and x.data_ptr() % 16 == 0
             # unlike `direct`, the same on every rank (the switch and the rail's P2P reach), as the pulled
             # protocol needs: each branch below takes it
-            pull = {"pull": True} if self._pulls(rail) else {}
+            pull = self._pulls(rail)
             if self.P == 1:
                 slot_row = self._cut_index(st.slot_row, x.shape[0], True) if cut else st.slot_row
                 if direct and x.shape[0] > 0:  # the rail's send reads each slot's row of x in place: no gather
                     tl.mark("reduce_in_node")
-                    y = rail.combine(x, st.slot_valid, handle.topk_idx, handle.num_tokens, y_rows=slot_row, **pull)
+                    y = rail.combine(x, st.slot_valid, handle.topk_idx, handle.num_tokens, y_rows=slot_row, pull=pull)
                     tl.end("rail_recv_sum")
                     return y, (self._event(s, (x, y)) if async_op else None)
                 y_f = LocalNode.to_slots(x, slot_row, self.N * self.M)
@@ -479,7 +479,7 @@ class HierarchicalBackend(Backend):
                 if ev is not None:
                     ev.current_stream_wait()
             tl.mark("reduce_in_node")
-            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, **pull)
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, pull=pull)
             tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
@@ -489,11 +489,11 @@ class HierarchicalBackend(Backend):
         the rail peers' receive rows (combine_targets: every rail peer over P2P, none masked) and the inner backend
         can store there (combine_to_blocks), the inner reduce writes each node's sum of slot s*M + t straight
         into rank (s, l)'s rows, so the rail's send half only signals (no y_f, no copy of the rows). The sums
-        are the same values in the same order as the passes they replace, bit for bit. pull ({"pull": True} or {}):
+        are the same values in the same order as the passes they replace, bit for bit. pull:
         the pulled combine, where the targets are this rank's own rail rows (rail.combine_targets(pull=True)) and
         the rail's receive half reads its peers' (or, without such targets, the rail's send half copies y_f there)."""
         tl = self.timeline
-        targets = rail.combine_targets(**pull) if self.inner.capabilities.combine_to_blocks else None
+        targets = rail.combine_targets(pull=pull) if self.inner.capabilities.combine_to_blocks else None
         if targets is not None:
             ev = self.inner.combine_to_blocks(x, to_inner, st.inner, targets, self.M)
         else:
@@ -502,9 +502,9 @@ class HierarchicalBackend(Backend):
             ev.current_stream_wait()
         tl.mark("reduce_in_node")
         if targets is not None:
-            y = rail.combine_placed(handle.topk_idx, handle.num_tokens, **pull)
+            y = rail.combine_placed(handle.topk_idx, handle.num_tokens, pull=pull)
         else:
-            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, **pull)
+            y = rail.combine(y_f, st.slot_valid, handle.topk_idx, handle.num_tokens, pull=pull)
         tl.end("rail_recv_sum")
         return y, (self._event(s, (x, y)) if async_op else None)
 
