@@ -103,6 +103,26 @@ def timeline(fn, stamps, mode, warmup, iters, flush):
     return out
 
 
+def profile(fn, op, n, rank):
+    """cProfile over n calls, each alone (the GPU drained between them, outside the profile), on every rank
+    (the kernels meet); rank 0 prints the functions by their own time: which Python a call pays for."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+        body = text.getvalue()
+        print(f"--- profile {op}, {n} calls (us = s * {1e6 / n:.0f}) ---\n" + body[body.find("ncalls"):], flush=True)
+
+
 def rank_main(rank, world, port, args, q):
     init_rank(rank, world, port)
     inp = make_inputs("throughput", rank, world)
@@ -134,6 +154,8 @@ def rank_main(rank, world, port, args, q):
             if rank == 0:
                 cells = "  ".join(f"{k} {v:7.1f}" for k, v in row["slowest"].items())
                 print(f"EP{world} {args.sms} SMs {op:9s} {mode:6s} {cells}", flush=True)
+        if args.profile:
+            profile(fn, op, args.profile, rank)
     del first, ex
     buf.close()
     if rank == 0:
@@ -151,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", choices=["dispatch", "cached", "combine", "expert", "combine_e"],
                     help="a subset of the ops (default: all)")
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each op's timelines, cProfile N lone calls and print rank 0's costliest functions")
     ap.add_argument("--out", default=None, help="folder for bench_nvlink_host_gpu_ep<W>.json")
     args = ap.parse_args(argv)
     report, done = run_world(rank_main, args.world, args, on_partial=lambda body: None)
