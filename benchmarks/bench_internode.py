@@ -115,6 +115,14 @@ def use_combine_path_pull() -> None:
     HierarchicalBackend.pull_combine = True
 
 
+def _pulls(path: str) -> bool:
+    """Whether the run's combine was the pulled one where the rail peers are P2P (stage_model.local_combine_terms
+    takes only such runs' 2x1 timelines)."""
+    from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
+
+    return path == "pull" or (path == "now" and bool(HierarchicalBackend.pull_combine))
+
+
 def use_combine_path_push() -> None:
     """The pushed combine of sessions 8-10 (same values): the inner combine (P > 1) or the rail's send (P = 1) stores
     each sum at its origin's rail rows (--combine-path push; the default pulls where every rail peer is P2P)."""
@@ -335,7 +343,7 @@ def main(argv=None) -> int:
             "tokens": T, "hidden": H, "num_experts": E, "topk": K, "num_sms": args.num_sms, "iters": args.iters,
             "backends": args.backends, "timeline_calls": args.timeline, "host_path": args.host_path,
             "combine_path": args.combine_path, "cached_path": args.cached_path,
-            "fresh_path": args.fresh_path,
+            "fresh_path": args.fresh_path, "pull_combine": _pulls(args.combine_path),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "complete": complete, "wall_s": round(time.time() - t0, 1),
             "note": "virtual nodes on one host: the rail hop runs over NVLink (NVSHMEM P2P), not RDMA"}

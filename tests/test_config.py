@@ -298,11 +298,12 @@ def test_each_choice_list_is_defined_once():
 
 WORST_CASE, COMBINE, DISPATCH = "EP_PLUGIN_NVLINK_WORST_CASE", "EP_PLUGIN_NVLINK_COMBINE", "EP_PLUGIN_NVLINK_DISPATCH"
 LL_REDUCE = "EP_PLUGIN_LL_COMBINE_REDUCE"
+SPARES = "EP_PLUGIN_NVLINK_SPARES"
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in (WORST_CASE, COMBINE, DISPATCH, LL_REDUCE, "EP_PLUGIN_CONFIG_DIR"):
+    for var in (WORST_CASE, COMBINE, DISPATCH, LL_REDUCE, SPARES, "EP_PLUGIN_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -326,6 +327,17 @@ def test_env_overrides_kernel_choice(clean_env, var, key, kernel):
     assert getattr(load_config("deepseek_v3").comm, key) == kernel
     clean_env.setenv(var, "fuse")
     with pytest.raises(ConfigError, match=f"{var}='fuse'.*comm.{key}.*did you mean 'fused'"):
+        load_config("tiny")
+
+
+def test_env_switches_spare_outputs(clean_env):
+    assert load_config(None).comm.spare_outputs is True
+    clean_env.setenv(SPARES, "off")
+    assert load_config({"comm": {"spare_outputs": True}}).comm.spare_outputs is False
+    clean_env.setenv(SPARES, "1")
+    assert load_config({"comm": {"spare_outputs": False}}).comm.spare_outputs is True
+    clean_env.setenv(SPARES, "maybe")
+    with pytest.raises(ConfigError, match=f"{SPARES}='maybe'.*comm.spare_outputs"):
         load_config("tiny")
 
 

@@ -463,60 +463,95 @@ def test_streams_and_async(gpu):
     buf.close()
 
 
-def test_notify_tensors_made_ahead_serve_the_same_stream_and_tokens_only(gpu, monkeypatch):
-    """notify's tensors of a dispatch are made at the end of the previous one (the cold call's first
-    launch waits on no allocation) once a token count came twice in a row; used only for as many tokens,
-    on the same current stream, outside a capture; fresh tensors otherwise. Each handle keeps its own."""
+def test_call_tensors_made_ahead_serve_the_same_form_and_stream_only(gpu, monkeypatch):
+    """What a call's kernels write -- notify's tensors, a dispatch's outputs, a combine's sums -- is made at the
+    end of the previous call of the same form (spares.py), once that form came twice in a row: the cold call's
+    launches wait on no allocation. Used only for that form, on the same current stream, outside a capture;
+    every call still returns tensors of its own (and each handle keeps its own)."""
     log, stream, _ = gpu
     buf = make_buf()
     be = buf._backend
     x, idx, w = inputs()
 
-    def notify_ptrs():
-        return dict(log)["notify"][3:7]
+    def launched():  # (notify's four pointers, the pull's rows pointer) of the last dispatch
+        d = dict(log)
+        return d["notify"][3:7], d["pull"][0]
 
-    def spare_ptrs():
-        return tuple(t.data_ptr() for t in be._spare[3])
+    def made():
+        sets = be._spares._sets
+        n = sets["notify"][2][1] if "notify" in sets else None
+        r = sets["rows"][2][1][0] if "rows" in sets else None
+        return n, r
 
     a = buf.dispatch(x, idx, w)
-    assert be._spare is None  # a token count seen once
+    assert len(be._spares) == 0  # a form seen once leaves nothing behind
     b = buf.dispatch(x, idx, w)
-    made = spare_ptrs()
+    ahead = made()
+    assert None not in ahead
     log.clear()
     c = buf.dispatch(x, idx, w)
-    assert notify_ptrs() == made  # the spare served
-    ptrs = {r.handle.state.send_pos.data_ptr() for r in (a, b, c)}
-    assert len(ptrs) == 3 and a.tokens_per_expert == c.tokens_per_expert
-    # another token count: fresh tensors; a spare for it once it comes again
-    made = spare_ptrs()
+    assert launched() == ahead and c.x.data_ptr() == ahead[1]  # both served
+    assert len({r.handle.state.send_pos.data_ptr() for r in (a, b, c)}) == 3
+    assert len({r.x.data_ptr() for r in (a, b, c)}) == 3 and a.tokens_per_expert == c.tokens_per_expert
+    # another token count: notify's tensors fresh (then made for it); the worst-case rows do not depend on T
+    ahead = made()
     small = (x[:4].contiguous(), idx[:4].contiguous(), w[:4].contiguous())
     log.clear()
     buf.dispatch(*small)
-    assert notify_ptrs() != made and be._spare[0] == T
+    got = launched()
+    assert got[0] != ahead[0] and got[1] == ahead[1] and "notify" not in be._spares._sets
     buf.dispatch(*small)
-    assert be._spare[0] == 4
+    assert be._spares._sets["notify"][0][0] == 4
     # another current stream: fresh tensors
     buf.dispatch(x, idx, w)
     buf.dispatch(x, idx, w)
-    made = spare_ptrs()
+    ahead, keep = made(), dict(be._spares._sets)  # kept: their memory cannot come back as the fresh tensors
     stream.cuda_stream = 0x9000
     log.clear()
     buf.dispatch(x, idx, w)
-    assert notify_ptrs() != made and dict(log)["notify"][-1] == 0x9000
+    got = launched()
+    assert got[0] != ahead[0] and got[1] != ahead[1] and dict(log)["notify"][-1] == 0x9000
     buf.dispatch(x, idx, w)
+    del keep
     # a capture neither takes nor makes one (nor frees one) ...
-    spare = be._spare
+    ahead, sets = made(), dict(be._spares._sets)
     monkeypatch.setattr(nvl, "_is_capturing", lambda: True)
     log.clear()
     buf.dispatch(x, idx, w)
-    assert notify_ptrs() != tuple(t.data_ptr() for t in spare[3]) and be._spare is spare
+    got = launched()
+    assert got[0] != ahead[0] and got[1] != ahead[1] and be._spares._sets == sets
     monkeypatch.undo()
-    # ... and the next dispatch outside it takes it
+    # ... and the next dispatch outside it takes them
     log.clear()
     buf.dispatch(x, idx, w)
-    assert notify_ptrs() == tuple(t.data_ptr() for t in spare[3]) and be._spare is not spare
+    assert launched() == ahead and be._spares._sets["rows"] is not sets["rows"]
+    # a cached dispatch is another form: the fresh rows go, its own come once it repeats
+    res = buf.dispatch(x, idx, w)
+    log.clear()
+    one = buf.dispatch(x, handle=res.handle)
+    assert dict(log)["pull"][0] == one.x.data_ptr() and "rows" not in be._spares._sets
+    buf.dispatch(x, handle=res.handle)
+    ahead = be._spares._sets["rows"][2][1][0]
+    log.clear()
+    three = buf.dispatch(x, handle=res.handle)
+    assert dict(log)["pull"][0] == three.x.data_ptr() == ahead
+    # a combine's sums, likewise
+    rows = torch.zeros(R, H, dtype=torch.bfloat16)
+    buf.combine(rows, res.handle)
+    y2 = buf.combine(rows, res.handle)
+    ahead = be._spares._sets["sums"][2].data_ptr()
+    log.clear()
+    y3 = buf.combine(rows, res.handle)
+    assert y3.data_ptr() == ahead == dict(log)["combine"][4] and y2.data_ptr() != ahead
     buf.close()
-    assert be._spare is None
+    assert len(be._spares) == 0
+    # comm.spare_outputs: false makes none
+    buf = make_buf(spare_outputs=False)
+    for _ in range(3):
+        res = buf.dispatch(x, idx, w)
+        buf.combine(rows, res.handle)
+    assert len(buf._backend._spares) == 0
+    buf.close()
 
 
 def test_runtime_errors_are_raised(gpu):

@@ -7,6 +7,7 @@ EP_PLUGIN_NVLINK_WORST_CASE  comm.host_sync       1 | true | yes | on: host_sync
                                                   for the worst case); 0 | false | no | off: true
 EP_PLUGIN_NVLINK_COMBINE     comm.combine_kernel  auto | split | fused | pipelined | pull
 EP_PLUGIN_NVLINK_DISPATCH    comm.dispatch_kernel auto | split | fused
+EP_PLUGIN_NVLINK_SPARES      comm.spare_outputs   1 | true | yes | on | 0 | false | no | off
 EP_PLUGIN_LL_COMBINE_REDUCE  comm.low_latency.    source | owner
                              combine_reduce
 EP_PLUGIN_CONFIG_DIR         (preset lookup)      a directory searched for <name>.yaml presets
@@ -31,6 +32,7 @@ from .validate import fmt_allowed, suggest
 WORST_CASE = "EP_PLUGIN_NVLINK_WORST_CASE"
 COMBINE = "EP_PLUGIN_NVLINK_COMBINE"
 DISPATCH = "EP_PLUGIN_NVLINK_DISPATCH"
+SPARES = "EP_PLUGIN_NVLINK_SPARES"
 LL_COMBINE_REDUCE = "EP_PLUGIN_LL_COMBINE_REDUCE"
 CONFIG_DIR = "EP_PLUGIN_CONFIG_DIR"
 
@@ -48,6 +50,15 @@ def _worst_case_to_host_sync(text: str) -> bool:
                       f"{' | '.join(_TRUE)} (never wait on the host) or {' | '.join(_FALSE)}")
 
 
+def _switch(var: str, key: str) -> Callable[[str], bool]:
+    def parse(text: str) -> bool:
+        word = text.lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise ConfigError(f"{var}={text!r} (environment): overrides {key}; allowed: {' | '.join(_TRUE + _FALSE)}")
+    return parse
+
+
 def _kernel_choice(var: str, key: str, allowed: Tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text in allowed:
@@ -62,6 +73,7 @@ OVERRIDES: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     WORST_CASE: ("comm.host_sync", _worst_case_to_host_sync),
     COMBINE: ("comm.combine_kernel", _kernel_choice(COMBINE, "comm.combine_kernel", COMBINE_KERNELS)),
     DISPATCH: ("comm.dispatch_kernel", _kernel_choice(DISPATCH, "comm.dispatch_kernel", DISPATCH_KERNELS)),
+    SPARES: ("comm.spare_outputs", _switch(SPARES, "comm.spare_outputs")),
     LL_COMBINE_REDUCE: ("comm.low_latency.combine_reduce",
                         _kernel_choice(LL_COMBINE_REDUCE, "comm.low_latency.combine_reduce", COMBINE_REDUCES)),
 }

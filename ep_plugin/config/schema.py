@@ -119,6 +119,10 @@ class CommConfig:
     # max_tokens_per_rank allows and the counts come back as device tensors plus a lazy pinned copy.
     # True: the host waits for the counts so that outputs have their exact size (one sync per dispatch).
     host_sync: bool = False
+    # nvlink: make each call's output tensors at the end of the previous call of the same form, after its
+    # launches, so that a call's kernels do not wait for the CUDA allocator (backends/nvlink/spares.py).
+    # Holds one call's outputs per kind of call (worst-case dispatch rows, a combine's sums); false frees it.
+    spare_outputs: bool = True
     # nvlink combine (one of COMBINE_KERNELS): send + reduce kernels ("split"), one kernel whose warps
     # send and then reduce each chunk once it has arrived ("fused"), the same with bulk-copy sends while
     # the other warps reduce ("pipelined"), or every rank stages its rows in its own buffer and the owners

@@ -64,6 +64,7 @@ RULES: Dict[str, Dict[str, Tuple[str, Any]]] = {
         "max_tokens_per_rank": _POS_INT,
         "timeout_s": ("float", "a float > 0 (seconds)"),
         "host_sync": _BOOL,
+        "spare_outputs": _BOOL,
         "combine_kernel": ("enum", COMBINE_KERNELS),
         "dispatch_kernel": ("enum", DISPATCH_KERNELS),
         "validate": ("enum", VALIDATE_MODES),

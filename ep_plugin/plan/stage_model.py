@@ -55,6 +55,7 @@ A StageCosts with placeholder=True (none now) is marked so in every table printe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -93,14 +94,19 @@ class StageCosts:
 # dispatches in the contract's order, no reorder stage at P > 1; the one-rank node's gather ("gather") from the 2x1
 # timeline of that run, since no 2x2 stage copies any more; results/internode_2x2_2x1_timeline_h100x4_2026-11-27_s11call2.json),
 # the combine from call 5's (09:19 UTC, the pulled combine, the default since; results/internode_2x2_default_h100x4_
-# 2026-11-27_s11call5.json). Each stage the median rank's, the start-skew wait apart. Refit after the next run.
+# 2026-11-27_s11call5.json). Each stage the median rank's, the start-skew wait apart. The pulled combine's P = 1 terms
+# (send_local: its send half, a copy into the rank's own rail rows; local_reduce: the stage that moves nothing at P = 1)
+# from session 12's 2x1 timeline (2x H200, 10:34 UTC, commit 24a9261; results/internode_2x1_timeline_h200x2_2026-11-27_
+# s12call1.json): no H100 was lent for it, so an H200's local copy rate stands in. Refit after the next run.
 MEASURED_2X2 = StageCosts(
     dispatch={'rail_send': ('rate', 459.7), 'rail_recv': ('fixed', 24.0), 'layout': ('fixed', 3.3), 'forward': ('rate', 375.7), 'counts': ('fixed', 8.4), 'gather': ('rate', 2186.0)},
     dispatch_cached={'rail_send': ('rate', 433.3), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 518.8), 'gather': ('rate', 2535.1)},
-    combine={'reduce_in_node': ('rate', 356.8), 'rail_send': ('rate', 9072.1), 'rail_recv_sum': ('rate', 826.3)},
+    combine={'reduce_in_node': ('rate', 356.8), 'rail_send': ('rate', 9072.1), 'rail_recv_sum': ('rate', 826.3),
+             'send_local': ('rate', 658.0), 'local_reduce': ('fixed', 22.7)},
     wait={'dispatch': 27.9, 'dispatch_cached': 15.2, 'combine': 34.8},
     source='NVIDIA H100 80GB HBM3, 2026-11-27, commit 4ad842f (dispatches, 08:43 UTC) and the pulled combine of 10274e6 '
-           '(09:19 UTC), 2x2 uniform timelines')
+           '(09:19 UTC), 2x2 uniform timelines; the P = 1 combine terms from a 2x1 timeline on 2x H200 (session 12, '
+           '10:34 UTC, 24a9261)')
 
 # Session 8's fit (4x H100, 2026-11-27 01:01 UTC, main after branch inter8: the combine that places its sums, the
 # dispatches still with their reorder pass; results/internode_2x2_now_h100x4_2026-11-27_s8call4.json): the costs of
@@ -179,9 +185,13 @@ def predict_ours(shape: Shape, costs: StageCosts, kind: str = "dispatch", hw: Op
     for stage in _stages(kind, shape.per_node, reorder):
         how, v = table.get(stage, ("fixed", 0.0))
         if placed and shape.per_node == 1 and stage == "reduce_in_node":
-            how, v = ("fixed", 0.0)  # the rail's send reads x through the slot index: no gather at P = 1
+            # the rail's send reads x through the slot index: no gather at P = 1, only what a P = 1 timeline
+            # measured in the stage (its launch and the kernel's start)
+            how, v = table.get("local_reduce", ("fixed", 0.0))
         elif placed and shape.per_node == 1 and stage == "rail_send":
-            how, v = costs.dispatch["rail_send"]  # a copy of the rows again, as the dispatch's rail (signal-only at P > 1)
+            # the pulled combine's send half at P = 1 is a copy into this rank's own rail rows (local HBM), priced at
+            # a P = 1 timeline's rate; fits without one price it as the dispatch's rail copy over P2P
+            how, v = table.get("send_local", costs.dispatch["rail_send"])
         elif shape.per_node == 1 and stage in ("forward", "reduce_in_node") and _gather_key(table):
             how, v = table[_gather_key(table)]  # one-rank nodes gather their slots: a local copy (module docstring)
         if how == "fixed":
@@ -287,6 +297,25 @@ def _gather_rate(benches: Dict[str, dict], kind: str, case: str) -> Optional[flo
             fan = fanout(shape.nodes, 1, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
             return round(stage_bytes(shape, kind, fan)["forward"] / (us * 1e3), 1)
     return None
+
+
+def local_combine_terms(doc: dict, case: str = "uniform") -> Dict[str, Tuple[str, float]]:
+    """The pulled combine's terms at one-rank nodes from the first bench of one-rank nodes with a timeline in
+    doc: "send_local" (GB/s of its rail send, a copy into its own rail rows) and "local_reduce" (µs in the
+    reduce_in_node stage, which moves no bytes at P = 1); {} without such a bench. The caller vouches that
+    the run's combine was the pulled one (runs before session 11 pushed; their JSON does not say which)."""
+    for bench in _bench_docs(doc).values():
+        shape = _shape_of(bench, case)
+        row = _row(bench, case)
+        if shape.per_node != 1 or not row.get("timeline"):
+            continue
+        comb = typical_stages(row)[0].get("combine", {})
+        if comb.get("rail_send"):
+            fan = fanout(shape.nodes, 1, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
+            rate = stage_bytes(shape, "combine", fan)["rail_send"] / (comb["rail_send"] * 1e3)
+            return {"send_local": ("rate", round(rate, 1)),
+                    "local_reduce": ("fixed", round(comb.get("reduce_in_node", 0.0), 1))}
+    return {}
 
 
 def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> StageCosts:
@@ -426,6 +455,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--label", default="2x2", help="the bench whose timeline is fitted (default 2x2)")
     p.add_argument("--emit", action="store_true", help="print the fitted costs as MEASURED_2X2 source text")
     p.add_argument("--timeline", action="store_true", help="print the stage tables of every bench in --from")
+    p.add_argument("--p1-from", default=None, metavar="JSON",
+                   help="a bench JSON with a 2x1 timeline of the pulled combine: its P = 1 terms join the fitted "
+                        "combine (local_combine_terms)")
     a = p.parse_args(argv)
     doc = None
     if a.src:
@@ -434,6 +466,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         costs = costs_from_bench(doc, a.label)
     else:
         costs = MEASURED_2X2
+    if a.p1_from:
+        with open(a.p1_from) as f:
+            terms = local_combine_terms(json.load(f))
+        if not terms:
+            p.error(f"{a.p1_from}: no bench of one-rank nodes with a timeline")
+        costs = dataclasses.replace(costs, combine={**costs.combine, **terms})
     if a.emit:
         print(emit(costs))
         return 0

@@ -43,10 +43,10 @@ A kernel that waits past comm.timeout_s records the missing rank in host-mapped 
 the error is raised by the next call on this buffer, by EPEvent.synchronize() or by EPBuffer.check().
 
 Host path: a cold call waits for the host's work before its first kernel (benchmarks/bench_nvlink_host.py
-times it). So the four tensors notify writes are made at the end of the previous dispatch, while its
-kernels run, once a token count comes twice in a row (used by the next dispatch of as many tokens on
-the same stream; a few KB held between calls; never under CUDA-graph capture), the Stream object of
-the current stream is reused, the counts are copied without switching streams when they go to the
+times it). So the tensors a call's kernels write -- notify's four, the dispatch's outputs, the combine's
+sums -- are made at the end of the previous call of the same form, after its launches (spares.py,
+`comm.spare_outputs`: one call's outputs held per kind of call; never under CUDA-graph capture), the
+Stream object of the current stream is reused, the counts are copied without switching streams when they go to the
 current one, and nothing is built that a synchronous call does not return. Of the no-sync counts only
 the pinned ring slot (its addresses read once per slot) comes before notify; their HostCounts after it.
 """
@@ -68,6 +68,7 @@ from ...types import (FP8_DTYPES, ContractDispatch, DispatchOutput, ExpertLayout
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
 from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots
+from .spares import Spares
 from .state import NvlinkState, _DispatchCounts
 
 _live = weakref.WeakSet()
@@ -143,9 +144,8 @@ class NvlinkBackend(Backend):
         self._comm_stream: Optional[torch.cuda.Stream] = None
         self._tail: Optional[tuple] = None  # (stream, event) of the last async op
         self._cur: tuple = (None, None, None)  # (raw pointer, device, Stream) of the last current stream
-        # (T, device, current Stream, notify's tensors, their pointers) for the next dispatch
-        self._spare: Optional[tuple] = None
-        self._last_tokens = -1  # T of the last dispatch (not cached)
+        # the next call's tensors, made after this call's launches (spares.py)
+        self._spares = Spares(bool(cfg.comm.spare_outputs))
         self._scratch_ints: dict = {}  # num_sms -> ints of expert_pull's scratch (a pybind call otherwise)
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
         self._failed: Optional[EPTimeoutError] = None
@@ -264,15 +264,10 @@ class NvlinkBackend(Backend):
         W, dev = self.world, x.device
         s, sp, cur = self._stream(async_op)
         capturing = _is_capturing()
-        # Only what notify writes comes before it, made by the previous dispatch if it could be: the
-        # caching allocator hands out a block for later work on the stream that allocated it, so a
-        # spare serves only while that stream is current (the same Stream object), never in a capture.
-        spare = self._spare
-        if spare is not None and not capturing and spare[0] == T and spare[2] is cur and spare[1] == dev:
-            self._spare = None
-            (send_pos, is_in, recv_off, tpe), ptrs = spare[3], spare[4]
-        else:
-            (send_pos, is_in, recv_off, tpe), ptrs = self._notify_tensors(T, dev)
+        # Only what notify writes comes before it, made by the previous dispatch if it could be (spares.py)
+        spares = self._spares
+        made = None if capturing else spares.take("notify", (T, dev), cur)
+        (send_pos, is_in, recv_off, tpe), ptrs = made if made is not None else self._notify_tensors(T, dev)
         rt = self._rt
         worst = self.worst_case or capturing
         merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
@@ -303,49 +298,35 @@ class NvlinkBackend(Backend):
                 self.check()
             counts = counts_from_lists(send_counts, recv_counts, tpe_host)
         # rank-major: R rows; expert-major: N rows, one per (row, local expert), segments padded
-        H = self.hidden
         N = R if alignment is None else expert_major.capacity(R, K, self.experts_per_rank, alignment,
                                                                 None if worst else tpe_host)
-        out_x = torch.empty(N, H, dtype=x.dtype, device=dev)
-        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if scales is not None else None
-        out_idx = torch.empty(R, K, dtype=torch.int64, device=dev)
-        out_w = None
-        if topk_weights is not None:
-            out_w = (torch.empty(R, K, dtype=torch.float32, device=dev) if alignment is None
-                     else torch.empty(N, dtype=torch.float32, device=dev))
-        recv_src = torch.empty(R, dtype=torch.int32, device=dev)
-        s_ptr = out_s.data_ptr() if out_s is not None else 0
-        w_ptr = out_w.data_ptr() if out_w is not None else 0
+        form = (N, R, K, x.dtype, nscales, topk_weights is not None, alignment, dev)
+        outs = None if capturing else spares.take("rows", form, cur)
+        if outs is None:
+            outs = self._dispatch_outputs(*form)
+        (out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch), (rows_ptr, s_ptr, w_ptr) = outs
         if contract is not None:  # dispatch_contract checked that the call goes through stage_pull (together)
-            rt.stage_pull_contract(*stage_args, out_x.data_ptr(), s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
+            rt.stage_pull_contract(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                                    recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
                                    contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp)
             layout = None
         elif together:
-            rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
+            rt.stage_pull(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                           recv_src.data_ptr(), 0, R, self.num_sms, sp)
             layout = None
         elif alignment is None:
-            rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K, recv_off.data_ptr(),
+            rt.pull(rows_ptr, row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K, recv_off.data_ptr(),
                     recv_src.data_ptr(), 0, R, self.num_sms, sp)
             layout = None
         else:
-            positions = torch.empty(R, K, dtype=torch.int32, device=dev)
-            offsets = torch.empty(self.experts_per_rank + 1, dtype=torch.int64, device=dev)
             num_sms = self.num_sms
-            ints = self._scratch_ints.get(num_sms)
-            if ints is None:
-                ints = self._scratch_ints[num_sms] = rt.expert_scratch_ints(num_sms)
-            scratch = torch.empty(ints, dtype=torch.int32, device=dev)
-            rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K,
+            rt.expert_pull(rows_ptr, row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K,
                            recv_off.data_ptr(), recv_src.data_ptr(), positions.data_ptr(), 0, R, alignment,
                            scratch.data_ptr(), offsets.data_ptr(), tpe.data_ptr(), num_sms, sp)
             layout = ExpertLayout(positions=positions, offsets=offsets, num_rows=N, alignment=alignment)
-        # a token count seen twice in a row is likely to come again (every layer of a step): only then is a
-        # spare for the next dispatch worth its allocation
-        again, self._last_tokens = T == self._last_tokens, T
-        if again and not capturing and cur is self._cur[2] and dev.index == self._cur[1]:
-            self._spare = (T, dev, cur, *self._notify_tensors(T, dev))
+        if not capturing:  # the next dispatch's tensors, while these kernels run (spares.py)
+            spares.refill("notify", (T, dev), cur, lambda: self._notify_tensors(T, dev))
+            spares.refill("rows", form, cur, lambda: self._dispatch_outputs(*form))
         handle = Handle(backend=self.name, num_tokens=T, num_recv=R, num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=recv_off[W], num_tokens_per_expert=tpe, counts=counts,
@@ -359,6 +340,30 @@ class NvlinkBackend(Backend):
             event = self._finish(s, kept if layout is None else kept + (positions, offsets, scratch))
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=out_idx, topk_weights=out_w, handle=handle,
                               event=event)
+
+    def _dispatch_outputs(self, N: int, R: int, K: int, dtype, nscales: int, weights: bool, alignment, dev):
+        """A fresh dispatch's outputs -- ((rows [N, H], scales [N, nscales] or None, topk_idx [R, K], weights
+        ([R, K], or [N] expert-major) or None, source ranks [R], then expert-major's positions [R, K], offsets
+        [E_l + 1], expert_pull's scratch, else None), (the pointers of rows, scales, weights; 0 for None))."""
+        out_x = torch.empty(N, self.hidden, dtype=dtype, device=dev)
+        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if nscales else None
+        out_idx = torch.empty(R, K, dtype=torch.int64, device=dev)
+        out_w = None
+        if weights:
+            out_w = (torch.empty(R, K, dtype=torch.float32, device=dev) if alignment is None
+                     else torch.empty(N, dtype=torch.float32, device=dev))
+        recv_src = torch.empty(R, dtype=torch.int32, device=dev)
+        positions = offsets = scratch = None
+        if alignment is not None:
+            positions = torch.empty(R, K, dtype=torch.int32, device=dev)
+            offsets = torch.empty(self.experts_per_rank + 1, dtype=torch.int64, device=dev)
+            ints = self._scratch_ints.get(self.num_sms)
+            if ints is None:
+                ints = self._scratch_ints[self.num_sms] = self._rt.expert_scratch_ints(self.num_sms)
+            scratch = torch.empty(ints, dtype=torch.int32, device=dev)
+        return ((out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch),
+                (out_x.data_ptr(), out_s.data_ptr() if out_s is not None else 0,
+                 out_w.data_ptr() if out_w is not None else 0))
 
     def _notify_tensors(self, T: int, dev):
         """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
@@ -417,7 +422,7 @@ class NvlinkBackend(Backend):
         K = handle.topk_idx.shape[1]
         if T != handle.num_tokens:
             raise ValueError(f"handle was made for {handle.num_tokens} tokens, x has {T}")
-        s, sp, _ = self._stream(async_op)
+        s, sp, cur = self._stream(async_op)
         nscales = scales.shape[1] if scales is not None else 0
         row_bytes = x.shape[1] * x.element_size()
         idx_ptr = handle.topk_idx.data_ptr() if topk_weights is not None else 0
@@ -429,29 +434,54 @@ class NvlinkBackend(Backend):
             rt.stage(*stage_args, self.num_sms, sp, 1 if expert else 0)
         lay, dev = handle.expert, x.device
         N = lay.num_rows if expert else handle.num_recv
-        out_x = torch.empty(N, self.hidden, dtype=x.dtype, device=dev)
-        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if scales is not None else None
-        out_w = None
-        if topk_weights is not None:
-            out_w = (torch.empty(N, dtype=torch.float32, device=dev) if expert
-                     else torch.empty(N, K, dtype=torch.float32, device=dev))
-        s_ptr = out_s.data_ptr() if out_s is not None else 0
-        w_ptr = out_w.data_ptr() if out_w is not None else 0
+        # the outputs of a cached dispatch of this form, made by the previous one (spares.py; the fresh
+        # dispatch's rows are another form: training alternates the two by phase, not by call)
+        form = (N, K, x.dtype, nscales, topk_weights is not None, expert, dev)
+        capturing = _is_capturing()
+        outs = None if capturing else self._spares.take("rows", form, cur)
+        if outs is None:
+            outs = self._cached_outputs(*form)
+        (out_x, out_s, out_w), (rows_ptr, s_ptr, w_ptr) = outs
         if expert:
-            rt.expert_pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+            rt.expert_pull(rows_ptr, row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                            st.recv_src.data_ptr(), lay.positions.data_ptr(), 1, handle.num_recv, lay.alignment, 0,
                            lay.offsets.data_ptr(), handle.num_tokens_per_expert.data_ptr(), self.num_sms, sp)
         else:
             route = () if out_rows is None else (out_rows.data_ptr(),)  # the plain call passes nothing more
             if together:
-                rt.stage_pull(*stage_args, out_x.data_ptr(), s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
+                rt.stage_pull(*stage_args, rows_ptr, s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
                               st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
             else:
-                rt.pull(out_x.data_ptr(), row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
+                rt.pull(rows_ptr, row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                         st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
+        if not capturing:
+            self._spares.refill("rows", form, cur, lambda: self._cached_outputs(*form))
         event = self._finish(s, (x, scales, topk_weights, out_x, out_s, out_w, out_rows)) if async_op else None
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx if out_rows is None else None,
                               topk_weights=out_w, handle=handle, event=event)
+
+    def _cached_outputs(self, N: int, K: int, dtype, nscales: int, weights: bool, expert: bool, dev):
+        """A cached dispatch's outputs -- ((rows [N, H], scales [N, nscales] or None, weights ([N, K], or [N]
+        expert-major) or None), their pointers (0 for None))."""
+        out_x = torch.empty(N, self.hidden, dtype=dtype, device=dev)
+        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if nscales else None
+        out_w = None
+        if weights:
+            out_w = (torch.empty(N, dtype=torch.float32, device=dev) if expert
+                     else torch.empty(N, K, dtype=torch.float32, device=dev))
+        return ((out_x, out_s, out_w), (out_x.data_ptr(), out_s.data_ptr() if out_s is not None else 0,
+                                        out_w.data_ptr() if out_w is not None else 0))
+
+    def _sums(self, T: int, dev, stream, capturing: bool) -> torch.Tensor:
+        """A combine's output [T, H] BF16: made by the previous combine of T tokens on this stream if it could
+        be (spares.py), the next one's made by _sums_next after the launch."""
+        y = None if capturing else self._spares.take("sums", (T, dev), stream)
+        return y if y is not None else torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev)
+
+    def _sums_next(self, T: int, dev, stream, capturing: bool) -> None:
+        if not capturing:
+            self._spares.refill("sums", (T, dev), stream,
+                                lambda: torch.empty(T, self.hidden, dtype=torch.bfloat16, device=dev))
 
     # ---------------------------------------------------------------- combine
     def combine_expert(self, x, handle, async_op=False):
@@ -463,11 +493,13 @@ class NvlinkBackend(Backend):
             raise ValueError("combine of expert-major rows needs the handle of an expert-major dispatch")
         if not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        s, sp, _ = self._stream(async_op)
+        s, sp, cur = self._stream(async_op)
         T, K = handle.num_tokens, handle.topk_idx.shape[1]
-        y = torch.empty(T, self.hidden, dtype=torch.bfloat16, device=x.device)
+        dev, capturing = x.device, _is_capturing()
+        y = self._sums(T, dev, cur, capturing)
         self._rt.combine_expert(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.send_pos.data_ptr(),
                                 st.recv_off.data_ptr(), y.data_ptr(), T, self.num_sms, sp)
+        self._sums_next(T, dev, cur, capturing)
         return y, (self._finish(s, (x, y)) if async_op else None)
 
     def combine(self, x, handle, async_op=False):
@@ -476,8 +508,7 @@ class NvlinkBackend(Backend):
     def combine_gathered(self, x, x_rows, handle, async_op=False):
         """combine of x[x_rows] (x itself where x_rows is None), the gather done by the combine kernels' own reads
         of x (Backend.combine_gathered; csrc/nvlink/nvlink.h, CombineRoute)."""
-        y = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
-        return y, self._combine_routed(x, handle, async_op, x_rows, None, 0, y)
+        return self._combine_routed(x, handle, async_op, x_rows, None, 0, True)
 
     def combine_to_blocks(self, x, x_rows, handle, y_blocks, block_tokens, async_op=False):
         """combine whose sums the kernels store at y_blocks' addresses (Backend.combine_to_blocks): the event
@@ -490,9 +521,10 @@ class NvlinkBackend(Backend):
         if block_tokens < 1 or y_blocks.numel() * block_tokens < handle.num_tokens:
             raise ValueError(f"y_blocks ({y_blocks.numel()} blocks of block_tokens={block_tokens}) must hold the "
                              f"handle's {handle.num_tokens} tokens")
-        return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, None)
+        return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, False)[1]
 
-    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, y):
+    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, sums: bool):
+        """(y [T, H] where `sums`, else None (the kernels store at y_blocks), the event of an async call or None)."""
         self.check()
         st = self._state(handle)
         if not x.is_contiguous() or x.data_ptr() % 16:
@@ -501,21 +533,27 @@ class NvlinkBackend(Backend):
                                    or x_rows.device != x.device):
             raise TypeError(f"x_rows must be a contiguous 1-D int64 tensor on {x.device}, got {x_rows.dtype} "
                             f"{list(x_rows.shape)} on {x_rows.device}")
-        s, sp, _ = self._stream(async_op)
-        T = handle.num_tokens
+        s, sp, cur = self._stream(async_op)
+        T, dev = handle.num_tokens, x.device
+        y = None
+        if sums:
+            capturing = _is_capturing()
+            y = self._sums(T, dev, cur, capturing)
         self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
                          0 if y is None else y.data_ptr(), T, self.num_sms,
                          COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp,
                          0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
                          block_tokens)
-        return self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None
+        if sums:
+            self._sums_next(T, dev, cur, capturing)
+        return y, (self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None)
 
     # ---------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self._spare = None
+        self._spares.clear()
         _live.discard(self)
         try:
             torch.cuda.synchronize(self.device)
