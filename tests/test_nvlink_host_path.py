@@ -545,6 +545,15 @@ def test_call_tensors_made_ahead_serve_the_same_form_and_stream_only(gpu, monkey
     assert y3.data_ptr() == ahead == dict(log)["combine"][4] and y2.data_ptr() != ahead
     buf.close()
     assert len(be._spares) == 0
+    # host-synced outputs have their exact size: no rows made ahead, fresh or cached (the sums still are)
+    buf = make_buf(host_sync=True)
+    for _ in range(3):
+        res = buf.dispatch(x, idx, w)
+        buf.dispatch(x, handle=res.handle)
+        buf.combine(rows[:res.x.shape[0]].contiguous(), res.handle)
+        buf.combine(rows[:res.x.shape[0]].contiguous(), res.handle)
+    assert "rows" not in buf._backend._spares._sets and "sums" in buf._backend._spares._sets
+    buf.close()
     # comm.spare_outputs: false makes none
     buf = make_buf(spare_outputs=False)
     for _ in range(3):

@@ -301,7 +301,9 @@ class NvlinkBackend(Backend):
         N = R if alignment is None else expert_major.capacity(R, K, self.experts_per_rank, alignment,
                                                                 None if worst else tpe_host)
         form = (N, R, K, x.dtype, nscales, topk_weights is not None, alignment, dev)
-        outs = None if capturing else spares.take("rows", form, cur)
+        # host-synced outputs have their exact, changing size: a set made ahead would rarely fit
+        ahead = worst and not capturing
+        outs = spares.take("rows", form, cur) if ahead else None
         if outs is None:
             outs = self._dispatch_outputs(*form)
         (out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch), (rows_ptr, s_ptr, w_ptr) = outs
@@ -326,7 +328,8 @@ class NvlinkBackend(Backend):
             layout = ExpertLayout(positions=positions, offsets=offsets, num_rows=N, alignment=alignment)
         if not capturing:  # the next dispatch's tensors, while these kernels run (spares.py)
             spares.refill("notify", (T, dev), cur, lambda: self._notify_tensors(T, dev))
-            spares.refill("rows", form, cur, lambda: self._dispatch_outputs(*form))
+            if ahead:
+                spares.refill("rows", form, cur, lambda: self._dispatch_outputs(*form))
         handle = Handle(backend=self.name, num_tokens=T, num_recv=R, num_experts=self.num_experts,
                         is_token_in_rank=is_in, topk_idx=topk_idx, recv_topk_idx=out_idx,
                         num_recv_device=recv_off[W], num_tokens_per_expert=tpe, counts=counts,
@@ -437,8 +440,8 @@ class NvlinkBackend(Backend):
         # the outputs of a cached dispatch of this form, made by the previous one (spares.py; the fresh
         # dispatch's rows are another form: training alternates the two by phase, not by call)
         form = (N, K, x.dtype, nscales, topk_weights is not None, expert, dev)
-        capturing = _is_capturing()
-        outs = None if capturing else self._spares.take("rows", form, cur)
+        ahead = st.worst_case and not _is_capturing()  # as in _dispatch: exact sizes change from handle to handle
+        outs = self._spares.take("rows", form, cur) if ahead else None
         if outs is None:
             outs = self._cached_outputs(*form)
         (out_x, out_s, out_w), (rows_ptr, s_ptr, w_ptr) = outs
@@ -454,7 +457,7 @@ class NvlinkBackend(Backend):
             else:
                 rt.pull(rows_ptr, row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                         st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
-        if not capturing:
+        if ahead:
             self._spares.refill("rows", form, cur, lambda: self._cached_outputs(*form))
         event = self._finish(s, (x, scales, topk_weights, out_x, out_s, out_w, out_rows)) if async_op else None
         return DispatchOutput(x=out_x, scales=out_s, topk_idx=handle.recv_topk_idx if out_rows is None else None,

@@ -7,7 +7,9 @@ dispatch have the same shapes every call (W * max_tokens rows), and a combine's 
 the backend makes the next call's set after this call's launches, where a host ahead of the GPU hides it,
 and hands it out only to a call of the same form: fresh tensors nobody else has seen, as torch.empty gives.
 
-A set is made only for a form asked for twice in a row (a one-off call leaves nothing behind) and one set
+A host-synced dispatch (comm.host_sync) has outputs of its exact, changing size: the backend makes none ahead
+for it (nor for a cached dispatch of its handle). A set is made only for a form asked for twice in a row (a one-off
+call leaves nothing behind) and one set
 per kind of call is kept: memory held is one call's outputs per kind (EP8, 4096 tokens, hidden 7168: ~0.5 GB
 for the dispatch's rows, 58 MB for a combine's). The caching allocator gives a block to later work on the
 stream that allocated it, so a set serves only while that stream is current (the same Stream object); never
