@@ -177,10 +177,13 @@ def check_fp8(nv, ref, rank, world, E, K, hidden, T):
 def check_stage_pull(rank, world, E, K, hidden):
     """comm.dispatch_kernel fused: a rank-major dispatch without host sync (and a cached one) runs stage
     and pull as one kernel (stage_pull): the same rows as stage, then pull, also when only some ranks
-    use it (each protocol releases the other's flags), fresh and cached, BF16 and FP8."""
+    use it (each protocol releases the other's flags), fresh and cached, BF16 and FP8. Every call's outputs are
+    held to the end and checked again there: the outputs later calls got made ahead (comm.spare_outputs, the
+    default) are never an earlier call's."""
     nv, ref = _buf("nvlink", E, K, hidden, host_sync=False, dispatch_kernel="fused"), _buf("torch", E, K, hidden)
     be = nv._backend
     seed = 300
+    held = []
     for fused in ((True,) * world, (False,) * world, tuple(r % 2 == 0 for r in range(world))):
         be.dispatch_mode = "fused" if fused[rank] else "split"
         for tokens, mode in ((300, "random"), (512, "skew"), ([0] + [33] * (world - 1), "starve_last"), (1, "random")):
@@ -198,8 +201,14 @@ def check_stage_pull(rank, world, E, K, hidden):
             d = ref.dispatch(x * 2, None, w2, handle=b.handle)
             assert torch.equal(c.x[:R], d.x) and torch.equal(c.topk_weights[:R], d.topk_weights), ctx + " cached"
             y = nv.combine(a.x, a.handle)
-            torch.testing.assert_close(y.float(), ref.combine(b.x, b.handle).float(), atol=2e-2, rtol=1e-2,
-                                       msg=ctx + " combine")
+            y_ref = ref.combine(b.x, b.handle)
+            torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=1e-2, msg=ctx + " combine")
+            held.append((ctx, a, b, c, d, y, y.clone()))
+    for ctx, a, b, c, d, y, y_then in held:
+        R = b.x.shape[0]
+        assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx + " held"
+        assert torch.equal(c.x[:R], d.x) and torch.equal(y, y_then), ctx + " held cached / combine"
+    assert len(be._spares) > 0  # repeated forms were served from sets made ahead
     be.dispatch_mode = "fused"
     T = 200
     _, _, _, x, idx, w = _inputs(world, rank, T, hidden, E, K, seed=301)
