@@ -208,7 +208,20 @@ def check_stage_pull(rank, world, E, K, hidden):
         R = b.x.shape[0]
         assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx + " held"
         assert torch.equal(c.x[:R], d.x) and torch.equal(y, y_then), ctx + " held cached / combine"
-    assert len(be._spares) > 0  # repeated forms were served from sets made ahead
+    # one form again and again: from the third call on, each call's outputs were made ahead by the one before
+    # (comm.spare_outputs); every one of them is held and checked again at the end
+    _, _, _, x, idx, w = _inputs(world, rank, 300, hidden, E, K, seed=299)
+    b = ref.dispatch(x, idx, w)
+    R = b.x.shape[0]
+    outs = [nv.dispatch(x * (k + 1), idx, w) for k in range(4)]
+    assert "rows" in be._spares._sets and "notify" in be._spares._sets
+    sums = [nv.combine(o.x, o.handle) for o in outs]
+    assert "sums" in be._spares._sets
+    assert len({o.x.data_ptr() for o in outs}) == 4 and len({y.data_ptr() for y in sums}) == 4
+    for k, (o, y) in enumerate(zip(outs, sums)):
+        assert torch.equal(o.x[:R], b.x * (k + 1)), f"rank {rank} held dispatch {k}"
+        torch.testing.assert_close(y.float(), ref.combine(b.x * (k + 1), b.handle).float(), atol=4e-2, rtol=1e-2,
+                                   msg=f"rank {rank} held combine {k}")
     be.dispatch_mode = "fused"
     T = 200
     _, _, _, x, idx, w = _inputs(world, rank, T, hidden, E, K, seed=301)
