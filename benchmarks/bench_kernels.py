@@ -19,6 +19,11 @@ variant, checked like the others; --combine-only times the combine alone.
 
 Rows print each protocol's time (cold / queued / hidden [/ aligned]) and, for the stamped protocols, the ranks'
 host-clock spread after the barrier and at the call's return and the slowest host time in the call (protocols.py).
+
+A cold row moves by 30-60 us from one set of processes to the next (the ranks' spread after the barrier is drawn
+per process: benchmarks/NOTES_nvlink.md, session 12), so --processes N runs the whole bench N times, each in fresh
+processes, and the JSON's rows hold the median over them of each row's value ("<protocol>_us"), the values
+themselves beside it ("<protocol>_us_runs"); an A/B is two such runs, or alternating runs of one process each.
 """
 from __future__ import annotations
 
@@ -146,6 +151,30 @@ def rank_main(rank, world, port, args, q):
     dist.destroy_process_group()
 
 
+def merge_processes(reports):
+    """One report from several runs' (rank 0's `out` of each): rows matched by (name, SMs) in the first run's
+    order, each op's "<protocol>_us" the median over the runs that have it, the values kept as "..._us_runs"; other
+    keys (the skews, notes) from the first run."""
+    import statistics
+    first = reports[0]
+    merged = {**first, "rows": [], "processes": len(reports)}
+    for r in first["rows"]:
+        same = [x for rep in reports for x in rep["rows"] if (x["name"], x["sms"]) == (r["name"], r["sms"])]
+        ops = {}
+        for op, vals in r["ops"].items():
+            cell = dict(vals)
+            for key, v in vals.items():
+                if not key.endswith("_us"):
+                    continue
+                runs = [x["ops"][op][key] for x in same if isinstance(x["ops"].get(op, {}).get(key), (int, float))]
+                if runs:
+                    cell[key] = round(statistics.median(runs), 2)
+                    cell[key + "_runs"] = runs
+            ops[op] = cell
+        merged["rows"].append({**r, "ops": ops})
+    return merged
+
+
 def _skews(op, kinds):
     """A row's suffix: protocols.stamp_summary's medians per stamped protocol, where measured."""
     got = [f"{p} {op[p + '_skew_us']:.0f}/{op[p + '_ret_skew_us']:.0f}/{op[p + '_host_us']:.0f}"
@@ -201,16 +230,30 @@ def main(argv=None):
     ap.add_argument("--protocols", nargs="+", default=["cold", "queued", "hidden"], choices=list(PROTOCOLS),
                     help="protocols.py's; `aligned` (diagnostic) separates the start skew from a cold L2")
     ap.add_argument("--no-deepep", action="store_true")
+    ap.add_argument("--processes", type=int, default=1, metavar="N",
+                    help="run the bench N times in fresh processes; rows hold the median over them")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     t0 = time.time()
-    report, done = run_world(rank_main, args.world, args, on_partial=lambda body: None)
+    reports, done = [], True
+    for _ in range(max(1, args.processes)):
+        report, complete = run_world(rank_main, args.world, args, on_partial=lambda body: None)
+        done = done and complete
+        if report:
+            reports.append(report)
+    report = merge_processes(reports) if len(reports) > 1 else (reports[0] if reports else None)
+    if len(reports) > 1:
+        print(f"median over {len(reports)} processes:", flush=True)
+        for r in report["rows"]:
+            cells = "  ".join(f"{k} " + "/".join(f"{v.get(p + '_us') or float('nan'):6.1f}" for p in args.protocols)
+                              for k, v in r["ops"].items())
+            print(f"EP{report['world']} {r['sms']:2d} SMs {r['name']:24s} {cells}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "commit": os.popen(f"git -C {HERE} rev-parse --short HEAD 2>/dev/null").read().strip() or None,
-            "seconds": round(time.time() - t0, 1), "complete": done}
+            "seconds": round(time.time() - t0, 1), "complete": done, "processes": len(reports)}
     suffix = "" if args.case == "throughput" else f"_{args.case}"
     path = os.path.join(args.out, f"bench_kernels_ep{args.world}{suffix}.json")
     with open(path, "w") as f:

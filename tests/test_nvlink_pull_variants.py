@@ -120,3 +120,26 @@ def test_bench_kernels_variant_argument():
     finally:
         sys.path.pop(0)
     assert bench_kernels._variant("5/3") == (5, 3) and bench_kernels._variant("4") == (4, None)
+
+
+def test_bench_kernels_merges_processes():
+    """--processes N: each row's "<protocol>_us" is the median over the runs that have it, the values kept beside."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.pop(0)
+
+    def run(cold, queued, note=None):
+        ops = {"dispatch": {"cold_us": cold, "queued_us": queued}, "combine": {"cold_us": cold - 10}}
+        return {"world": 2, "sms": [24], "rows": [{"name": "ep_plugin auto/auto", "sms": 24, "ops": ops, "note": note},
+                                                  {"name": "deepep v1", "sms": 24, "ops": {}, "note": None}]}
+
+    merged = bench_kernels.merge_processes([run(300.0, 260.0, "first"), run(340.0, 262.0), run(320.0, None)])
+    row = merged["rows"][0]
+    assert merged["processes"] == 3 and row["note"] == "first" and merged["rows"][1]["ops"] == {}
+    assert row["ops"]["dispatch"]["cold_us"] == 320.0 and row["ops"]["dispatch"]["cold_us_runs"] == [300.0, 340.0, 320.0]
+    assert row["ops"]["dispatch"]["queued_us"] == 261.0 and row["ops"]["dispatch"]["queued_us_runs"] == [260.0, 262.0]
+    assert row["ops"]["combine"]["cold_us"] == 320.0 - 10
