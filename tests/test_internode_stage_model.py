@@ -172,6 +172,9 @@ def test_on_host_check_of_the_committed_costs_is_within_15_percent():
     s12 = json.loads((RESULTS / SESSION_12_P1).read_text())
     assert sm.local_combine_terms(s12) == {k: sm.MEASURED_2X2.combine[k] for k in p1}
     assert sm.local_combine_terms(call5) == {}  # call 5's 2x1 run had no timeline
+    pushed = json.loads((RESULTS / SESSION_12_P1).read_text())
+    pushed["meta"]["pull_combine"] = False  # a run that says its combine pushed gives no P = 1 pulled terms
+    assert sm.local_combine_terms(pushed) == {}
     assert "reorder" not in sm.MEASURED_2X2.dispatch and "gather" in sm.MEASURED_2X2.dispatch
     rows = sm.check(call5, sm.MEASURED_2X2)
     assert {(r["shape"], r["op"]) for r in rows} == {(s, op) for s in ("2x1", "2x2")

@@ -40,23 +40,21 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _worst_case_to_host_sync(text: str) -> bool:
-    word = text.lower()
-    if word in _TRUE:
-        return False  # worst case = no host sync
-    if word in _FALSE:
-        return True
-    raise ConfigError(f"{WORST_CASE}={text!r} (environment): overrides comm.host_sync; allowed: "
-                      f"{' | '.join(_TRUE)} (never wait on the host) or {' | '.join(_FALSE)}")
-
-
-def _switch(var: str, key: str) -> Callable[[str], bool]:
+def _switch(var: str, key: str, on_means: str = "") -> Callable[[str], bool]:
     def parse(text: str) -> bool:
         word = text.lower()
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
-        raise ConfigError(f"{var}={text!r} (environment): overrides {key}; allowed: {' | '.join(_TRUE + _FALSE)}")
+        raise ConfigError(f"{var}={text!r} (environment): overrides {key}; allowed: {' | '.join(_TRUE)}{on_means} or "
+                          f"{' | '.join(_FALSE)}")
     return parse
+
+
+_worst_case = _switch(WORST_CASE, "comm.host_sync", " (never wait on the host)")
+
+
+def _worst_case_to_host_sync(text: str) -> bool:
+    return not _worst_case(text)  # worst case = no host sync
 
 
 def _kernel_choice(var: str, key: str, allowed: Tuple[str, ...]) -> Callable[[str], str]:

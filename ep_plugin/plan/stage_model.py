@@ -284,37 +284,39 @@ def _gather_key(table: Dict[str, Tuple[str, float]]) -> Optional[str]:
     return "gather" if "gather" in table else ("reorder" if "reorder" in table else None)
 
 
-def _gather_rate(benches: Dict[str, dict], kind: str, case: str) -> Optional[float]:
-    """GB/s of the one-rank node's gather (the forward stage at P = 1: 2 * N*M rows) in the first bench of
-    one-rank nodes that has a timeline, else None."""
+def _one_rank_runs(benches: Dict[str, dict], case: str):
+    """(bench meta, shape, fan-out, typical stages) of each bench of one-rank nodes that has a timeline."""
     for bench in benches.values():
         shape = _shape_of(bench, case)
         row = _row(bench, case)
-        if shape.per_node != 1 or not row.get("timeline"):
-            continue
-        us = typical_stages(row)[0].get(kind, {}).get("forward")
-        if us:
+        if shape.per_node == 1 and row.get("timeline"):
             fan = fanout(shape.nodes, 1, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
+            yield bench["meta"], shape, fan, typical_stages(row)[0]
+
+
+def _gather_rate(benches: Dict[str, dict], kind: str, case: str) -> Optional[float]:
+    """GB/s of the one-rank node's gather (the forward stage at P = 1: 2 * N*M rows) in the first bench of
+    one-rank nodes that has a timeline, else None."""
+    for _, shape, fan, stages in _one_rank_runs(benches, case):
+        us = stages.get(kind, {}).get("forward")
+        if us:
             return round(stage_bytes(shape, kind, fan)["forward"] / (us * 1e3), 1)
     return None
 
 
 def local_combine_terms(doc: dict, case: str = "uniform") -> Dict[str, Tuple[str, float]]:
     """The pulled combine's terms at one-rank nodes from the first bench of one-rank nodes with a timeline in
-    doc: "send_local" (GB/s of its rail send, a copy into its own rail rows) and "local_reduce" (µs in the
-    reduce_in_node stage, which moves no bytes at P = 1); {} without such a bench. The caller vouches that
-    the run's combine was the pulled one (runs before session 11 pushed; their JSON does not say which)."""
-    for bench in _bench_docs(doc).values():
-        shape = _shape_of(bench, case)
-        row = _row(bench, case)
-        if shape.per_node != 1 or not row.get("timeline"):
+    doc whose combine pulled: "send_local" (GB/s of its rail send, a copy into its own rail rows) and
+    "local_reduce" (µs in the reduce_in_node stage, which moves no bytes at P = 1); {} without such a bench.
+    A run that says it pushed (meta pull_combine false, bench_internode since session 12) is skipped; for runs
+    from before that key the caller vouches that the combine pulled (those before session 11 pushed)."""
+    for meta, shape, fan, stages in _one_rank_runs(_bench_docs(doc), case):
+        comb = stages.get("combine", {})
+        if meta.get("pull_combine") is False or not comb.get("rail_send"):
             continue
-        comb = typical_stages(row)[0].get("combine", {})
-        if comb.get("rail_send"):
-            fan = fanout(shape.nodes, 1, shape.topk, shape.num_experts, shape.num_groups, shape.group_topk)
-            rate = stage_bytes(shape, "combine", fan)["rail_send"] / (comb["rail_send"] * 1e3)
-            return {"send_local": ("rate", round(rate, 1)),
-                    "local_reduce": ("fixed", round(comb.get("reduce_in_node", 0.0), 1))}
+        rate = stage_bytes(shape, "combine", fan)["rail_send"] / (comb["rail_send"] * 1e3)
+        return {"send_local": ("rate", round(rate, 1)),
+                "local_reduce": ("fixed", round(comb.get("reduce_in_node", 0.0), 1))}
     return {}
 
 

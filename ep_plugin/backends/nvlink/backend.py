@@ -345,16 +345,11 @@ class NvlinkBackend(Backend):
                               event=event)
 
     def _dispatch_outputs(self, N: int, R: int, K: int, dtype, nscales: int, weights: bool, alignment, dev):
-        """A fresh dispatch's outputs -- ((rows [N, H], scales [N, nscales] or None, topk_idx [R, K], weights
-        ([R, K], or [N] expert-major) or None, source ranks [R], then expert-major's positions [R, K], offsets
-        [E_l + 1], expert_pull's scratch, else None), (the pointers of rows, scales, weights; 0 for None))."""
-        out_x = torch.empty(N, self.hidden, dtype=dtype, device=dev)
-        out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if nscales else None
+        """A fresh dispatch's outputs -- ((rows, scales, weights as _cached_outputs makes them (rank-major: N = R),
+        topk_idx [R, K], source ranks [R], then expert-major's positions [R, K], offsets [E_l + 1], expert_pull's
+        scratch, else None), (the pointers of rows, scales, weights; 0 for None))."""
+        (out_x, out_s, out_w), ptrs = self._cached_outputs(N, K, dtype, nscales, weights, alignment is not None, dev)
         out_idx = torch.empty(R, K, dtype=torch.int64, device=dev)
-        out_w = None
-        if weights:
-            out_w = (torch.empty(R, K, dtype=torch.float32, device=dev) if alignment is None
-                     else torch.empty(N, dtype=torch.float32, device=dev))
         recv_src = torch.empty(R, dtype=torch.int32, device=dev)
         positions = offsets = scratch = None
         if alignment is not None:
@@ -364,9 +359,7 @@ class NvlinkBackend(Backend):
             if ints is None:
                 ints = self._scratch_ints[self.num_sms] = self._rt.expert_scratch_ints(self.num_sms)
             scratch = torch.empty(ints, dtype=torch.int32, device=dev)
-        return ((out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch),
-                (out_x.data_ptr(), out_s.data_ptr() if out_s is not None else 0,
-                 out_w.data_ptr() if out_w is not None else 0))
+        return (out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch), ptrs
 
     def _notify_tensors(self, T: int, dev):
         """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
@@ -464,8 +457,8 @@ class NvlinkBackend(Backend):
                               topk_weights=out_w, handle=handle, event=event)
 
     def _cached_outputs(self, N: int, K: int, dtype, nscales: int, weights: bool, expert: bool, dev):
-        """A cached dispatch's outputs -- ((rows [N, H], scales [N, nscales] or None, weights ([N, K], or [N]
-        expert-major) or None), their pointers (0 for None))."""
+        """A cached dispatch's outputs (and the first three of a fresh one's) -- ((rows [N, H], scales [N, nscales] or
+        None, weights ([N, K], or [N] expert-major) or None), their pointers (0 for None))."""
         out_x = torch.empty(N, self.hidden, dtype=dtype, device=dev)
         out_s = torch.empty(N, nscales, dtype=torch.float32, device=dev) if nscales else None
         out_w = None

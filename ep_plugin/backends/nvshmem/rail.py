@@ -115,10 +115,8 @@ class NvshmemRail(ReportsFaults):
                                  int(self.fp8), self.timeout_s, self.num_blocks, int(force_puts))
         self._views = [self._parity_views(p) for p in (0, 1)]
         # combine_targets() per parity, made now: a copy to the GPU is not allowed while a CUDA graph is captured
-        self._targets = ([torch.tensor(self._rt.combine_targets(p), dtype=torch.int64, device=self.device)
-                          for p in (0, 1)] if self._rt.all_p2p else [None, None])
-        self._own_targets = ([torch.tensor(self._rt.combine_own_targets(p), dtype=torch.int64, device=self.device)
-                              for p in (0, 1)] if self._rt.all_p2p else [None, None])
+        self._targets = self._per_parity(self._rt.combine_targets)
+        self._own_targets = self._per_parity(self._rt.combine_own_targets)
         self._masked = False          # a set_mask() left a rank out: combine sends through its own half
         self._reported = False
         # called with "rail_send" between the send and the receive launch of each call (the backend's
@@ -177,6 +175,12 @@ class NvshmemRail(ReportsFaults):
         xf, sf, ids, w = self._views[parity]
         n = self.N * self.M * K
         return xf, sf, ids[:n].view(-1, K), (w[:n].view(-1, K) if topk_weights is not None else None)
+
+    def _per_parity(self, addresses):
+        """[addresses(parity) as an int64 tensor on this GPU for parity 0, 1], or [None, None] without P2P everywhere."""
+        if not self._rt.all_p2p:
+            return [None, None]
+        return [torch.tensor(addresses(p), dtype=torch.int64, device=self.device) for p in (0, 1)]
 
     # ------------------------------------------------------------------ combine
     @property
