@@ -17,7 +17,9 @@ EPBuffer, closed before the next), `--variants` picks them:
     NAME:k=v,..  a variant of its own: `ob=N` (output_buffers), `shim=1`, `eng.ATTR=V` (an attribute
                  of the low-latency engine, set after its first call: the A/B knobs, e.g.
                  `eng.fused_launch=0`, `eng.kernel_flags=N` for the variant bits of
-                 csrc/nvshmem/ll_device.cuh), `cfg.a.b=V` (any config key).
+                 csrc/nvshmem/ll_device.cuh), `cfg.a.b=V` (any config key), `ht=NAME` (the EPBuffer's
+                 high-throughput backend built as NAME whatever comm.backend says, e.g. `ht=torch`: the
+                 low-latency engine without the nvlink side's IPC mappings beside it, an A/B knob).
 Per variant and dtype (BF16, FP8 dispatch; combine BF16), four protocols, each --iters timed pairs
 after --warmup, CUDA events around the pair, a rank's median, the slowest rank's (DESIGN.md):
     graph_cold    graph replay after an L2 flush (256 MB write), device sync and dist.barrier
@@ -84,7 +86,7 @@ def parse_variant(spec: str) -> Dict:
         kv = dict(BUILTIN_VARIANTS[name])
     else:
         raise ValueError(f"variant {name!r}: not one of {sorted(BUILTIN_VARIANTS)}; or write NAME:k=v,...")
-    out = {"name": name, "ob": None, "shim": False, "eng": {}, "cfg": {}}
+    out = {"name": name, "ob": None, "shim": False, "eng": {}, "cfg": {}, "ht": None}
     for k, v in kv.items():
         val = _value(v)
         if k == "ob":
@@ -93,12 +95,14 @@ def parse_variant(spec: str) -> Dict:
             out["ob"] = val
         elif k == "shim":
             out["shim"] = bool(val)
+        elif k == "ht":
+            out["ht"] = str(val)
         elif k.startswith("eng."):
             out["eng"][k[4:]] = val
         elif k.startswith("cfg."):
             out["cfg"][k[4:]] = val
         else:
-            raise ValueError(f"variant {spec!r}: unknown key {k!r} (ob, shim, eng.ATTR, cfg.a.b)")
+            raise ValueError(f"variant {spec!r}: unknown key {k!r} (ob, shim, ht, eng.ATTR, cfg.a.b)")
     return out
 
 
@@ -164,6 +168,7 @@ class Timer:
         self.torch, self.cuda = torch, cuda
         self.flush = torch.empty(FLUSH_BYTES // 4 if cuda else 16, dtype=torch.int32,
                                  device="cuda" if cuda else "cpu")
+        self.stamps: List = []  # the last cold run's (after the barrier, after the launch) host ns per pair
 
     def sync(self):
         if self.cuda:
@@ -184,28 +189,36 @@ class Timer:
             fn()
         self.sync()
         if not self.cuda:
-            ts = []
+            ts, stamps = [], []
             for _ in range(iters):
                 if cold:
                     self.cold_prep()
-                t0 = time.perf_counter()
+                t0 = time.perf_counter_ns()
                 fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
+                t1 = time.perf_counter_ns()
+                ts.append((t1 - t0) / 1e3)
+                if cold:
+                    stamps.append((t0, t1))
+            self.stamps = stamps
             return ts
         evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         if not cold:  # align the GPUs with a tiny all-reduce on the stream, then enqueue everything
             import torch.distributed as dist
             tok = torch.zeros(1, device="cuda")
             dist.all_reduce(tok)
+        stamps = []
         for a, b in evs:
             if cold:
                 self.cold_prep()
+            t0 = time.perf_counter_ns()  # CLOCK_MONOTONIC: one clock for every rank on the host
             a.record()
             fn()
             b.record()
             if cold:
+                stamps.append((t0, time.perf_counter_ns()))
                 self.sync()
         self.sync()
+        self.stamps = stamps
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
 
@@ -260,7 +273,15 @@ class Pair:
             self.api = "deep_ep"
         else:
             import ep_plugin
-            self.buf = ep_plugin.EPBuffer(group, self._config_dict(variant, backend=True, cpu=not cuda), hidden=H)
+            import ep_plugin.buffer as epb
+            from ep_plugin.backends.registry import backend_class
+            made = epb.make_backend
+            if variant.get("ht"):  # the high-throughput side as named (the low-latency engine follows comm.backend)
+                epb.make_backend = lambda g, cfg, hidden, e: backend_class(variant["ht"])(g, cfg, hidden, e)
+            try:
+                self.buf = ep_plugin.EPBuffer(group, self._config_dict(variant, backend=True, cpu=not cuda), hidden=H)
+            finally:
+                epb.make_backend = made
             self.api = "ep_plugin"
         self._eng_set = False
 
@@ -416,7 +437,7 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
     that no timed run follows a profiled one (CUPTI left initialised costs launches time)."""
     import torch
     lib = a.lib
-    rec = {"variant": variant["name"], "spec": {k: variant[k] for k in ("ob", "shim", "eng", "cfg")},
+    rec = {"variant": variant["name"], "spec": {k: variant.get(k) for k in ("ob", "shim", "eng", "cfg", "ht")},
            "dtypes": {}}
     pair = Pair(lib, variant, group, a, inputs, cuda)
     try:
@@ -431,6 +452,8 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
             for p in a.protocols:
                 if p.startswith("eager") and not profile:
                     d["us"][p] = timer.run(fn, a.iters, a.warmup, cold=p == "eager_cold")
+                    if timer.stamps:
+                        d.setdefault("host_ns", {})[p] = timer.stamps
             graph = None
             if cuda and any(p.startswith("graph") for p in a.protocols):
                 try:
@@ -443,6 +466,8 @@ def run_variant(rank: int, group, a, variant: Dict, timer: Timer, inputs, cuda: 
                     for p in a.protocols:
                         if p.startswith("graph") and not profile:
                             d["us"][p] = timer.run(graph.replay, a.iters, a.warmup, cold=p == "graph_cold")
+                            if timer.stamps:
+                                d.setdefault("host_ns", {})[p] = timer.stamps
                 except Exception as exc:  # noqa: BLE001
                     d["errors"]["graph"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     graph = None
@@ -575,6 +600,8 @@ def merge_ranks(every: List[Dict]) -> Dict:
             row.setdefault("slowest_min_us", {})[p] = round(max(mins), 2) if mins else None
         for d in ds:
             row["errors"].update(d.get("errors", {}))
+        for p in d0.get("host_ns", {}):  # the ranks' spread after the barrier: what a cold pair waits out
+            row.setdefault("host", {}).update(host_spread(p, [d.get("host_ns", {}).get(p) for d in ds]))
         row["checksums"] = [d.get("checksum") for d in ds]
         if any("graph_equal" in d for d in ds):
             row["graph_equal"] = all(d.get("graph_equal", False) for d in ds)
@@ -584,6 +611,16 @@ def merge_ranks(every: List[Dict]) -> Dict:
         if any(d.get("traces") for d in ds):
             row["timelines"] = {p: timeline([d["traces"].get(p, []) for d in ds]) for p in d0.get("traces", {})}
         out["dtypes"][dt] = row
+    return out
+
+
+def host_spread(p: str, per_rank) -> Dict:
+    """protocols.stamp_summary of protocol p's host stamps, and which rank left the barrier last in most pairs."""
+    from protocols import stamp_summary
+    out = stamp_summary(p, per_rank)
+    if out:
+        lates = [max(range(len(it)), key=lambda r: it[r][0]) for it in zip(*per_rank)]
+        out[f"{p}_late_rank"] = statistics.mode(lates)
     return out
 
 
@@ -604,6 +641,12 @@ def variant_lines(lib: str, world: int, rec: Dict, timelines_only: bool = False)
         if row["errors"]:
             extra += "  errors: " + "; ".join(f"{k}: {v}" for k, v in row["errors"].items())
         lines.append(f"{head} {dt:4s} {cells}{extra}")
+        host = row.get("host", {})
+        if host:
+            lines.append("    host, median over pairs (us): " + " | ".join(
+                f"{p} spread {host[p + '_skew_us']:.1f} (late r{host[p + '_late_rank']}), in call "
+                f"{host[p + '_host_us']:.1f}, returns {host[p + '_ret_skew_us']:.1f}"
+                for p in PROTOCOLS if p + "_skew_us" in host))
         for key, what in (("stamps", "queued"), ("stamps_cold", "cold"), ("stamps_graph_cold", "graph cold")):
             if row.get(key):
                 import ll_stamps

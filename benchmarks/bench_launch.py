@@ -81,12 +81,37 @@ def run_world(target, world: int, args, on_partial):
     return last, complete
 
 
+def _physical_cores(cpus) -> list:
+    """The allowed CPUs grouped by physical core (hyperthread siblings together), in core order."""
+    cores = {}
+    for c in sorted(cpus):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(c)
+        cores.setdefault(key, []).append(c)
+    return list(cores.values())
+
+
+def pin_rank(rank: int, world: int) -> list:
+    """EP_BENCH_PIN=1: this rank's process (and every thread it starts from now on) on its own share of the
+    allowed physical cores, hyperthread siblings included, so that no two ranks share a core. Returns the CPUs."""
+    cores = _physical_cores(os.sched_getaffinity(0))
+    share = max(1, len(cores) // world)
+    mine = [c for core in cores[rank * share:(rank + 1) * share] for c in core] or sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def init_rank(rank: int, world: int, port: int) -> None:
     """A spawned rank's NCCL group on GPU `rank` (device_id binds NCCL, and its barrier, to that GPU
-    where torch takes it)."""
+    where torch takes it). EP_BENCH_PIN=1 pins the rank first (pin_rank)."""
     import inspect
     import os
 
+    if os.environ.get("EP_BENCH_PIN") == "1":
+        print(f"rank {rank}: pinned to CPUs {pin_rank(rank, world)}", flush=True)
     import torch
     import torch.distributed as dist
 

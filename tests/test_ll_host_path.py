@@ -414,7 +414,9 @@ def test_decode_pair_bench_variants_timelines_and_merge():
     from benchmarks import bench_decode_pair as dp
     assert dp.parse_variant("ob2")["ob"] == 2 and dp.parse_variant("shim")["shim"]
     v = dp.parse_variant("x:ob=0,eng.fused_launch=1,cfg.comm.backend=nvshmem")
-    assert v == {"name": "x", "ob": 0, "shim": False, "eng": {"fused_launch": 1}, "cfg": {"comm.backend": "nvshmem"}}
+    assert v == {"name": "x", "ob": 0, "shim": False, "eng": {"fused_launch": 1}, "cfg": {"comm.backend": "nvshmem"},
+                 "ht": None}
+    assert dp.parse_variant("noht:ht=torch")["ht"] == "torch"
     for bad in ("nope", "x:ob=-1", "x:what=1", "x:ob"):
         with pytest.raises(ValueError):
             dp.parse_variant(bad)
@@ -432,6 +434,12 @@ def test_decode_pair_bench_variants_timelines_and_merge():
            "dtypes": {"bf16": {"us": {"graph_cold": [80.0, 90.0, 85.0]}, "errors": {}, "checksum": 3.0}}}
     merged = dp.merge_ranks([rec, rec])
     assert merged["dtypes"]["bf16"]["slowest_median_us"]["graph_cold"] == 85.0
+    # host stamps (after the barrier, after the launch) per pair: rank 1 leaves the barrier 30 then 10 us late
+    h0 = dict(rec, dtypes={"bf16": dict(rec["dtypes"]["bf16"], host_ns={"graph_cold": [(0, 5_000), (100_000, 104_000)]})})
+    h1 = dict(rec, dtypes={"bf16": dict(rec["dtypes"]["bf16"], host_ns={"graph_cold": [(30_000, 36_000), (110_000, 116_000)]})})
+    host = dp.merge_ranks([h0, h1])["dtypes"]["bf16"]["host"]
+    assert host["graph_cold_skew_us"] == 20.0 and host["graph_cold_late_rank"] == 1 and host["graph_cold_host_us"] == 6.0
+    assert "graph_cold spread 20.0 (late r1)" in dp.variant_lines("ep_plugin", 2, dp.merge_ranks([h0, h1]))
     docs = [{"world": 2, "lib": "ep_plugin", "results": [merged, dict(merged, variant="ob0")]},
             {"world": 2, "lib": "deepep", "results": [dict(merged, variant="deepep")]}]
     rows = dp.rows_of(docs)
