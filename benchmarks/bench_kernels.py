@@ -104,6 +104,11 @@ def rank_main(rank, world, port, args, q):
         cfg["comm"].update(dispatch_kernel=dk, combine_kernel=ck)
         buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
         be = buf._backend
+        attrs = dict(a.split("=", 1) for a in args.backend_attr)
+        for k, v in attrs.items():
+            if not hasattr(be, k):
+                raise SystemExit(f"--backend-attr {k}: the nvlink backend has no attribute {k!r}")
+            setattr(be, k, type(getattr(be, k))(int(v)))
         if variant is not None:
             be._rt.pull_variant = variant
             if stage_slots is not None:
@@ -117,7 +122,8 @@ def rank_main(rank, world, port, args, q):
         dist.all_gather_object(errs, err)
         err = next((f"rank {r}: {e}" for r, e in enumerate(errs) if e), None)
         name = f"ep_plugin {dk}/{ck}" + ("" if variant is None else
-                                          f" v{variant}/{be._rt.pull_stage_slots}")
+                                          f" v{variant}/{be._rt.pull_stage_slots}") + "".join(
+                                              f" {k}={v}" for k, v in attrs.items())
         if err:
             row(name, args.sms[0], {}, note=f"FAILED CHECK: {err}")
             buf.close()
@@ -227,6 +233,8 @@ def main(argv=None):
                          "session 5, 0: the kernel before it; +1 / +2 half / quarter stager rows, +4 free load slots, +8 contiguous spans per block, +16 x "
                          "read L2 evict_first), with S stager slots if given")
     ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
+    ap.add_argument("--backend-attr", nargs="+", default=[], metavar="NAME=V",
+                    help="set attributes of the nvlink backend on every pair (ints; the A/B knobs, e.g. notify_inside=0)")
     ap.add_argument("--protocols", nargs="+", default=["cold", "queued", "hidden"], choices=list(PROTOCOLS),
                     help="protocols.py's; `aligned` (diagnostic) separates the start skew from a cold L2")
     ap.add_argument("--no-deepep", action="store_true")

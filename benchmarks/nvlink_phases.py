@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAUNCHES = ("notify", "stage", "pull", "stage_pull", "expert_pull", "combine", "combine_expert")
+LAUNCHES = ("notify", "stage", "pull", "stage_pull", "notify_stage_pull", "expert_pull", "combine", "combine_expert")
 
 
 class TimedRuntime:
@@ -101,6 +101,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     cases = {
         "dispatch BF16": lambda: buf.dispatch(x, idx, w),
         "dispatch BF16, fused": fused(lambda: buf.dispatch(x, idx, w)),
+        "dispatch BF16, split": mode("dispatch_mode", "split", lambda: buf.dispatch(x, idx, w)),
+        "dispatch BF16, fused, notify first": fused(mode("notify_inside", False, lambda: buf.dispatch(x, idx, w))),
+        "dispatch cached BF16, split": mode("dispatch_mode", "split", lambda: buf.dispatch(x, handle=first.handle)),
         "dispatch FP8": lambda: buf.dispatch((x_fp8, scales), idx, w),
         "dispatch FP8, fused": fused(lambda: buf.dispatch((x_fp8, scales), idx, w)),
         "dispatch cached BF16": lambda: buf.dispatch(x, handle=first.handle),

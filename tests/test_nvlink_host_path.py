@@ -258,14 +258,20 @@ def test_dispatch_contract_passes_its_outputs(gpu, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_dispatch_kernel(gpu, fp8):
+@pytest.mark.parametrize("inside", [True, False])
+def test_fused_dispatch_kernel(gpu, fp8, inside):
     """comm.dispatch_kernel fused: a rank-major dispatch without host sync, and a cached one, launch
-    stage and pull as one stage_pull with the same pointers; host-synced and expert-major ones do not."""
+    stage and pull as one stage_pull with the same pointers, the fresh one with notify inside it (one
+    notify_stage_pull launch, given notify's pointers as the separate notify would be; notify_inside False:
+    notify first); host-synced and expert-major ones do not."""
     log, stream, _ = gpu
     buf = make_buf(dispatch_kernel="fused")
+    buf._backend.notify_inside = inside
+    rt = buf._backend._rt
     x, idx, w = inputs(fp8)
     res = buf.dispatch(x, idx, w)
-    assert names(log) == ["notify", "stage_pull"]
+    assert names(log) == ["notify", "stage_pull"]  # the fake logs notify_stage_pull as the two it stands for
+    assert getattr(rt, "inside_launches", 0) == (1 if inside else 0)
     check_fresh_tensors(res, stream.cuda_stream, log, R, x, w)
     st = res.handle.state
     out, out_s = res.x if fp8 else (res.x, None)
@@ -282,6 +288,7 @@ def test_fused_dispatch_kernel(gpu, fp8):
     log.clear()
     buf.dispatch(x, idx, w, layout="expert")
     assert names(log) == ["notify", "stage", "expert_pull"]
+    assert getattr(rt, "inside_launches", 0) == (1 if inside else 0)  # cached and expert-major: never inside
     buf.close()
     buf = make_buf(dispatch_kernel="fused", host_sync=True)
     log.clear()

@@ -39,11 +39,15 @@ void launch_pull_tma(const Ctx& c, int blocks, int4* out_x, int row_bytes, float
 
 // stage_pull_tma.cu: stage and the bulk-copy pull in one kernel, side by side (sub-chunk flags), for
 // rows that fit the bulk-copy ring on sm_90+ (stage_pull_tma_fits); same outputs as stage + pull.
+// notify (non-null): notify runs inside, in block 0's stage half (notify.cuh), writing what launch_notify's
+// kernel would (a fresh rank-major dispatch without merged repeats, whose per-expert counts fit the ring:
+// stage_pull_notify_fits); recv_off is then notify's own.
 bool stage_pull_tma_fits(int row_bytes);
+bool stage_pull_notify_fits(int row_bytes, int num_experts);
 void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
                            int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
                            float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
-                           int cached, int R_alloc, cudaStream_t stream);
+                           int cached, int R_alloc, cudaStream_t stream, const NotifyOut* notify = nullptr);
 
 // expert.cu: the expert-major receive (meta, then rows into their experts' segments).
 size_t expert_scratch_ints(int blocks, int local_experts);

@@ -101,6 +101,17 @@ struct DispatchRoute {
   int nodes, slot_tokens;
 };
 
+// What notify writes (notify.cu, or inside stage_pull): send_pos [T,W], is_in [T,W], recv_off [W+1], tpe [E_l];
+// host_tpe / host_recv_off: device views of pinned host memory, or null.
+struct NotifyOut {
+  int* send_pos;
+  bool* is_in;
+  int* recv_off;
+  int64_t* tpe;
+  int64_t* host_tpe;
+  int* host_recv_off;
+};
+
 // Everything a kernel needs, passed by value.
 struct Ctx {
   char* peers[kMaxRanks];     // base of every rank's IPC buffer (own included)
@@ -117,6 +128,7 @@ struct Ctx {
   int* epochs;                // [E_NUM] local device
   unsigned* counters;         // [C_NUM] local device
   int* aborted;               // local device
+  int* notified;              // local device: NOTIFIED, the dispatch epoch whose notify (run inside stage_pull) is done
   HostInfo* host;             // device view of the host-mapped info
   unsigned long long timeout_ns;
   CombineRoute route;         // this combine call's (zero in the runtime's own Ctx: set on a per-call copy)

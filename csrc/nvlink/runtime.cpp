@@ -85,6 +85,7 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   ctx_.epochs = reinterpret_cast<int*>(local_);
   ctx_.counters = reinterpret_cast<unsigned*>(static_cast<char*>(local_) + 64);
   ctx_.aborted = reinterpret_cast<int*>(static_cast<char*>(local_) + 128);
+  ctx_.notified = reinterpret_cast<int*>(static_cast<char*>(local_) + 192);
   ctx_.host = host_dev_;
   ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
 }
@@ -234,13 +235,33 @@ void Runtime::stage_pull(uintptr_t x, int T, int row_bytes, uintptr_t scales, in
                             K, out_x, out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc, num_sms, stream);
 }
 
+void Runtime::notify_stage_pull(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
+                                uintptr_t recv_off, uintptr_t tpe, uintptr_t host_tpe, uintptr_t host_recv_off,
+                                uintptr_t x, int row_bytes, uintptr_t scales, int nscales, uintptr_t weights,
+                                uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx, uintptr_t out_w,
+                                uintptr_t recv_src, int R_alloc, int num_sms, uintptr_t stream) {
+  set_device();
+  if (!(tma_ && stage_pull_notify_fits(row_bytes, num_experts_))) {
+    notify(topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off, 0);
+    stage_pull(x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx, out_w, recv_off,
+               recv_src, 0, R_alloc, num_sms, stream);
+    return;
+  }
+  EP_CHECK_ARG(send_pos != 0 && is_in != 0 && recv_off != 0 && tpe != 0 && topk_idx != 0,
+               "notify_stage_pull writes notify's outputs: send_pos, is_in, recv_off, tpe and reads topk_idx");
+  const NotifyOut nout{ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off), ptr<int64_t>(tpe),
+                       mapped<int64_t>(host_tpe), mapped<int>(host_recv_off)};
+  launch_stage_pull_checked(ctx_, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
+                            out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream, &nout);
+}
+
 // stage_pull_tma with the call's route in c: the checks of its arguments, then the launch (stage_pull and
-// stage_pull_contract, which checked that the bulk-copy kernel applies).
+// stage_pull_contract, which checked that the bulk-copy kernel applies; notify_stage_pull, notify inside).
 void Runtime::launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales,
                                         int nscales, uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x,
                                         uintptr_t out_scales, uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off,
                                         uintptr_t recv_src, int cached, int R_alloc, int num_sms,
-                                        uintptr_t stream) const {
+                                        uintptr_t stream, const NotifyOut* notify) const {
   check_open();
   check_tokens(T);
   check_row_bytes(row_bytes);
@@ -250,7 +271,7 @@ void Runtime::launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int ro
   launch_stage_pull_tma(c, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
                         ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, ptr<int4>(out_x),
                         ptr<float>(out_scales), ptr<int64_t>(out_idx), ptr<float>(out_w), ptr<const int>(recv_off),
-                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream));
+                        ptr<int>(recv_src), cached, R_alloc, stream_of(stream), notify);
 }
 
 bool Runtime::stage_pull_contract_fits(int row_bytes, int nodes) const {

@@ -46,6 +46,15 @@ class Runtime {
                   uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
                   uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int cached, int R_alloc, int num_sms,
                   uintptr_t stream, uintptr_t out_rows = 0);
+  // notify + stage_pull of a fresh rank-major worst-case dispatch in one launch, notify inside stage_pull's
+  // block 0 (stage_pull_tma.cu, notify.cuh) while the other blocks stage: notify's arguments, then
+  // stage_pull's (the stage reads topk_idx too; the pull reads recv_off once notify has written it). Where
+  // the bulk-copy kernel does not apply, or its ring cannot hold the per-expert counts: notify, then stage_pull.
+  void notify_stage_pull(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in, uintptr_t recv_off,
+                         uintptr_t tpe, uintptr_t host_tpe, uintptr_t host_recv_off, uintptr_t x, int row_bytes,
+                         uintptr_t scales, int nscales, uintptr_t weights, uintptr_t out_x, uintptr_t out_scales,
+                         uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_src, int R_alloc, int num_sms,
+                         uintptr_t stream);
   // The fresh stage_pull of the hierarchical backend's inner exchange, writing in the contract's order
   // (nvlink.h, DispatchRoute's contract order): this rank's tokens are `nodes` blocks of max_tokens / nodes
   // rail slots; row i and its scales, ids and weights go to its contract position, to_contract [R_alloc] int64
@@ -119,7 +128,8 @@ class Runtime {
   void launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
                                  uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
                                  uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src,
-                                 int cached, int R_alloc, int num_sms, uintptr_t stream) const;
+                                 int cached, int R_alloc, int num_sms, uintptr_t stream,
+                                 const NotifyOut* notify = nullptr) const;
   int device_, rank_, world_, max_tokens_, hidden_, num_experts_, local_experts_;
   double timeout_s_;
   size_t bytes_ = 0;

@@ -46,6 +46,7 @@
 #include "common/tma.cuh"
 #include "nvlink/device.cuh"
 #include "nvlink/kernels.h"
+#include "nvlink/notify.cuh"
 #include "nvlink/pull_meta.cuh"
 
 namespace ep {
@@ -61,6 +62,7 @@ constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
 constexpr int kMetaThreads = kMetaWarps * 32;
 constexpr int kMetaBarrier = 2;      // named barrier of the metadata warps (contract order's shifts)
+constexpr int kPullBarrier = 3;      // named barrier of the pull half (notify inside: recv_off read once)
 
 // Where the pull writes row i: row i (plain), out_rows[i] (indexed: a cached dispatch's to_contract), or the
 // position computed from its forwarder and slot (contract: the fresh dispatch; DispatchRoute in nvlink.h).
@@ -96,13 +98,23 @@ __device__ __forceinline__ bool lane_wait(const Ctx& c, const int* flag, int tar
   return false;
 }
 
-// The stage half: sub-chunks blockIdx.x, + gridDim.x, ... of this rank's tokens (the grid stages them in
-// token order, a round of gridDim.x sub-chunks at a time), each released at every rank when done.
-__device__ void stage_half(const Ctx& c, const StageIn& in, int row_bytes, int nscales, int K, int e, int stid) {
+// Notify inside (notify.cuh): one thread waits for NOTIFIED >= e, then recv_off is this dispatch's. The
+// deadline has half a timeout more than the notify group's waits, so that a missing peer is recorded by
+// notify (naming it), not here; a timeout here names this rank (its notify never finished).
+__device__ __forceinline__ void wait_notified(const Ctx& c, int e, unsigned long long deadline, int* s_fail) {
+  const int r = wait_geq(c.notified, e, deadline + c.timeout_ns / 2, c.aborted);
+  if (r == kTimedOut) record_timeout(c, c.rank, K_NOTIFY);
+  if (r != kArrived) *static_cast<volatile int*>(s_fail) = 1;
+}
+
+// The stage half: sub-chunks first, first + stride, ... of this rank's tokens (the stagers stage them in
+// token order, a round of `stride` sub-chunks at a time), each released at every rank when done.
+__device__ void stage_half(const Ctx& c, const StageIn& in, int row_bytes, int nscales, int K, int e, int stid,
+                           int first, int stride) {
   const int nsub = (in.T + kStageSub - 1) / kStageSub;
   char* base = c.peers[c.rank];
   const size_t n16 = row_bytes / 16;
-  for (int sub = blockIdx.x; sub < nsub; sub += gridDim.x) {
+  for (int sub = first; sub < nsub; sub += stride) {
     const int t0 = sub * kStageSub, nt = min(kStageSub, in.T - t0);
     grid_copy<8>(in.x + t0 * n16, reinterpret_cast<int4*>(base + c.off_stage_x) + t0 * n16, nt * n16, stid, kHalf);
     if (in.scales) {
@@ -200,7 +212,8 @@ __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, cons
 
 template <int kMode>
 __global__ void __launch_bounds__(kFusedThreads, 1)
-stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot) {
+stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot, NotifyOut nout,
+                      int notify_inside) {
   constexpr bool kRouted = kMode != kPlain;
   extern __shared__ __align__(128) char s_ring[];
   __shared__ uint64_t s_bar[kRingMaxSlots];
@@ -212,6 +225,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
   __shared__ int s_taken;          // batches thread 0 has issued
   __shared__ int s_off[kMaxRanks + 1];
   __shared__ int s_fail;
+  __shared__ int s_nwsum[kHalf / 32][kMaxRanks], s_ntotal[kMaxRanks], s_nfail;  // notify inside (block 0)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank;
   const int e = c.epochs[E_DISPATCH] + 1;
@@ -222,17 +236,14 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     s_taken = 0;
   }
   if (tid < kSlots) s_ready[tid] = -1;
-  if (tid <= W) s_off[tid] = out.recv_off[tid];
+  if (tid == 0) s_nfail = 0;
+  if (!notify_inside && tid <= W) s_off[tid] = out.recv_off[tid];  // inside: once notify releases it (below)
   if (block_wait_peers(c, F_PULL_DONE, e - 1, me, K_STAGE, deadline, &s_fail)) return;
   // Received rows in batches of up to kBatch rows of one source, global batch g = blockIdx.x + q * gridDim.x
   // being this block's q-th: batch g holds round g / W of source (me + g) % W, so the grid pulls every
   // source at once (each rank starting on another), in each source's token order, behind its staging.
   // (In receive order, source 0 first, every rank read the same source while the others' links idled:
   // 1227 us against stage + pull's 704 at EP4, 24 SMs, 4x H200, 2026-11-26.)
-  const int R = s_off[W];
-  int max_rounds = 0;
-  for (int s = 0; s < W; ++s) max_rounds = max(max_rounds, (s_off[s + 1] - s_off[s] + kBatch - 1) / kBatch);
-  const int nbatch = (max_rounds * W - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
   // First row and row count (0 past the end of its source) of this block's q-th batch.
   auto batch_at = [&](int q, int& nrows) {
     const int g = static_cast<int>(blockIdx.x) + q * static_cast<int>(gridDim.x);
@@ -243,8 +254,27 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
 
   if (warp >= kHalf / 32) {  // ---- stage half
     const int stid = tid - kHalf;
-    if (blockIdx.x == 0 && stid < W) st_release_sys(flag_at(c, stid, F_LISTS, me), e);
-    stage_half(c, in, row_bytes, nscales, K, e, stid);
+    const int G = static_cast<int>(gridDim.x);
+    int first = blockIdx.x, stride = G;
+    bool nfail = false;  // the same in every thread of the half (notify_group's answer), unlike s_fail
+    if (!notify_inside) {
+      if (blockIdx.x == 0 && stid < W) st_release_sys(flag_at(c, stid, F_LISTS, me), e);
+    } else {
+      // Block 0's stage half is notify (the ring's memory holds its per-expert counts: the pull half of the
+      // block touches the ring only after NOTIFIED); with other blocks, they stage everything.
+      if (blockIdx.x == 0)
+        nfail = notify_group<false, kHalf>(c, NotifyGroup<kHalf>{stid, kStageBarrier}, in.idx, in.T, K, nout,
+                                           reinterpret_cast<int*>(s_ring), s_nwsum, s_ntotal, &s_nfail, e);
+      if (nfail && stid == 0) *static_cast<volatile int*>(&s_fail) = 1;
+      first = G > 1 ? static_cast<int>(blockIdx.x) - 1 : 0;
+      stride = G > 1 ? G - 1 : 1;
+    }
+    if (first >= 0 && !nfail) stage_half(c, in, row_bytes, nscales, K, e, stid, first, stride);
+    if (notify_inside) {  // the padding below starts at recv_off[W]
+      if (stid == 0) wait_notified(c, e, deadline, &s_fail);
+      named_barrier(kStageBarrier, kHalf);
+    }
+    const int R = notify_inside ? (failed(&s_fail) ? out.R_alloc : ld_volatile(out.recv_off + W)) : s_off[W];
     // rows [R, R_alloc) of a worst-case output route nowhere
     for (int i = R + blockIdx.x * kHalf + stid; i < out.R_alloc; i += gridDim.x * kHalf) {
       const size_t o = out_row<kMode == kIndexed>(c, i, out.R_alloc);  // contract order keeps them in place
@@ -254,7 +284,19 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
         if (out.w) out.w[o * K + k] = 0.f;
       }
     }
-  } else if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
+  } else {  // ---- pull half
+  if (notify_inside) {  // this dispatch's recv_off, once notify (block 0's stage half) has written it
+    if (tid == 0) {        // one reader decides (s_fail may change under the others)
+      wait_notified(c, e, deadline, &s_fail);
+      const bool ok = !failed(&s_fail);
+      for (int s = 0; s <= W; ++s) s_off[s] = ok ? ld_volatile(out.recv_off + s) : 0;
+    }
+    named_barrier(kPullBarrier, kHalf);
+  }
+  int max_rounds = 0;
+  for (int s = 0; s < W; ++s) max_rounds = max(max_rounds, (s_off[s + 1] - s_off[s] + kBatch - 1) / kBatch);
+  const int nbatch = (max_rounds * W - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
     unsigned lists_ok = 0;
     int ok_src = -1, ok_sub = -1;
     if constexpr (kMode == kContract) contract_shifts(c, s_off, e, deadline, &s_fail, s_delta, tid - 32);
@@ -340,6 +382,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     tma_store_wait_all();  // out.x written before PULL_DONE and the kernel's end
     fence_proxy_async();   // ... and ordered before the generic release below
   }
+  }  // pull half
   __syncthreads();
   if (failed(&s_fail)) return;
   if (last_block(c.counters + C_PULL)) {
@@ -355,14 +398,27 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
 
 bool stage_pull_tma_fits(int row_bytes) { return pull_tma_fits(row_bytes); }
 
+bool stage_pull_notify_fits(int row_bytes, int num_experts) {
+  return stage_pull_tma_fits(row_bytes) &&
+         sizeof(int) * static_cast<size_t>(num_experts) <= static_cast<size_t>(ring_slots(row_bytes)) * row_bytes;
+}
+
 void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
                            int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
                            float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
-                           int cached, int R_alloc, cudaStream_t stream) {
+                           int cached, int R_alloc, cudaStream_t stream, const NotifyOut* notify) {
   const int nslot = ring_slots(row_bytes);
   const StageIn in{x, T, scales, topk_idx, weights};
   const PullOut out{reinterpret_cast<char*>(out_x), out_scales, out_idx, out_w, recv_off, recv_src, cached, R_alloc};
   const size_t smem = static_cast<size_t>(nslot) * row_bytes;
+  const NotifyOut nout = notify != nullptr ? *notify : NotifyOut{};
+  const int inside = notify != nullptr ? 1 : 0;
+  EP_CHECK_ARG(!inside || (!cached && c.out_route.to_contract == nullptr && c.out_route.out_rows == nullptr &&
+                           topk_idx != nullptr && stage_pull_notify_fits(row_bytes, c.num_experts)),
+               "stage_pull with notify inside: a fresh rank-major dispatch with topk ids whose per-expert counts "
+               "(%d experts) fit the ring of rows of %d bytes; got cached=%d, contract %s, out_rows %s",
+               c.num_experts, row_bytes, cached, c.out_route.to_contract ? "set" : "null",
+               c.out_route.out_rows ? "set" : "null");
   if (c.out_route.to_contract != nullptr) {
     EP_CHECK_ARG(!out.cached && c.out_route.out_rows == nullptr && c.out_route.counts != nullptr &&
                      c.out_route.nodes >= 1 && c.out_route.nodes * c.world <= kMaxContractRanks &&
@@ -375,15 +431,15 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
     static bool smem_set[64] = {};  // one set per instantiation: the attribute belongs to each kernel
     ring_smem_once(stage_pull_tma_kernel<kContract>, smem_set);
     stage_pull_tma_kernel<kContract>
-        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   } else if (c.out_route.out_rows != nullptr) {
     static bool smem_set[64] = {};
     ring_smem_once(stage_pull_tma_kernel<kIndexed>, smem_set);
-    stage_pull_tma_kernel<kIndexed><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+    stage_pull_tma_kernel<kIndexed><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   } else {
     static bool smem_set[64] = {};
     ring_smem_once(stage_pull_tma_kernel<kPlain>, smem_set);
-    stage_pull_tma_kernel<kPlain><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot);
+    stage_pull_tma_kernel<kPlain><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }

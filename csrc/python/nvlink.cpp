@@ -34,6 +34,12 @@ void bind_nvlink(py::module_& m) {
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("out_x"),
            py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("cached"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"), py::arg("out_rows") = 0)
+      .def("notify_stage_pull", &Runtime::notify_stage_pull, py::arg("topk_idx"), py::arg("T"), py::arg("K"),
+           py::arg("send_pos"), py::arg("is_in"), py::arg("recv_off"), py::arg("tpe"), py::arg("host_tpe"),
+           py::arg("host_recv_off"), py::arg("x"), py::arg("row_bytes"), py::arg("scales"), py::arg("nscales"),
+           py::arg("weights"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"),
+           py::arg("recv_src"), py::arg("R_alloc"), py::arg("num_sms"), py::arg("stream"),
+           "notify + stage_pull of a fresh rank-major worst-case dispatch in one launch (notify inside block 0)")
       .def("stage_pull_contract_fits", &Runtime::stage_pull_contract_fits, py::arg("row_bytes"), py::arg("nodes"))
       .def("stage_pull_contract", &Runtime::stage_pull_contract, py::arg("x"), py::arg("T"), py::arg("row_bytes"),
            py::arg("scales"), py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"),

@@ -148,6 +148,9 @@ class NvlinkBackend(Backend):
         self._spares = Spares(bool(cfg.comm.spare_outputs))
         self._scratch_ints: dict = {}  # num_sms -> ints of expert_pull's scratch (a pybind call otherwise)
         self._notify_ev = torch.cuda.Event()  # the host waits on it for the notify step (host_sync mode)
+        # A fresh rank-major worst-case stage_pull runs notify inside its block 0 (csrc/nvlink/notify.cuh) while
+        # the other blocks stage; False: notify launched first (the A/B knob of the benchmarks).
+        self.notify_inside = True
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
         self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
@@ -271,11 +274,17 @@ class NvlinkBackend(Backend):
         rt = self._rt
         worst = self.worst_case or capturing
         merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
+        # Outputs sized before the counts exist: with comm.dispatch_kernel fused, stage and a rank-major
+        # pull go in one launch (stage_pull), each sub-chunk pulled once staged, notify inside it unless the
+        # pull orders rows for a contract. Otherwise stage right after notify, ahead of the host's wait.
+        together = worst and alignment is None and self.dispatch_mode == "fused"
+        inside = together and contract is None and self.notify_inside
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             slot = -1 if capturing else self._ring.claim()  # their HostCounts made after the launch
-            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *self._ring_ptrs[slot], merge)
+            host_ptrs = self._ring_ptrs[slot]
+            if not inside:
+                rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *host_ptrs, merge)
             counts = _DispatchCounts(is_in, capturing, self._ring, slot)
-            counts.written(s)
         else:
             rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, 0, 0, merge)
             self._notify_ev.record(s)
@@ -283,10 +292,8 @@ class NvlinkBackend(Backend):
         nscales = scales.shape[1] if scales is not None else 0
         stage_args = (x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
                       topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K)
-        # Outputs sized before the counts exist: with comm.dispatch_kernel fused, stage and a rank-major
-        # pull go in one launch (stage_pull), each sub-chunk pulled once staged. Otherwise stage now,
-        # ahead of the host's wait for the counts.
-        together = worst and alignment is None and self.dispatch_mode == "fused"
+        if worst and not inside:
+            counts.written(s)
         if not together:
             rt.stage(*stage_args, self.num_sms, sp, merge)
         if worst:
@@ -311,6 +318,13 @@ class NvlinkBackend(Backend):
             rt.stage_pull_contract(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                                    recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
                                    contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp)
+            layout = None
+        elif inside:  # notify's arguments, then stage_pull's
+            x_ptr, _, _, scales_ptr, _, _, weights_ptr, _ = stage_args
+            rt.notify_stage_pull(topk_idx.data_ptr(), T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales,
+                                 weights_ptr, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R,
+                                 self.num_sms, sp)
+            counts.written(s)
             layout = None
         elif together:
             rt.stage_pull(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
