@@ -123,6 +123,7 @@ class NvlinkBackend(Backend):
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
+        self._dispatch_requested = cfg.comm.dispatch_kernel
         self.dispatch_mode = plan_dispatch_kernel(cfg.comm.dispatch_kernel, self.world, self.num_sms)
         if cfg.comm.dispatch_dtype == "fp8":  # the caller promised FP8 pairs: refuse BF16 rows early
             self.capabilities = dataclasses.replace(self.capabilities, row_dtypes=())
@@ -383,6 +384,11 @@ class NvlinkBackend(Backend):
              torch.empty(W + 1, dtype=torch.int32, device=dev),
              torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
         return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
+
+    def set_num_sms(self, num_sms: int) -> None:
+        """The SM count of the calls from now on (the benchmarks' sweeps), and comm.dispatch_kernel planned for it."""
+        self.num_sms = int(num_sms)
+        self.dispatch_mode = plan_dispatch_kernel(self._dispatch_requested, self.world, self.num_sms)
 
     def dispatch_contract_fits(self, x, scales, nodes):
         """Backend.dispatch_contract_fits: the fresh call would run stage_pull_tma (no host sync, comm.dispatch_kernel
