@@ -413,9 +413,10 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
   const size_t smem = static_cast<size_t>(nslot) * row_bytes;
   const NotifyOut nout = notify != nullptr ? *notify : NotifyOut{};
   const int inside = notify != nullptr ? 1 : 0;
+  // (topk_idx is null for a rank with no tokens: notify reads none)
   EP_CHECK_ARG(!inside || (!cached && c.out_route.to_contract == nullptr && c.out_route.out_rows == nullptr &&
-                           topk_idx != nullptr && stage_pull_notify_fits(row_bytes, c.num_experts)),
-               "stage_pull with notify inside: a fresh rank-major dispatch with topk ids whose per-expert counts "
+                           stage_pull_notify_fits(row_bytes, c.num_experts)),
+               "stage_pull with notify inside: a fresh rank-major dispatch whose per-expert counts "
                "(%d experts) fit the ring of rows of %d bytes; got cached=%d, contract %s, out_rows %s",
                c.num_experts, row_bytes, cached, c.out_route.to_contract ? "set" : "null",
                c.out_route.out_rows ? "set" : "null");
