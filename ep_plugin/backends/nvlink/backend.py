@@ -280,21 +280,22 @@ class NvlinkBackend(Backend):
         # pull orders rows for a contract. Otherwise stage right after notify, ahead of the host's wait.
         together = worst and alignment is None and self.dispatch_mode == "fused"
         inside = together and contract is None and self.notify_inside
+        idx_ptr = topk_idx.data_ptr()
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             slot = -1 if capturing else self._ring.claim()  # their HostCounts made after the launch
             host_ptrs = self._ring_ptrs[slot]
-            if not inside:
-                rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, *host_ptrs, merge)
-            counts = _DispatchCounts(is_in, capturing, self._ring, slot)
+            if not inside:  # (inside: the counts object after the one launch, off the way to it)
+                rt.notify(idx_ptr, T, K, *ptrs, sp, *host_ptrs, merge)
+                counts = _DispatchCounts(is_in, capturing, self._ring, slot)
+                counts.written(s)
         else:
-            rt.notify(topk_idx.data_ptr(), T, K, *ptrs, sp, 0, 0, merge)
+            rt.notify(idx_ptr, T, K, *ptrs, sp, 0, 0, merge)
             self._notify_ev.record(s)
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
-        stage_args = (x.data_ptr(), T, row_bytes, scales.data_ptr() if scales is not None else 0, nscales,
-                      topk_idx.data_ptr(), topk_weights.data_ptr() if topk_weights is not None else 0, K)
-        if worst and not inside:
-            counts.written(s)
+        x_ptr, scales_ptr = x.data_ptr(), scales.data_ptr() if scales is not None else 0
+        weights_ptr = topk_weights.data_ptr() if topk_weights is not None else 0
+        stage_args = (x_ptr, T, row_bytes, scales_ptr, nscales, idx_ptr, weights_ptr, K)
         if not together:
             rt.stage(*stage_args, self.num_sms, sp, merge)
         if worst:
@@ -321,10 +322,9 @@ class NvlinkBackend(Backend):
                                    contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp)
             layout = None
         elif inside:  # notify's arguments, then stage_pull's
-            x_ptr, _, _, scales_ptr, _, _, weights_ptr, _ = stage_args
-            rt.notify_stage_pull(topk_idx.data_ptr(), T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales,
-                                 weights_ptr, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R,
-                                 self.num_sms, sp)
+            rt.notify_stage_pull(idx_ptr, T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales, weights_ptr,
+                                 rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R, self.num_sms, sp)
+            counts = _DispatchCounts(is_in, capturing, self._ring, slot)
             counts.written(s)
             layout = None
         elif together:
