@@ -105,10 +105,14 @@ def rank_main(rank, world, port, args, q):
         buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
         be = buf._backend
         attrs = dict(a.split("=", 1) for a in args.backend_attr)
-        for k, v in attrs.items():
-            if not hasattr(be, k):
+        for k, v in attrs.items():  # NAME (the backend's) or _rt.NAME (its runtime's)
+            *path, leaf = k.split(".")
+            obj = be
+            for part in path:
+                obj = getattr(obj, part)
+            if not hasattr(obj, leaf):
                 raise SystemExit(f"--backend-attr {k}: the nvlink backend has no attribute {k!r}")
-            setattr(be, k, type(getattr(be, k))(int(v)))
+            setattr(obj, leaf, type(getattr(obj, leaf))(int(v)))
         if variant is not None:
             be._rt.pull_variant = variant
             if stage_slots is not None:
@@ -234,7 +238,8 @@ def main(argv=None):
                          "read L2 evict_first), with S stager slots if given")
     ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
     ap.add_argument("--backend-attr", nargs="+", default=[], metavar="NAME=V",
-                    help="set attributes of the nvlink backend on every pair (ints; the A/B knobs, e.g. notify_inside=0)")
+                    help="set attributes of the nvlink backend (NAME) or its runtime (_rt.NAME) on every pair (ints; the A/B "
+                         "knobs, e.g. notify_inside=0, _rt.stage_copy_engine=0)")
     ap.add_argument("--protocols", nargs="+", default=["cold", "queued", "hidden"], choices=list(PROTOCOLS),
                     help="protocols.py's; `aligned` (diagnostic) separates the start skew from a cold L2")
     ap.add_argument("--no-deepep", action="store_true")

@@ -122,6 +122,7 @@ class FakeRuntime:
                         recv_off, recv_src, 0, R_alloc, num_sms, stream)
 
     tma = True  # Runtime.tma: the bulk-copy kernels (stage_pull_contract runs only with them)
+    stage_copy_engine = True  # Runtime.stage_copy_engine: inside the runtime's stage, unseen by the backend
 
     def stage_pull_contract_fits(self, row_bytes, nodes):  # the runtime's rule, less the GPU's (sm_90+)
         return self.tma and nodes >= 1 and nodes * self.world <= 256 and self.max_tokens % nodes == 0

@@ -85,6 +85,15 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 setattr(backend, attr, old)
         return call
 
+    def rt_mode(attr, value, fn):  # the call with the runtime's <attr> (stage_copy_engine, tma) set to value
+        def call():
+            old, _ = getattr(rt, attr), setattr(rt, attr, value)
+            try:
+                fn()
+            finally:
+                setattr(rt, attr, old)
+        return call
+
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)
 
@@ -103,6 +112,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         "dispatch BF16, fused": fused(lambda: buf.dispatch(x, idx, w)),
         "dispatch BF16, split": mode("dispatch_mode", "split", lambda: buf.dispatch(x, idx, w)),
         "dispatch BF16, fused, notify first": fused(mode("notify_inside", False, lambda: buf.dispatch(x, idx, w))),
+        "dispatch BF16, split, stage kernel": mode("dispatch_mode", "split", rt_mode(
+            "stage_copy_engine", False, lambda: buf.dispatch(x, idx, w))),
+        "dispatch cached BF16, split, stage kernel": mode("dispatch_mode", "split", rt_mode(
+            "stage_copy_engine", False, lambda: buf.dispatch(x, handle=first.handle))),
         "dispatch cached BF16, split": mode("dispatch_mode", "split", lambda: buf.dispatch(x, handle=first.handle)),
         "dispatch FP8": lambda: buf.dispatch((x_fp8, scales), idx, w),
         "dispatch FP8, fused": fused(lambda: buf.dispatch((x_fp8, scales), idx, w)),

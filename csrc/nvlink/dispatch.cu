@@ -79,6 +79,27 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
   }
 }
 
+// The stage by the copy engine (launch_stage_copies): a wait kernel (the peers no longer read the stage area),
+// the copies, then a release kernel -- the same flags as stage_kernel's last block, unless a wait timed out.
+__global__ void stage_wait_kernel(Ctx c) {
+  __shared__ int s_fail;
+  const int e = c.epochs[E_DISPATCH] + 1;
+  block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, globaltimer() + c.timeout_ns, &s_fail);
+}
+
+__global__ void stage_release_kernel(Ctx c, int T) {
+  if (ld_volatile(c.aborted)) return;  // a wait timed out: the copies may have overwritten rows still read
+  const int e = c.epochs[E_DISPATCH] + 1;
+  __threadfence_system();  // (the copies completed before this kernel began: stream order)
+  if (threadIdx.x < c.world) {
+    st_release_sys(flag_at(c, threadIdx.x, F_LISTS, c.rank), e);
+    st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
+  }
+  const int nsub = (T + kStageSub - 1) / kStageSub;
+  for (int i = threadIdx.x; i < nsub * c.world; i += blockDim.x)
+    st_release_sys(stage_ready_at(c, i / nsub, c.rank, i % nsub), e);
+}
+
 // A warp owns an equal contiguous share of the received rows and works through it in batches of 32
 // rows. Per batch: lane j fetches row j's (source, token) and writes its local topk ids/weights
 // (independent remote loads, all in flight together); then the batch's rows are copied as one flat
@@ -168,6 +189,24 @@ void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes,
                   cudaStream_t stream) {
   stage_kernel<<<blocks, kThreads, 0, stream>>>(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K,
                                                 merge_repeats);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_stage_copies(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
+                         const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream) {
+  stage_wait_kernel<<<1, 32, 0, stream>>>(c);
+  EP_CUDA_CHECK(cudaGetLastError());
+  char* base = c.peers[c.rank];
+  const size_t t = static_cast<size_t>(T);
+  auto copy = [&](size_t off, const void* src, size_t bytes) {
+    if (src != nullptr && bytes > 0)
+      EP_CUDA_CHECK(cudaMemcpyAsync(base + off, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  copy(c.off_stage_x, x, t * row_bytes);
+  copy(c.off_stage_scales, scales, t * nscales * sizeof(float));
+  copy(c.off_stage_idx, topk_idx, t * K * sizeof(int64_t));
+  copy(c.off_stage_w, weights, t * K * sizeof(float));
+  stage_release_kernel<<<1, 256, 0, stream>>>(c, T);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -27,6 +27,10 @@ void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes,
 void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* out_scales, int nscales,
                  int64_t* out_idx, float* out_w, int K, const int* recv_off, int* recv_src, int cached,
                  int R_alloc, cudaStream_t stream);
+// The same stage (rows, FP8 scales, ids, weights; not merged) by the copy engine, no SM held while the bytes
+// move: a one-block wait kernel (PULL_DONE), cudaMemcpyAsync per array, a one-block release kernel.
+void launch_stage_copies(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
+                         const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream);
 
 // pull_tma.cu: the same pull with the rows moved by bulk copies (TMA) through a shared-memory ring;
 // for rows that leave at least three slots of the ring (pull_tma_fits), on sm_90+ builds and GPUs

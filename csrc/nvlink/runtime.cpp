@@ -191,6 +191,11 @@ void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nsc
                hidden_ / 128);
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
   set_device();
+  if (stage_ce_ && merge_repeats == 0) {  // merged ids are computed by the stage kernel
+    launch_stage_copies(ctx_, ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+                        ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, stream_of(stream));
+    return;
+  }
   launch_stage(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
                ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, merge_repeats != 0, stream_of(stream));
 }

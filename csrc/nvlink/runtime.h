@@ -69,6 +69,10 @@ class Runtime {
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }
   void set_tma(bool on) { tma_ = on; }
+  // whether stage (the separate launch: split dispatches, cached split ones) moves a rank-major dispatch's
+  // rows by the copy engine (cudaMemcpyAsync, no SM held) or by the stage kernel on num_sms SMs
+  bool stage_copy_engine() const { return stage_ce_; }
+  void set_stage_copy_engine(bool on) { stage_ce_ = on; }
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
   // The pull combine's stager ring: its shared-memory rows (the loads get the rest). For
   // benchmarks/nvlink_phases.py only, pull_diag times one half alone (1: stage only, remote rows not
@@ -139,6 +143,7 @@ class Runtime {
   HostInfo* host_dev_ = nullptr;
   bool opened_ = false;
   bool tma_ = true;
+  bool stage_ce_ = true;
   int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 16;  // +16 (x read L2 evict_first): 2% faster queued at EP4 24 SMs (session 5)
   Ctx ctx_{};
 };

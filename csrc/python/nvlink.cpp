@@ -46,6 +46,8 @@ void bind_nvlink(py::module_& m) {
            py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("R_alloc"), py::arg("nodes"), py::arg("to_contract"), py::arg("counts"),
            py::arg("num_sms"), py::arg("stream"))
+      .def_property("stage_copy_engine", &Runtime::stage_copy_engine, &Runtime::set_stage_copy_engine,
+                    "the separate stage launch moves rank-major rows by the copy engine (no SM held); False: a kernel")
       .def_property("tma", &Runtime::tma, &Runtime::set_tma,
                     "the pulls move rows by bulk copies (TMA; rows too large for the ring: registers); False: registers")
       .def_property_readonly("tma_supported", &Runtime::tma_supported,
