@@ -47,7 +47,7 @@ def test_kernels_as_given_win():
     assert plan_dispatch_kernel("split", 2, 24) == "split" and plan_dispatch_kernel("fused", 4, 48) == "fused"
 
 
-@pytest.mark.parametrize("world,sms,want", [(2, 8, "split"), (2, 16, "fused"), (2, 24, "fused"), (2, 48, "fused"),
+@pytest.mark.parametrize("world,sms,want", [(2, 8, "split"), (2, 16, "split"), (2, 24, "fused"), (2, 48, "fused"),
                                             (4, 8, "fused"), (4, 16, "fused"), (4, 24, "fused"),
                                             (4, 32, "fused"), (4, 48, "fused"), (8, 48, "fused")])
 def test_dispatch_kernel_auto(world, sms, want):

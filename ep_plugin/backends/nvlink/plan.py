@@ -77,9 +77,11 @@ def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
     stage-then-pull ("split") at EP2 (16 / 24 / 48 SMs, 4x H200, session 7: 288.6 / 223.4 / 216.3 us queued
     against 289.1 / 224.2 / 212.5) and leads at EP4 from 32 SMs, where split had been chosen from an older run
     (48 SMs: 631 vs 648 us per call queued on 4x H200, cold 722-729 vs 739 on 4x H100; 32 SMs: cold 671-727
-    vs 703, queued 611 vs 616). Unmeasured beyond EP4: the same rule. Except EP2 at <= 8 SMs, where split leads
-    (2x H200, 2026-11-27, session 13: per call queued 588 us against fused 608-618, notify inside or not; cold
-    635 against 684, cached 585 against 610): there the fused kernel's two halves share too few SMs."""
+    vs 703, queued 611 vs 616). Unmeasured beyond EP4: the same rule. Except EP2 at <= 16 SMs, where split leads
+    since its stage moves the rows by the copy engine (2x H200, 2026-11-27, session 13, per call queued: 8 SMs
+    473 us against fused 607-617, cached 407 against 552; 16 SMs notify 41 + stage 50 + pull 191 against fused
+    338 -- the pull at 16 SMs from the stage-kernel run, the copy engine's stage 50 us at every SM count; 24 SMs
+    split 290 against fused 265, so fused from there): at few SMs the fused kernel's two halves share too few SMs."""
     if requested != "auto":
         return requested
-    return "split" if world == 2 and num_sms <= 8 else "fused"
+    return "split" if world == 2 and num_sms <= 16 else "fused"
