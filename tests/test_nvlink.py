@@ -184,11 +184,15 @@ def check_stage_pull(rank, world, E, K, hidden):
     be = nv._backend
     seed = 300
     held = []
-    for fused in ((True,) * world, (False,) * world, tuple(r % 2 == 0 for r in range(world))):
+    # the fused kernel everywhere, split everywhere (its stage by the copy engine), mixed, and split with the stage
+    # kernel (Runtime.stage_copy_engine off) mixed with the fused kernel
+    evens, odds = tuple(r % 2 == 0 for r in range(world)), tuple(r % 2 == 1 for r in range(world))
+    for fused, copies in (((True,) * world, True), ((False,) * world, True), (evens, True), (odds, False)):
         be.dispatch_mode = "fused" if fused[rank] else "split"
+        be._rt.stage_copy_engine = copies
         for tokens, mode in ((300, "random"), (512, "skew"), ([0] + [33] * (world - 1), "starve_last"), (1, "random")):
             seed += 1
-            ctx = f"rank {rank} fused {fused} tokens {tokens} mode {mode}"
+            ctx = f"rank {rank} fused {fused} copy-engine stage {copies} tokens {tokens} mode {mode}"
             _, _, _, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, seed, mode)
             a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
             R = b.x.shape[0]
@@ -204,6 +208,7 @@ def check_stage_pull(rank, world, E, K, hidden):
             y_ref = ref.combine(b.x, b.handle)
             torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=1e-2, msg=ctx + " combine")
             held.append((ctx, a, b, c, d, y, y.clone()))
+    be._rt.stage_copy_engine = True
     for ctx, a, b, c, d, y, y_then in held:
         R = b.x.shape[0]
         assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx + " held"
