@@ -76,23 +76,20 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             idx.data_ptr(), n, K, send_pos.data_ptr(), is_in.data_ptr(), recv_off.data_ptr(), tpe.data_ptr(),
             torch.cuda.current_stream().cuda_stream))))
 
-    def mode(attr, value, fn):  # the call with backend.<attr> (dispatch_mode, combine_mode) set to value
+    def with_attr(obj, attr, value, fn):  # the call with obj.<attr> set to value
         def call():
-            old, _ = getattr(backend, attr), setattr(backend, attr, value)
+            old, _ = getattr(obj, attr), setattr(obj, attr, value)
             try:
                 fn()
             finally:
-                setattr(backend, attr, old)
+                setattr(obj, attr, old)
         return call
 
-    def rt_mode(attr, value, fn):  # the call with the runtime's <attr> (stage_copy_engine, tma) set to value
-        def call():
-            old, _ = getattr(rt, attr), setattr(rt, attr, value)
-            try:
-                fn()
-            finally:
-                setattr(rt, attr, old)
-        return call
+    def mode(attr, value, fn):  # the call with backend.<attr> (dispatch_mode, combine_mode, notify_inside) set
+        return with_attr(backend, attr, value, fn)
+
+    def rt_mode(attr, value, fn):  # the call with the runtime's <attr> (stage_copy_engine, tma) set
+        return with_attr(rt, attr, value, fn)
 
     def fused(fn):  # comm.dispatch_kernel fused: stage and pull as one stage_pull kernel
         return mode("dispatch_mode", "fused", fn)

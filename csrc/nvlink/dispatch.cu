@@ -31,6 +31,18 @@ namespace ep {
 namespace nvl {
 namespace {
 
+// The end of a stage, by one block: LISTS and STAGE at every rank, and every sub-chunk's STAGE_READY, so that a
+// peer in stage_pull (stage_pull_tma.cu) pulls from this stage too.
+__device__ __forceinline__ void release_stage(const Ctx& c, int T, int e) {
+  if (threadIdx.x < c.world) {
+    st_release_sys(flag_at(c, threadIdx.x, F_LISTS, c.rank), e);
+    st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
+  }
+  const int nsub = (T + kStageSub - 1) / kStageSub;
+  for (int i = threadIdx.x; i < nsub * c.world; i += blockDim.x)
+    st_release_sys(stage_ready_at(c, i / nsub, c.rank, i % nsub), e);
+}
+
 __global__ void __launch_bounds__(kThreads)
 stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const float* __restrict__ scales,
              int nscales, const int64_t* __restrict__ idx, const float* __restrict__ w, int K, bool merge) {
@@ -70,16 +82,7 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
       for (size_t i = gtid; i < n; i += gsize) dst[i] = w[i];
     }
   }
-  if (last_block(c.counters + C_STAGE)) {
-    if (threadIdx.x < c.world) {
-      st_release_sys(flag_at(c, threadIdx.x, F_LISTS, c.rank), e);
-      st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
-    }
-    // and every sub-chunk, so that a peer in stage_pull (stage_pull_tma.cu) pulls from this stage too
-    const int nsub = (T + kStageSub - 1) / kStageSub;
-    for (int i = threadIdx.x; i < nsub * c.world; i += blockDim.x)
-      st_release_sys(stage_ready_at(c, i / nsub, c.rank, i % nsub), e);
-  }
+  if (last_block(c.counters + C_STAGE)) release_stage(c, T, e);
 }
 
 // The stage by the copy engine (launch_stage_copies): a wait kernel (the peers no longer read the stage area),
@@ -94,13 +97,7 @@ __global__ void stage_release_kernel(Ctx c, int T) {
   if (ld_volatile(c.aborted)) return;  // a wait timed out: the copies may have overwritten rows still read
   const int e = c.epochs[E_DISPATCH] + 1;
   __threadfence_system();  // (the copies completed before this kernel began: stream order)
-  if (threadIdx.x < c.world) {
-    st_release_sys(flag_at(c, threadIdx.x, F_LISTS, c.rank), e);
-    st_release_sys(flag_at(c, threadIdx.x, F_STAGE, c.rank), e);
-  }
-  const int nsub = (T + kStageSub - 1) / kStageSub;
-  for (int i = threadIdx.x; i < nsub * c.world; i += blockDim.x)
-    st_release_sys(stage_ready_at(c, i / nsub, c.rank, i % nsub), e);
+  release_stage(c, T, e);
 }
 
 // A warp owns an equal contiguous share of the received rows and works through it in batches of 32
