@@ -121,6 +121,12 @@ class FakeRuntime:
         self.stage_pull(x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx, out_w,
                         recv_off, recv_src, 0, R_alloc, num_sms, stream)
 
+    def stage_begin(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, stream):
+        self._log("stage_begin", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, stream))
+
+    def stage_end(self, stream):
+        self._log("stage_end", (stream,))
+
     tma = True  # Runtime.tma: the bulk-copy kernels (stage_pull_contract runs only with them)
     stage_copy_engine = True  # Runtime.stage_copy_engine: inside the runtime's stage, unseen by the backend
 

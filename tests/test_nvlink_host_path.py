@@ -398,6 +398,33 @@ def test_expert_major_weights_with_grad(gpu):
     buf.close()
 
 
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_stage_beside_notify(gpu, host_sync):
+    """backend.stage_beside_notify (an A/B knob, off by default): a fresh split rank-major dispatch queues the
+    copy-engine stage's wait and copies before notify (stage_begin, the stage's own arguments) and its release after
+    it (stage_end), then the pull; expert-major dispatches (merged ids: the stage kernel) and cached ones do not."""
+    log, stream, _ = gpu
+    buf = make_buf(host_sync=host_sync)
+    buf._backend.stage_beside_notify = True
+    x, idx, w = inputs()
+    res = buf.dispatch(x, idx, w)
+    assert names(log) == ["stage_begin", "notify", "stage_end", "pull"]
+    sp = stream.cuda_stream
+    assert dict(log)["stage_begin"] == (x.data_ptr(), T, H * 2, 0, 0, idx.data_ptr(), w.data_ptr(), K, sp)
+    assert dict(log)["stage_end"] == (sp,)
+    log.clear()
+    buf.dispatch(x, None, w, handle=res.handle)
+    assert names(log) == ["stage", "pull"]
+    log.clear()
+    buf.dispatch(x, idx, w, layout="expert")
+    assert names(log) == ["notify", "stage", "expert_pull"]
+    log.clear()
+    buf._backend._rt.stage_copy_engine = False  # the stage kernel: after notify, as ever
+    buf.dispatch(x, idx, w)
+    assert names(log) == ["notify", "stage", "pull"]
+    buf.close()
+
+
 def test_host_sync_sizes_exactly(gpu):
     log, stream, _ = gpu
     buf = make_buf(host_sync=True)

@@ -194,6 +194,12 @@ void launch_stage(const Ctx& c, int blocks, const int4* x, int T, int row_bytes,
 
 void launch_stage_copies(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
                          const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream) {
+  launch_stage_copies_begin(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K, stream);
+  launch_stage_copies_end(c, T, stream);
+}
+
+void launch_stage_copies_begin(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
+                               const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream) {
   stage_wait_kernel<<<1, 32, 0, stream>>>(c);
   EP_CUDA_CHECK(cudaGetLastError());
   char* base = c.peers[c.rank];
@@ -206,6 +212,9 @@ void launch_stage_copies(const Ctx& c, const int4* x, int T, int row_bytes, cons
   copy(c.off_stage_scales, scales, t * nscales * sizeof(float));
   copy(c.off_stage_idx, topk_idx, t * K * sizeof(int64_t));
   copy(c.off_stage_w, weights, t * K * sizeof(float));
+}
+
+void launch_stage_copies_end(const Ctx& c, int T, cudaStream_t stream) {
   stage_release_kernel<<<1, 256, 0, stream>>>(c, T);
   EP_CUDA_CHECK(cudaGetLastError());
 }

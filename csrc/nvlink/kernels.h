@@ -31,6 +31,11 @@ void launch_pull(const Ctx& c, int blocks, int4* out_x, int row_bytes, float* ou
 // move: a one-block wait kernel (PULL_DONE), cudaMemcpyAsync per array, a one-block release kernel.
 void launch_stage_copies(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
                          const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream);
+// Its two halves: the wait and the copies; the release (which also tells the peers that this rank's send lists are
+// complete, so it goes after notify).
+void launch_stage_copies_begin(const Ctx& c, const int4* x, int T, int row_bytes, const float* scales, int nscales,
+                               const int64_t* topk_idx, const float* weights, int K, cudaStream_t stream);
+void launch_stage_copies_end(const Ctx& c, int T, cudaStream_t stream);
 
 // pull_tma.cu: the same pull with the rows moved by bulk copies (TMA) through a shared-memory ring;
 // for rows that leave at least three slots of the ring (pull_tma_fits), on sm_90+ builds and GPUs

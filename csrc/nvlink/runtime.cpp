@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <initializer_list>
 
 #include "common/error.h"
 #include "nvlink/kernels.h"
@@ -139,6 +140,13 @@ void Runtime::close() {
   local_ = nullptr;
   if (host_) cudaFreeHost(host_);
   host_ = nullptr;
+  for (cudaEvent_t* ev : {&fork_, &notified_, &staged_}) {
+    if (*ev) cudaEventDestroy(*ev);
+    *ev = nullptr;
+  }
+  if (side_) cudaStreamDestroy(side_);
+  side_ = nullptr;
+  begun_T_ = -1;
   opened_ = false;
   cudaGetLastError();
 }
@@ -198,6 +206,40 @@ void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nsc
   }
   launch_stage(ctx_, grid_for(num_sms), ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
                ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, merge_repeats != 0, stream_of(stream));
+}
+
+void Runtime::stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                          uintptr_t weights, int K, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  check_row_bytes(row_bytes);
+  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
+               hidden_ / 128);
+  EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
+  EP_CHECK(begun_T_ < 0, "stage_begin called twice without stage_end");
+  set_device();
+  if (side_ == nullptr) {
+    EP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    for (cudaEvent_t* ev : {&fork_, &notified_, &staged_})
+      EP_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+  }
+  EP_CUDA_CHECK(cudaEventRecord(fork_, stream_of(stream)));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+  launch_stage_copies_begin(ctx_, ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
+                            ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, side_);
+  begun_T_ = T;
+}
+
+void Runtime::stage_end(uintptr_t stream) {
+  EP_CHECK(begun_T_ >= 0, "stage_end without stage_begin");
+  set_device();
+  const int T = begun_T_;
+  begun_T_ = -1;
+  EP_CUDA_CHECK(cudaEventRecord(notified_, stream_of(stream)));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(side_, notified_, 0));
+  launch_stage_copies_end(ctx_, T, side_);
+  EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(stream_of(stream), staged_, 0));
 }
 
 bool Runtime::tma_supported() const {

@@ -8,6 +8,9 @@
 
 #include "nvlink/nvlink.h"
 
+struct CUstream_st;  // cudaStream_t and cudaEvent_t, without the CUDA runtime's header here
+struct CUevent_st;
+
 namespace ep {
 namespace nvl {
 
@@ -73,6 +76,13 @@ class Runtime {
   // rows by the copy engine (cudaMemcpyAsync, no SM held) or by the stage kernel on num_sms SMs
   bool stage_copy_engine() const { return stage_ce_; }
   void set_stage_copy_engine(bool on) { stage_ce_ = on; }
+  // The copy-engine stage beside notify (a fresh split rank-major dispatch): stage_begin, before notify, forks a
+  // side stream off `stream` and queues the wait and the copies there; stage_end, after notify, queues the release
+  // there behind notify (the release tells the peers the send lists are complete) and joins `stream` to it. The
+  // copies then move while notify runs. One begin, then one end, per dispatch.
+  void stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                   uintptr_t weights, int K, uintptr_t stream);
+  void stage_end(uintptr_t stream);
   bool tma_supported() const;  // this build and this GPU run the bulk-copy kernels (sm_90+)
   // The pull combine's stager ring: its shared-memory rows (the loads get the rest). For
   // benchmarks/nvlink_phases.py only, pull_diag times one half alone (1: stage only, remote rows not
@@ -144,6 +154,9 @@ class Runtime {
   bool opened_ = false;
   bool tma_ = true;
   bool stage_ce_ = true;
+  CUstream_st* side_ = nullptr;  // stage_begin's stream, and its events (made at the first stage_begin)
+  CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;
+  int begun_T_ = -1;             // the tokens of a stage_begin awaiting its stage_end (-1: none)
   int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 16;  // +16 (x read L2 evict_first): 2% faster queued at EP4 24 SMs (session 5)
   Ctx ctx_{};
 };

@@ -46,6 +46,11 @@ void bind_nvlink(py::module_& m) {
            py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("R_alloc"), py::arg("nodes"), py::arg("to_contract"), py::arg("counts"),
            py::arg("num_sms"), py::arg("stream"))
+      .def("stage_begin", &Runtime::stage_begin, py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"),
+           py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("stream"),
+           "the copy-engine stage's wait and copies on a side stream forked off `stream` (before notify)")
+      .def("stage_end", &Runtime::stage_end, py::arg("stream"),
+           "its release behind what `stream` has queued (notify), then `stream` joined to it")
       .def_property("stage_copy_engine", &Runtime::stage_copy_engine, &Runtime::set_stage_copy_engine,
                     "the separate stage launch moves rank-major rows by the copy engine (no SM held); False: a kernel")
       .def_property("tma", &Runtime::tma, &Runtime::set_tma,

@@ -152,6 +152,9 @@ class NvlinkBackend(Backend):
         # A fresh rank-major worst-case stage_pull runs notify inside its block 0 (csrc/nvlink/notify.cuh) while
         # the other blocks stage; False: notify launched first (the A/B knob of the benchmarks).
         self.notify_inside = True
+        # A split rank-major dispatch's copy-engine stage (Runtime.stage_copy_engine) on a side stream beside notify
+        # (Runtime.stage_begin / stage_end); False: after notify on the call's stream. Off until measured on GPUs.
+        self.stage_beside_notify = False
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
         self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
@@ -281,6 +284,15 @@ class NvlinkBackend(Backend):
         together = worst and alignment is None and self.dispatch_mode == "fused"
         inside = together and contract is None and self.notify_inside
         idx_ptr = topk_idx.data_ptr()
+        row_bytes = x.shape[1] * x.element_size()
+        nscales = scales.shape[1] if scales is not None else 0
+        x_ptr, scales_ptr = x.data_ptr(), scales.data_ptr() if scales is not None else 0
+        weights_ptr = topk_weights.data_ptr() if topk_weights is not None else 0
+        stage_args = (x_ptr, T, row_bytes, scales_ptr, nscales, idx_ptr, weights_ptr, K)
+        # the copy-engine stage beside notify (A/B knob): its copies on a side stream while notify runs
+        beside = not together and not merge and self.stage_beside_notify and rt.stage_copy_engine
+        if beside:
+            rt.stage_begin(*stage_args, sp)
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             slot = -1 if capturing else self._ring.claim()  # their HostCounts made after the launch
             host_ptrs = self._ring_ptrs[slot]
@@ -291,12 +303,9 @@ class NvlinkBackend(Backend):
         else:
             rt.notify(idx_ptr, T, K, *ptrs, sp, 0, 0, merge)
             self._notify_ev.record(s)
-        row_bytes = x.shape[1] * x.element_size()
-        nscales = scales.shape[1] if scales is not None else 0
-        x_ptr, scales_ptr = x.data_ptr(), scales.data_ptr() if scales is not None else 0
-        weights_ptr = topk_weights.data_ptr() if topk_weights is not None else 0
-        stage_args = (x_ptr, T, row_bytes, scales_ptr, nscales, idx_ptr, weights_ptr, K)
-        if not together:
+        if beside:  # its release behind notify, the stream joined to it
+            rt.stage_end(sp)
+        elif not together:
             rt.stage(*stage_args, self.num_sms, sp, merge)
         if worst:
             R = W * self.max_tokens
