@@ -52,6 +52,17 @@ def _same_dispatch(a, b, ctx):
     assert torch.equal(a.handle.is_token_in_rank, b.handle.is_token_in_rank), ctx
 
 
+def _same_worst_case(a, b, ctx) -> int:
+    """A worst-case-sized dispatch `a` against the reference's exact `b`: its valid rows (the device count) equal
+    b's, the padding routes nowhere. Returns the valid row count."""
+    R = b.x.shape[0]
+    assert int(a.handle.num_recv_device) == R, ctx
+    assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx
+    assert torch.equal(a.topk_weights[:R], b.topk_weights), ctx
+    assert (a.topk_idx[R:] == -1).all() and (a.topk_weights[R:] == 0).all(), ctx
+    return R
+
+
 def _register_pull(nv, call):
     """call() with the pulls moving rows by registers instead of bulk copies (TMA, the default)."""
     rt = nv._backend._rt
@@ -195,11 +206,7 @@ def check_stage_pull(rank, world, E, K, hidden):
             ctx = f"rank {rank} fused {fused} copy-engine stage {copies} tokens {tokens} mode {mode}"
             _, _, _, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, seed, mode)
             a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
-            R = b.x.shape[0]
-            assert int(a.handle.num_recv_device) == R, ctx
-            assert torch.equal(a.x[:R], b.x) and torch.equal(a.topk_idx[:R], b.topk_idx), ctx
-            assert torch.equal(a.topk_weights[:R], b.topk_weights), ctx
-            assert (a.topk_idx[R:] == -1).all() and (a.topk_weights[R:] == 0).all(), ctx
+            R = _same_worst_case(a, b, ctx)
             w2 = torch.rand_like(w)
             c = nv.dispatch(x * 2, None, w2, handle=a.handle)
             d = ref.dispatch(x * 2, None, w2, handle=b.handle)

@@ -190,14 +190,18 @@ void Runtime::notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintp
                 stream_of(stream));
 }
 
-void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
-                    uintptr_t weights, int K, int num_sms, uintptr_t stream, int merge_repeats) {
+void Runtime::check_stage(int T, int row_bytes, int nscales, int K) const {
   check_open();
   check_tokens(T);
   check_row_bytes(row_bytes);
   EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
                hidden_ / 128);
   EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
+}
+
+void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
+                    uintptr_t weights, int K, int num_sms, uintptr_t stream, int merge_repeats) {
+  check_stage(T, row_bytes, nscales, K);
   set_device();
   if (stage_ce_ && merge_repeats == 0) {  // merged ids are computed by the stage kernel
     launch_stage_copies(ctx_, ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
@@ -210,12 +214,7 @@ void Runtime::stage(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nsc
 
 void Runtime::stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
                           uintptr_t weights, int K, uintptr_t stream) {
-  check_open();
-  check_tokens(T);
-  check_row_bytes(row_bytes);
-  EP_CHECK_ARG(nscales <= hidden_ / 128, "too many scales per row: nscales=%d, at most hidden/128 = %d", nscales,
-               hidden_ / 128);
-  EP_CHECK_ARG(K <= kMaxTopk, "topk must be at most %d, got %d", kMaxTopk, K);
+  check_stage(T, row_bytes, nscales, K);
   EP_CHECK(begun_T_ < 0, "stage_begin called twice without stage_end");
   set_device();
   if (side_ == nullptr) {

@@ -138,6 +138,7 @@ class Runtime {
   void check_open() const;
   void check_tokens(int T) const;
   void check_row_bytes(int row_bytes) const;
+  void check_stage(int T, int row_bytes, int nscales, int K) const;  // a stage's arguments (stage, stage_begin)
   Ctx routed(uintptr_t out_rows) const;  // ctx_ with the call's DispatchRoute
   void launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
                                  uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
