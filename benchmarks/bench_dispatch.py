@@ -368,12 +368,12 @@ class RankBench:
         rec["sms"] = list(self.args.sms)
         try:
             for s in self.args.sms:
-                be.set_num_sms(s) if hasattr(be, "set_num_sms") else setattr(be, "num_sms", s)
+                be.num_sms = s
                 self.timed(rec, f"nvlink@{s}.dispatch_bf16", lambda: nv.dispatch(inp.x, inp.idx, inp.w))
                 self.timed(rec, f"nvlink@{s}.dispatch_fp8", lambda: nv.dispatch(inp.xf8, inp.idx, inp.w))
                 self.timed(rec, f"nvlink@{s}.combine_bf16", lambda: nv.combine(a.x, a.handle))
         finally:
-            be.set_num_sms(sms0) if hasattr(be, "set_num_sms") else setattr(be, "num_sms", sms0)
+            be.num_sms = sms0
 
     # -------------------------------------------------------------- the run
     def report_ops(self, case: str, ops: Dict) -> None:

@@ -134,7 +134,7 @@ def rank_main(rank, world, port, args, q):
             continue
         first = buf.dispatch(inp.x, inp.idx, inp.w)
         for sms in args.sms:
-            be.set_num_sms(sms)  # and the dispatch kernel `auto` plans for it, as a buffer built for sms would
+            be.num_sms = sms  # (and the dispatch kernel `auto` plans for it, as a buffer built for sms would)
             ops = {} if args.combine_only else {
                 "dispatch": measure(proto, lambda: buf.dispatch(inp.x, inp.idx, inp.w)),
                 "cached": measure(proto, lambda: buf.dispatch(inp.x, handle=first.handle))}

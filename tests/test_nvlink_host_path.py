@@ -271,7 +271,7 @@ def test_fused_dispatch_kernel(gpu, fp8, inside):
     x, idx, w = inputs(fp8)
     res = buf.dispatch(x, idx, w)
     assert names(log) == ["notify", "stage_pull"]  # the fake logs notify_stage_pull as the two it stands for
-    assert getattr(rt, "inside_launches", 0) == (1 if inside else 0)
+    assert rt.inside_launches == (1 if inside else 0)
     check_fresh_tensors(res, stream.cuda_stream, log, R, x, w)
     st = res.handle.state
     out, out_s = res.x if fp8 else (res.x, None)
@@ -288,7 +288,7 @@ def test_fused_dispatch_kernel(gpu, fp8, inside):
     log.clear()
     buf.dispatch(x, idx, w, layout="expert")
     assert names(log) == ["notify", "stage", "expert_pull"]
-    assert getattr(rt, "inside_launches", 0) == (1 if inside else 0)  # cached and expert-major: never inside
+    assert rt.inside_launches == (1 if inside else 0)  # cached and expert-major: never inside
     buf.close()
     buf = make_buf(dispatch_kernel="fused", host_sync=True)
     log.clear()
@@ -673,3 +673,16 @@ def test_bench_runs(solo, capsys):
     out = capsys.readouterr().out
     assert "HOST OVERHEAD ONLY" in out and out.count("current ") == 2 and "stand-in calls" in out
     assert "cProfile" in out and "function calls" in out
+
+
+def test_num_sms_replans_the_dispatch_kernel(gpu):
+    """Setting the backend's num_sms (the benches' SM sweeps, the deep_ep shim's Config.num_sms) plans
+    comm.dispatch_kernel auto for the new count, as a buffer built for it would (split at EP2 up to 16 SMs); a
+    kernel the config names stays."""
+    for requested, want in (("auto", {8: "split", 16: "split", 24: "fused", 48: "fused"}),
+                            ("fused", {8: "fused", 48: "fused"})):
+        be = make_buf(dispatch_kernel=requested)._backend
+        for sms, kernel in want.items():
+            be.num_sms = sms
+            assert (be.num_sms, be.dispatch_mode) == (sms, kernel), (requested, sms)
+        be.close()

@@ -252,6 +252,21 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     return a;
   };
 
+  int nbatch = 0;  // this block's batches (the pull half's)
+  if (warp < kHalf / 32) {  // the pull half: this dispatch's receive offsets, then its batches
+    if (notify_inside) {  // this dispatch's recv_off, once notify (block 0's stage half) has written it
+      if (tid == 0) {        // one reader decides (s_fail may change under the others)
+        wait_notified(c, e, deadline, &s_fail);
+        const bool ok = !failed(&s_fail);
+        for (int s = 0; s <= W; ++s) s_off[s] = ok ? ld_volatile(out.recv_off + s) : 0;
+      }
+      named_barrier(kPullBarrier, kHalf);
+    }
+    int max_rounds = 0;
+    for (int s = 0; s < W; ++s) max_rounds = max(max_rounds, (s_off[s + 1] - s_off[s] + kBatch - 1) / kBatch);
+    nbatch = (max_rounds * W - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  }
+
   if (warp >= kHalf / 32) {  // ---- stage half
     const int stid = tid - kHalf;
     const int G = static_cast<int>(gridDim.x);
@@ -284,19 +299,7 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
         if (out.w) out.w[o * K + k] = 0.f;
       }
     }
-  } else {  // ---- pull half
-  if (notify_inside) {  // this dispatch's recv_off, once notify (block 0's stage half) has written it
-    if (tid == 0) {        // one reader decides (s_fail may change under the others)
-      wait_notified(c, e, deadline, &s_fail);
-      const bool ok = !failed(&s_fail);
-      for (int s = 0; s <= W; ++s) s_off[s] = ok ? ld_volatile(out.recv_off + s) : 0;
-    }
-    named_barrier(kPullBarrier, kHalf);
-  }
-  int max_rounds = 0;
-  for (int s = 0; s < W; ++s) max_rounds = max(max_rounds, (s_off[s + 1] - s_off[s] + kBatch - 1) / kBatch);
-  const int nbatch = (max_rounds * W - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
-  if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
+  } else if (warp > 0) {  // ---- metadata warps: batch m is warp 1 + m % kMetaWarps's
     unsigned lists_ok = 0;
     int ok_src = -1, ok_sub = -1;
     if constexpr (kMode == kContract) contract_shifts(c, s_off, e, deadline, &s_fail, s_delta, tid - 32);
@@ -382,7 +385,6 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
     tma_store_wait_all();  // out.x written before PULL_DONE and the kernel's end
     fence_proxy_async();   // ... and ordered before the generic release below
   }
-  }  // pull half
   __syncthreads();
   if (failed(&s_fail)) return;
   if (last_block(c.counters + C_PULL)) {

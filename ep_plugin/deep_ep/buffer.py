@@ -152,10 +152,7 @@ class Buffer(LowLatencyMixin):
         """A Config's num_sms reaches the kernels of backends that have an SM count."""
         backend = getattr(buf._backend, "wrapped", buf._backend)
         if config is not None and hasattr(backend, "num_sms") and backend.num_sms != int(config.num_sms):
-            if hasattr(backend, "set_num_sms"):  # the nvlink backend: its dispatch kernel planned for the count too
-                backend.set_num_sms(int(config.num_sms))
-            else:
-                backend.num_sms = int(config.num_sms)
+            backend.num_sms = int(config.num_sms)  # (nvlink: its dispatch kernel planned for the count too)
 
     def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor) -> torch.Tensor:
         """[W, W] int32: entry [i][j] = tokens ranks 0..i send to rank j (one small all-gather)."""

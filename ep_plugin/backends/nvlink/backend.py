@@ -119,12 +119,11 @@ class NvlinkBackend(Backend):
         props = torch.cuda.get_device_properties(self.device)
         self.max_tokens = int(cfg.comm.max_tokens_per_rank)
         # auto: by EP size and the batch the buffer is sized for (plan.py)
+        self._dispatch_requested = cfg.comm.dispatch_kernel  # the dispatch kernel is planned with num_sms (below)
         self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
-        self._dispatch_requested = cfg.comm.dispatch_kernel
-        self.dispatch_mode = plan_dispatch_kernel(cfg.comm.dispatch_kernel, self.world, self.num_sms)
         if cfg.comm.dispatch_dtype == "fp8":  # the caller promised FP8 pairs: refuse BF16 rows early
             self.capabilities = dataclasses.replace(self.capabilities, row_dtypes=())
         self._rt = C.NvlinkRuntime(self.device, self.rank, self.world, self.max_tokens, hidden,
@@ -385,6 +384,17 @@ class NvlinkBackend(Backend):
             scratch = torch.empty(ints, dtype=torch.int32, device=dev)
         return (out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch), ptrs
 
+    @property
+    def num_sms(self) -> int:
+        """The SM count of the calls; setting it (the benchmarks' sweeps, the deep_ep shim's Config.num_sms) plans
+        comm.dispatch_kernel for the new count too, as a buffer built for it would."""
+        return self._num_sms
+
+    @num_sms.setter
+    def num_sms(self, n: int) -> None:
+        self._num_sms = int(n)
+        self.dispatch_mode = plan_dispatch_kernel(self._dispatch_requested, self.world, self._num_sms)
+
     def _notify_tensors(self, T: int, dev):
         """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
         and their pointers in notify's order (read here, so that a spare's cost nothing before notify)."""
@@ -393,11 +403,6 @@ class NvlinkBackend(Backend):
              torch.empty(W + 1, dtype=torch.int32, device=dev),
              torch.empty(self.experts_per_rank, dtype=torch.int64, device=dev))
         return t, (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
-
-    def set_num_sms(self, num_sms: int) -> None:
-        """The SM count of the calls from now on (the benchmarks' sweeps), and comm.dispatch_kernel planned for it."""
-        self.num_sms = int(num_sms)
-        self.dispatch_mode = plan_dispatch_kernel(self._dispatch_requested, self.world, self.num_sms)
 
     def dispatch_contract_fits(self, x, scales, nodes):
         """Backend.dispatch_contract_fits: the fresh call would run stage_pull_tma (no host sync, comm.dispatch_kernel
