@@ -93,18 +93,21 @@ def rank_main(rank, world, port, args, q):
                               + _skews(v, proto.kinds) for k, v in r["ops"].items())
             print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
 
-    runs = []  # (dispatch kernel, combine kernel, pull variant or None, its stage slots or None)
-    for dk, ck in (tuple(p.split("/")) for p in args.pairs):
+    runs = []  # (dispatch kernel, combine kernel, pull variant or None, its stage slots or None, pair's attrs)
+    for spec in args.pairs:
+        pair, _, own = spec.partition(":")  # DK/CK[:NAME=V,...]: attributes of this pair's backend only
+        dk, ck = pair.split("/")
+        own = [a for a in own.split(",") if a]
         if args.combine_variant and ck in ("pull", "auto"):
-            runs += [(dk, ck, *_variant(v)) for v in args.combine_variant]
+            runs += [(dk, ck, *_variant(v), own) for v in args.combine_variant]
         else:
-            runs.append((dk, ck, None, None))
-    for dk, ck, variant, stage_slots in runs:
+            runs.append((dk, ck, None, None, own))
+    for dk, ck, variant, stage_slots, own in runs:
         cfg = ep_config("nvlink", args.sms[0])
         cfg["comm"].update(dispatch_kernel=dk, combine_kernel=ck)
         buf = ep_plugin.EPBuffer(None, cfg, hidden=H)
         be = buf._backend
-        attrs = dict(a.split("=", 1) for a in args.backend_attr)
+        attrs = dict(a.split("=", 1) for a in [*args.backend_attr, *own])
         for k, v in attrs.items():  # NAME (the backend's) or _rt.NAME (its runtime's)
             *path, leaf = k.split(".")
             obj = be
@@ -231,7 +234,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pairs", nargs="+", default=[f"{d}/{c}" for d, c in PAIRS],
-                    help="dispatch/combine kernel pairs")
+                    help="dispatch/combine kernel pairs, each optionally with its own backend attributes "
+                         "(split/auto:stage_beside_notify=1; see --backend-attr)")
     ap.add_argument("--combine-variant", "--pull-variant", nargs="+", default=[], metavar="V[/S]",
                     help="run each pull (or auto) combine pair once per Runtime.pull_variant V (16: the default since "
                          "session 5, 0: the kernel before it; +1 / +2 half / quarter stager rows, +4 free load slots, +8 contiguous spans per block, +16 x "
