@@ -109,8 +109,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         "dispatch BF16, fused": fused(lambda: buf.dispatch(x, idx, w)),
         "dispatch BF16, split": mode("dispatch_mode", "split", lambda: buf.dispatch(x, idx, w)),
         "dispatch BF16, fused, notify first": fused(mode("notify_inside", False, lambda: buf.dispatch(x, idx, w))),
-        "dispatch BF16, split, stage beside notify": mode("dispatch_mode", "split", mode(
-            "stage_beside_notify", True, lambda: buf.dispatch(x, idx, w))),
+        "dispatch BF16, split, stage after notify": mode("dispatch_mode", "split", mode(
+            "stage_beside_notify", False, lambda: buf.dispatch(x, idx, w))),
         "dispatch BF16, split, stage kernel": mode("dispatch_mode", "split", rt_mode(
             "stage_copy_engine", False, lambda: buf.dispatch(x, idx, w))),
         "dispatch cached BF16, split, stage kernel": mode("dispatch_mode", "split", rt_mode(

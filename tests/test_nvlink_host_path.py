@@ -57,10 +57,15 @@ def gpu(solo):
         yield log, stream, tally
 
 
-def make_buf(**comm):
-    # the split kernels unless a test names another (auto picks stage_pull at this world size of 2)
+def make_buf(default_stage=False, **comm):
+    # the split kernels unless a test names another (auto picks stage_pull at this world size of 2), and their stage
+    # launched after notify on the call's stream, so that its launch shows the stage's own arguments; default_stage:
+    # the backend's own choice (the copy-engine stage beside notify, test_stage_beside_notify)
     comm.setdefault("dispatch_kernel", "split")
-    return ep_plugin.EPBuffer(None, bench.config(max_tokens=M, num_experts=E, topk=K, **comm), hidden=H)
+    buf = ep_plugin.EPBuffer(None, bench.config(max_tokens=M, num_experts=E, topk=K, **comm), hidden=H)
+    if not default_stage:
+        buf._backend.stage_beside_notify = False
+    return buf
 
 
 def inputs(fp8=False):
@@ -400,12 +405,12 @@ def test_expert_major_weights_with_grad(gpu):
 
 @pytest.mark.parametrize("host_sync", [False, True])
 def test_stage_beside_notify(gpu, host_sync):
-    """backend.stage_beside_notify (an A/B knob, off by default): a fresh split rank-major dispatch queues the
-    copy-engine stage's wait and copies before notify (stage_begin, the stage's own arguments) and its release after
-    it (stage_end), then the pull; expert-major dispatches (merged ids: the stage kernel) and cached ones do not."""
+    """backend.stage_beside_notify (on by default): a fresh split rank-major dispatch queues the copy-engine stage's
+    wait and copies before notify (stage_begin, the stage's own arguments) and its release after it (stage_end), then
+    the pull; expert-major dispatches (merged ids: the stage kernel) and cached ones do not."""
     log, stream, _ = gpu
-    buf = make_buf(host_sync=host_sync)
-    buf._backend.stage_beside_notify = True
+    buf = make_buf(default_stage=True, host_sync=host_sync)
+    assert buf._backend.stage_beside_notify
     x, idx, w = inputs()
     res = buf.dispatch(x, idx, w)
     assert names(log) == ["stage_begin", "notify", "stage_end", "pull"]

@@ -1,4 +1,4 @@
-"""backend.stage_beside_notify (an A/B knob, off by default): a split rank-major dispatch's copy-engine stage on a
+"""backend.stage_beside_notify (on by default; False is the A/B knob): a split rank-major dispatch's copy-engine stage on a
 side stream beside notify (Runtime.stage_begin before notify, stage_end after it) gives the torch reference's rows,
 fresh and cached, with a rank that sends nothing, beside ranks that do not use it, and in a CUDA graph. Its own
 processes, so that a hang here stops no other test."""

@@ -152,8 +152,10 @@ class NvlinkBackend(Backend):
         # the other blocks stage; False: notify launched first (the A/B knob of the benchmarks).
         self.notify_inside = True
         # A split rank-major dispatch's copy-engine stage (Runtime.stage_copy_engine) on a side stream beside notify
-        # (Runtime.stage_begin / stage_end); False: after notify on the call's stream. Off until measured on GPUs.
-        self.stage_beside_notify = False
+        # (Runtime.stage_begin / stage_end); False: after notify on the call's stream (the A/B knob). On: 2x H200,
+        # 2026-11-27 (benchmarks/NOTES_nvlink.md, session 14) per call 440.5 against 466.0 us at 8 SMs, 268.4
+        # against 294.4 at 16 (the split kernel auto picks there at EP2).
+        self.stage_beside_notify = True
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
         self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
