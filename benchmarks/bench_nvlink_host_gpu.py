@@ -42,7 +42,8 @@ from bench_inputs import H, ep_config, make_inputs  # noqa: E402
 from bench_launch import init_rank, run_world  # noqa: E402
 from protocols import FLUSH_BYTES, SLEEP_CYCLES  # noqa: E402
 
-LAUNCHES = ("notify", "stage", "pull", "stage_pull", "expert_pull", "combine", "combine_expert")
+LAUNCHES = ("notify", "stage", "pull", "stage_pull", "notify_stage_pull", "stage_begin", "stage_end", "expert_pull",
+            "combine", "combine_expert")
 MODES = ("cold", "hidden", "warm")
 clock = time.perf_counter_ns
 
