@@ -112,10 +112,6 @@ struct TokenDesc {
   unsigned char ls[kMaxRanks];  // kVarFreeSlots: rank r's load slot (low 6 bits), its mbarrier parity (bit 7)
 };
 
-__device__ __forceinline__ int* ready_at(const Ctx& c, int owner, int holder, int sub) {
-  return reinterpret_cast<int*>(c.peers[owner] + c.off_combine_ready) + static_cast<size_t>(holder) * c.combine_subs + sub;
-}
-
 __device__ __forceinline__ void spin_pause() { __nanosleep(20); }
 
 // kVarSpans: block b's share of n items is [span_of(n, b), span_of(n, b + 1)); the last kSpanTail-th of the
@@ -182,8 +178,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
-  if (warp == 1) {  // ---- the stager
-    if (lane == 0) {
+  if (warp == 1) {  // ---- the stager (none where the copy engines stage: diag & kDiagStagedByCopies)
+    if (lane == 0 && !(diag & kDiagStagedByCopies)) {
       char* area = c.peers[me] + c.off_combine;
       const int npeers = W - 1;
       int published = 0;
@@ -198,7 +194,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
             fenced = true;
           }
           const int o = (p - 1) / c.combine_subs, sub = (p - 1) % c.combine_subs;
-          st_release_sys(ready_at(c, o, me, sub), ce);
+          st_release_sys(combine_ready_at(c, o, me, sub), ce);
         }
       };
       char* dst_of[kPend] = {};  // destination of each ring item, by item index mod kPend
@@ -224,7 +220,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
         const int q0 = sub * kCombineSub, cnt = s_off[o + 1] - s_off[o];
         if (q0 >= cnt) return;
         if (diag & 2) {  // benchmarks: the loads alone
-          st_release_sys(ready_at(c, o, me, sub), ce);
+          st_release_sys(combine_ready_at(c, o, me, sub), ce);
           return;
         }
         // the sub-chunk's rows are contiguous in the area (item j at j * item_bytes) and in x, unless the call
@@ -317,7 +313,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
     auto staged = [&](int r, int sub) -> bool {
       if (sub == ready_sub[r]) return true;
       const long long tr = tic();
-      const int w = wait_geq(ready_at(c, me, r, sub), ce, deadline, c.aborted);
+      const int w = wait_geq(combine_ready_at(c, me, r, sub), ce, deadline, c.aborted);
       p_ready += tic() - tr;
       if (w != kArrived) {
         if (w == kTimedOut) record_timeout(c, r, K_REDUCE);
@@ -536,6 +532,11 @@ bool combine_pull_tma_fits(int row_bytes, int world, int stage_slots) {
   return stage_slots > kRingLag && stage_slots <= kPullStageMaxSlots && n >= world && n >= 2 && tma_supported();
 }
 
+bool combine_pull_copies_fits(int row_bytes, int world) {
+  const int n = load_slots(row_bytes, 0);
+  return n >= world && n >= 2 && tma_supported();
+}
+
 namespace {
 
 template <int MAXW, int U, bool kFree, bool kRouted>
@@ -572,6 +573,7 @@ void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int*
                              int4* y, int T, int stage_slots, int diag, cudaStream_t stream) {
   const char* xb = reinterpret_cast<const char*>(x);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  if (diag & kDiagStagedByCopies) diag &= ~(kVarPace << 4);  // no stager to pace the loads behind
   const bool free_slots = (diag >> 4) & kVarFreeSlots;  // Runtime::pull_variant (see kVarFreeSlots)
   if (c.world <= 2) {
     if (free_slots)

@@ -45,6 +45,13 @@ __device__ __forceinline__ int* stage_ready_at(const Ctx& c, int owner, int src,
   return reinterpret_cast<int*>(c.peers[owner] + c.off_stage_ready) + static_cast<size_t>(src) * c.stage_subs + sub;
 }
 
+// COMBINE_READY[holder][sub] in owner's buffer (the pull combine): holder has staged positions [sub * kCombineSub, ...)
+// of owner's rows in its own combine area, for the combine epoch value it holds.
+__device__ __forceinline__ int* combine_ready_at(const Ctx& c, int owner, int holder, int sub) {
+  return reinterpret_cast<int*>(c.peers[owner] + c.off_combine_ready) + static_cast<size_t>(holder) * c.combine_subs +
+         sub;
+}
+
 // Every thread waits for flag[kind][p] >= target at this rank for p in [0, W) except `skip`
 // (thread p waits for peer p). Returns true when the block must stop (timeout or abort); a timeout
 // is recorded against kernel_id.

@@ -129,6 +129,7 @@ struct Ctx {
   unsigned* counters;         // [C_NUM] local device
   int* aborted;               // local device
   int* notified;              // local device: NOTIFIED, the dispatch epoch whose notify (run inside stage_pull) is done
+  int* combine_ce;            // local device: the combine epoch the copy-engine stage releases (its snap kernel's)
   HostInfo* host;             // device view of the host-mapped info
   unsigned long long timeout_ns;
   CombineRoute route;         // this combine call's (zero in the runtime's own Ctx: set on a per-call copy)

@@ -87,6 +87,7 @@ Runtime::Runtime(int device, int rank, int world, int max_tokens, int hidden, in
   ctx_.counters = reinterpret_cast<unsigned*>(static_cast<char*>(local_) + 64);
   ctx_.aborted = reinterpret_cast<int*>(static_cast<char*>(local_) + 128);
   ctx_.notified = reinterpret_cast<int*>(static_cast<char*>(local_) + 192);
+  ctx_.combine_ce = reinterpret_cast<int*>(static_cast<char*>(local_) + 224);
   ctx_.host = host_dev_;
   ctx_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
 }
@@ -217,16 +218,18 @@ void Runtime::stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, i
   check_stage(T, row_bytes, nscales, K);
   EP_CHECK(begun_T_ < 0, "stage_begin called twice without stage_end");
   set_device();
-  if (side_ == nullptr) {
-    EP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    for (cudaEvent_t* ev : {&fork_, &notified_, &staged_})
-      EP_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
-  }
+  ensure_side();
   EP_CUDA_CHECK(cudaEventRecord(fork_, stream_of(stream)));
   EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
   launch_stage_copies_begin(ctx_, ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
                             ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, side_);
   begun_T_ = T;
+}
+
+void Runtime::ensure_side() {
+  if (side_ != nullptr) return;
+  EP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  for (cudaEvent_t* ev : {&fork_, &notified_, &staged_}) EP_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
 }
 
 void Runtime::stage_end(uintptr_t stream) {
@@ -376,6 +379,46 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
   launch_combine_send(c, blocks, ptr<const int4>(x), ptr<const int>(recv_off), stream_of(stream));
   launch_combine_reduce(c, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
                         ptr<int4>(y), T, false, stream_of(stream));
+}
+
+void Runtime::set_combine_copy_rounds(int n) {
+  EP_CHECK_ARG(n >= 1 && n <= 64, "combine_copy_rounds must be in [1, 64], got %d", n);
+  combine_rounds_ = n;
+}
+
+bool Runtime::combine_copy_engine_fits() const {
+  set_device();
+  return tma_ && combine_pull_copies_fits(hidden_ * 2, world_);
+}
+
+void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T,
+                                  int num_sms, uintptr_t stream, const std::vector<int>& recv_off_host) {
+  check_open();
+  check_tokens(T);
+  EP_CHECK_ARG(T == 0 || y != 0, "combine_copy_engine: y is required for %d tokens", T);
+  EP_CHECK_ARG(combine_copy_engine_fits(), "combine_copy_engine runs the bulk-copy pull kernel (sm_90+, tma on, a "
+               "token's %d rows of %d bytes in its ring); ask combine_copy_engine_fits first", world_, hidden_ * 2);
+  EP_CHECK_ARG(static_cast<int>(recv_off_host.size()) == world_ + 1 && recv_off_host[0] == 0,
+               "recv_off_host must hold the W + 1 = %d receive offsets from 0, got %zu", world_ + 1,
+               recv_off_host.size());
+  for (int o = 0; o < world_; ++o)
+    EP_CHECK_ARG(recv_off_host[o + 1] >= recv_off_host[o] && recv_off_host[o + 1] - recv_off_host[o] <= max_tokens_,
+                 "recv_off_host[%d..%d] = %d..%d: a source's rows must be between 0 and max_tokens = %d", o, o + 1,
+                 recv_off_host[o], recv_off_host[o + 1], max_tokens_);
+  set_device();
+  ensure_side();
+  cudaStream_t s = stream_of(stream);
+  launch_combine_snap(ctx_, s);
+  EP_CUDA_CHECK(cudaEventRecord(fork_, s));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+  // the pull kernel first: its launch is on the way to the rows, the copies' are not (the side stream waits only for
+  // the snap)
+  launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
+                          ptr<const int>(recv_off), ptr<int4>(y), T, 0,
+                          pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
+  launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
+  EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
 }
 
 void Runtime::set_pull_stage_slots(int n) {

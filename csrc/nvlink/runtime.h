@@ -107,6 +107,17 @@ class Runtime {
   void combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,
                int num_sms, int mode, uintptr_t stream, uintptr_t x_rows = 0, uintptr_t y_blocks = 0,
                int block_tokens = 0);
+  // The pull combine with its stage by the copy engines (combine_stage_copies.cu; off by default: an A/B knob until
+  // measured): the snap kernel and the pull kernel (no stager) on `stream`, the copies and their releases on a side
+  // stream forked between them, `stream` joined to it. recv_off_host: the dispatch's receive offsets on the host
+  // (W + 1). Not for a routed call (x_rows / y_blocks) nor under graph capture (the copies' sizes are the host's).
+  bool combine_stage_copy_engine() const { return combine_ce_; }
+  void set_combine_stage_copy_engine(bool on) { combine_ce_ = on; }
+  int combine_copy_rounds() const { return combine_rounds_; }  // pieces per owner (a release behind each round)
+  void set_combine_copy_rounds(int n);
+  bool combine_copy_engine_fits() const;  // the pull kernel without a stager: the ring holds a token's rows
+  void combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T, int num_sms,
+                           uintptr_t stream, const std::vector<int>& recv_off_host);
 
   // Expert-major receive (expert.cu), replacing pull. Fresh (cached=0): recv_src, out_idx [R_alloc,K],
   // positions [R_alloc,K] int32 and offsets [EL+1] int64 written; scratch holds
@@ -139,6 +150,7 @@ class Runtime {
   void check_tokens(int T) const;
   void check_row_bytes(int row_bytes) const;
   void check_stage(int T, int row_bytes, int nscales, int K) const;  // a stage's arguments (stage, stage_begin)
+  void ensure_side();  // the side stream and its events, made at first use
   Ctx routed(uintptr_t out_rows) const;  // ctx_ with the call's DispatchRoute
   void launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
                                  uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
@@ -155,7 +167,9 @@ class Runtime {
   bool opened_ = false;
   bool tma_ = true;
   bool stage_ce_ = true;
-  CUstream_st* side_ = nullptr;  // stage_begin's stream, and its events (made at the first stage_begin)
+  bool combine_ce_ = false;
+  int combine_rounds_ = 4;
+  CUstream_st* side_ = nullptr;  // the copy-engine stages' stream (stage_begin, combine_copy_engine), and its events
   CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;
   int begun_T_ = -1;             // the tokens of a stage_begin awaiting its stage_end (-1: none)
   int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 16;  // +16 (x read L2 evict_first): 2% faster queued at EP4 24 SMs (session 5)

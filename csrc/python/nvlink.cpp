@@ -69,6 +69,17 @@ void bind_nvlink(py::module_& m) {
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"), py::arg("x_rows") = 0,
            py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
+      .def_property("combine_stage_copy_engine", &Runtime::combine_stage_copy_engine,
+                    &Runtime::set_combine_stage_copy_engine,
+                    "the pull combine's stage by the copy engines (combine_copy_engine; off: the kernel's stager)")
+      .def_property("combine_copy_rounds", &Runtime::combine_copy_rounds, &Runtime::set_combine_copy_rounds,
+                    "the copy-engine combine stage's pieces per owner, a release behind each round (1..64)")
+      .def_property_readonly("combine_copy_engine_fits", &Runtime::combine_copy_engine_fits,
+                             "whether combine_copy_engine applies (the bulk-copy pull kernel without its stager)")
+      .def("combine_copy_engine", &Runtime::combine_copy_engine, py::arg("x"), py::arg("send_pos"),
+           py::arg("recv_off"), py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("stream"),
+           py::arg("recv_off_host"),
+           "the pull combine, its stage by the copy engines on a side stream (recv_off_host: W + 1 offsets)")
       .def("expert_pull", &Runtime::expert_pull, py::arg("out_x"), py::arg("row_bytes"), py::arg("out_scales"),
            py::arg("nscales"), py::arg("out_idx"), py::arg("out_w"), py::arg("K"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("positions"), py::arg("cached"), py::arg("R_alloc"), py::arg("alignment"),

@@ -94,6 +94,23 @@ def _close_all():  # release IPC mappings and buffers at interpreter exit
             pass
 
 
+def _host_recv_off(handle: Handle) -> Optional[list]:
+    """The dispatch's receive offsets (W + 1) on the host without waiting, or None while its notify may still run."""
+    counts = handle.counts
+    if counts is None:
+        return None
+    offs = counts.peek("recv_off")
+    if offs is not None:
+        return offs
+    recv = counts.peek("recv_counts")
+    if recv is None:
+        return None
+    out = [0]
+    for n in recv:
+        out.append(out[-1] + n)
+    return out
+
+
 class NvlinkBackend(Backend):
     name = "nvlink"
     capabilities = Capabilities(
@@ -568,14 +585,24 @@ class NvlinkBackend(Backend):
         s, sp, cur = self._stream(async_op)
         T, dev = handle.num_tokens, x.device
         y = None
+        rt = self._rt
+        mode = plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)
         if sums:
             capturing = _is_capturing()
             y = self._sums(T, dev, cur, capturing)
-        self._rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                         0 if y is None else y.data_ptr(), T, self.num_sms,
-                         COMBINE_MODES[plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)], sp,
-                         0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
-                         block_tokens)
+            # the pull kernel's stage by the copy engines (A/B knob): a plain call whose dispatch's receive offsets
+            # are on the host already (notify done; a host-synced dispatch's always are)
+            offs = (_host_recv_off(handle) if mode == "pull" and rt.combine_stage_copy_engine and x_rows is None
+                    and y_blocks is None and not capturing and rt.combine_copy_engine_fits else None)
+            if offs is not None:
+                rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
+                                       self.num_sms, sp, offs)
+                self._sums_next(T, dev, cur, capturing)
+                return y, (self._finish(s, (x, y)) if async_op else None)
+        rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
+                   0 if y is None else y.data_ptr(), T, self.num_sms, COMBINE_MODES[mode], sp,
+                   0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
+                   block_tokens)
         if sums:
             self._sums_next(T, dev, cur, capturing)
         return y, (self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None)
