@@ -6,7 +6,10 @@ the routing, slot, order and count logic that the NVSHMEM backend shares. The sa
 2 GPUs with comm.backend: nvshmem as 2 virtual nodes (tests/test_rail_gpu.py has the kernels'
 own comparison with TorchRail).
 """
+import contextlib
 import gc
+import os
+import traceback
 
 import pytest
 import torch
@@ -52,53 +55,86 @@ def assert_sum_close(got, want, magnitude, ctx=""):
                                  f"{float((err - bound).max()):.4g} past the bound")
 
 
+@contextlib.contextmanager
+def agreed(what: str):
+    """Runs a block of local checks (and the call they check), then agrees on the outcome across the ranks before
+    whatever collective comes next: every rank's error text (or None) goes round by dist.all_gather_object, and a
+    failure on any rank raises an AssertionError on every rank with the failing ranks' messages. Without it a rank
+    whose assert failed left its peers waiting in the next collective (a combine, an all_gather_object) until the
+    test timed out, its own message never shown (the 4-GPU overlapped FP8 case, docs/INTERNODE.md "Branch dovl13").
+    Every rank must enter the same blocks in the same order; keep collectives of the host (all_gather_object) out of
+    the block (a rank failing before one would meet its peers' gather with this one)."""
+    error = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001  (recorded, agreed, raised on every rank below)
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        error = (exc, f"{type(exc).__name__} at {os.path.basename(frame.filename)}:{frame.lineno}: {exc}")
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else error[1])
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise AssertionError(f"{what}: failed on rank(s) {[r for r, _ in failed]}\n"
+                             + "\n".join(f"  rank {r}: {m}" for r, m in failed)) from (error[0] if error else None)
+
+
 def check_against_reference(buf, rank, world, hidden, tokens, seed, mode, device, fp8=False):
+    """The dispatch (fresh), its combine and (BF16) a cached dispatch against the single-process reference. The
+    checks of each call are agreed across the ranks (agreed) before the next collective: a failure on one rank
+    raises on all of them, with its message."""
     xs, idxs, ws = make_inputs(world, tokens, hidden, E, K, seed, torch.bfloat16, mode)
     x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
     ctx = f"rank {rank}/{world} hidden {hidden} tokens {tokens} mode {mode} seed {seed} fp8 {fp8}"
     rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
+    n = rx.shape[0]
     if fp8:
         # every rank's scales, known everywhere (seeded per source rank): the received ones are compared
         scales_all = [torch.rand(t.shape[0], hidden // 128, generator=torch.Generator().manual_seed(seed * 31 + src))
                       + 0.5 for src, t in enumerate(xs)]
-        res = buf.dispatch((x.to(torch.float8_e4m3fn), scales_all[rank].to(device)), idx, w)
-        data, got_scales = res.x
-        n = rx.shape[0]
-        rscales = reference_dispatch(scales_all, idxs, ws, rank, E)[0]
-        assert torch.equal(data[:n].float().cpu(), rx.to(torch.float8_e4m3fn).float()), ctx
-        assert got_scales.shape[0] == data.shape[0] and torch.equal(got_scales[:n].cpu(), rscales), ctx
+        with agreed(f"FP8 dispatch, {ctx}"):
+            res = buf.dispatch((x.to(torch.float8_e4m3fn), scales_all[rank].to(device)), idx, w)
+            data, got_scales = res.x
+            rscales = reference_dispatch(scales_all, idxs, ws, rank, E)[0]
+            assert torch.equal(data[:n].float().cpu(), rx.to(torch.float8_e4m3fn).float()), f"rows, {ctx}"
+            assert got_scales.shape[0] == data.shape[0] and torch.equal(got_scales[:n].cpu(), rscales), \
+                f"scales, {ctx}"
         # the combine after an FP8 dispatch (BF16): the dequantised rows, scaled per rank, summed per token
-        deq = data.float() * got_scales.float().repeat_interleave(128, dim=1)
-        rows = (deq * (rank + 1)).to(torch.bfloat16)
-        y = buf.combine(rows, res.handle)
+        with agreed(f"combine after the FP8 dispatch, {ctx}"):
+            deq = data.float() * got_scales.float().repeat_interleave(128, dim=1)
+            rows = (deq * (rank + 1)).to(torch.bfloat16)
+            y = buf.combine(rows, res.handle)
         everyone = [None] * world
         dist.all_gather_object(everyone, rows[:n].cpu())
-        want = reference_combine(everyone, idxs, rank, E)
-        assert_sum_close(y, want, reference_combine([r.abs() for r in everyone], idxs, rank, E), ctx)
+        with agreed(f"combine after the FP8 dispatch (values), {ctx}"):
+            want = reference_combine(everyone, idxs, rank, E)
+            assert_sum_close(y, want, reference_combine([r.abs() for r in everyone], idxs, rank, E), ctx)
         return res
-    res = buf.dispatch(x, idx, w)
-    n = rx.shape[0]
-    assert res.x.shape[0] >= n and res.topk_idx.shape[0] == res.x.shape[0], ctx
-    assert torch.equal(res.x[:n].cpu(), rx), ctx
-    assert torch.equal(res.topk_idx[:n].cpu(), ridx), ctx
-    assert bool((res.topk_idx[n:] == -1).all()), ctx
-    assert torch.equal(res.topk_weights[:n].cpu(), rw), ctx
-    assert list(res.tokens_per_expert) == tpe, ctx
-    assert int(res.handle.num_recv_device) == n, ctx
-    assert sum(res.handle.recv_counts) == n and sum(res.handle.send_counts) == int(
-        res.handle.is_token_in_rank.sum()), ctx
+    with agreed(f"dispatch, {ctx}"):
+        res = buf.dispatch(x, idx, w)
+        assert res.x.shape[0] >= n and res.topk_idx.shape[0] == res.x.shape[0], ctx
+        assert torch.equal(res.x[:n].cpu(), rx), f"rows, {ctx}"
+        assert torch.equal(res.topk_idx[:n].cpu(), ridx), f"topk_idx, {ctx}"
+        assert bool((res.topk_idx[n:] == -1).all()), f"padding topk_idx, {ctx}"
+        assert torch.equal(res.topk_weights[:n].cpu(), rw), f"topk_weights, {ctx}"
+        assert list(res.tokens_per_expert) == tpe, f"tokens_per_expert, {ctx}"
+        assert int(res.handle.num_recv_device) == n, f"num_recv_device, {ctx}"
+        assert sum(res.handle.recv_counts) == n and sum(res.handle.send_counts) == int(
+            res.handle.is_token_in_rank.sum()), f"counts, {ctx}"
     # combine: each rank sends back its rows scaled by (rank + 1); the reference sums them per token
-    rows = (res.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
-    y = buf.combine(rows, res.handle)
+    with agreed(f"combine, {ctx}"):
+        rows = (res.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
+        y = buf.combine(rows, res.handle)
     everyone = [None] * world
     dist.all_gather_object(everyone, rows[:n].cpu())
-    want = reference_combine(everyone, idxs, rank, E)
-    torch.testing.assert_close(y.float().cpu(), want, atol=3e-2, rtol=1e-2, msg=ctx)
+    with agreed(f"combine (values), {ctx}"):
+        want = reference_combine(everyone, idxs, rank, E)
+        torch.testing.assert_close(y.float().cpu(), want, atol=3e-2, rtol=1e-2, msg=lambda m: f"{ctx}: {m}")
     # cached dispatch: new rows through the handle's layout
-    x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
-    again = buf.dispatch(x2, handle=res.handle)
-    rx2, _, _, _ = reference_dispatch([(t.float() * 0.5 - 1).to(torch.bfloat16) for t in xs], idxs, ws, rank, E)
-    assert torch.equal(again.x[:n].cpu(), rx2), ctx
+    with agreed(f"cached dispatch, {ctx}"):
+        x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
+        again = buf.dispatch(x2, handle=res.handle)
+        rx2, _, _, _ = reference_dispatch([(t.float() * 0.5 - 1).to(torch.bfloat16) for t in xs], idxs, ws, rank, E)
+        assert torch.equal(again.x[:n].cpu(), rx2), f"cached rows, {ctx}"
     return res
 
 
@@ -119,15 +155,20 @@ def node_limited_inputs(world, P, tokens, hidden, seed):
 def check_node_limited(buf, rank, world, P, device):
     xs, idxs, ws = node_limited_inputs(world, P, 20, buf.hidden, 99)
     rx, ridx, rw, tpe = reference_dispatch(xs, idxs, ws, rank, E)
-    res = buf.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device))
     n = rx.shape[0]
-    assert torch.equal(res.x[:n].cpu(), rx) and torch.equal(res.topk_idx[:n].cpu(), ridx)
-    assert list(res.tokens_per_expert) == tpe
-    rows = (res.x.float() * (rank + 1)).to(torch.bfloat16)
-    y = buf.combine(rows, res.handle)
+    ctx = f"rank {rank}/{world} node-limited"
+    with agreed(f"dispatch, {ctx}"):  # every rank's checks before the combine (agreed)
+        res = buf.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device))
+        assert torch.equal(res.x[:n].cpu(), rx) and torch.equal(res.topk_idx[:n].cpu(), ridx), ctx
+        assert list(res.tokens_per_expert) == tpe, ctx
+    with agreed(f"combine, {ctx}"):
+        rows = (res.x.float() * (rank + 1)).to(torch.bfloat16)
+        y = buf.combine(rows, res.handle)
     everyone = [None] * world
     dist.all_gather_object(everyone, rows[:n].cpu())
-    torch.testing.assert_close(y.float().cpu(), reference_combine(everyone, idxs, rank, E), atol=3e-2, rtol=1e-2)
+    with agreed(f"combine (values), {ctx}"):
+        torch.testing.assert_close(y.float().cpu(), reference_combine(everyone, idxs, rank, E), atol=3e-2, rtol=1e-2,
+                                   msg=lambda m: f"{ctx}: {m}")
 
 
 def check_no_cycle(P):

@@ -406,6 +406,10 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
                  "recv_off_host[%d..%d] = %d..%d: a source's rows must be between 0 and max_tokens = %d", o, o + 1,
                  recv_off_host[o], recv_off_host[o + 1], max_tokens_);
   set_device();
+  int sms = 0;
+  EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  EP_CHECK_ARG(grid_for(num_sms) < sms, "combine_copy_engine needs an SM beside the pull kernel's %d blocks for its "
+               "releases (the GPU has %d)", grid_for(num_sms), sms);
   ensure_side();
   cudaStream_t s = stream_of(stream);
   launch_combine_snap(ctx_, s);

@@ -110,7 +110,9 @@ class Runtime {
   // The pull combine with its stage by the copy engines (combine_stage_copies.cu; off by default: an A/B knob until
   // measured): the snap kernel and the pull kernel (no stager) on `stream`, the copies and their releases on a side
   // stream forked between them, `stream` joined to it. recv_off_host: the dispatch's receive offsets on the host
-  // (W + 1). Not for a routed call (x_rows / y_blocks) nor under graph capture (the copies' sizes are the host's).
+  // (W + 1). Not for a routed call (x_rows / y_blocks) nor under graph capture (the copies' sizes are the host's), and
+  // only with num_sms below the GPU's SM count: the releases (one block each) must find an SM while the pull kernel,
+  // whose peers wait on them, holds its own.
   bool combine_stage_copy_engine() const { return combine_ce_; }
   void set_combine_stage_copy_engine(bool on) { combine_ce_ = on; }
   int combine_copy_rounds() const { return combine_rounds_; }  // pieces per owner (a release behind each round)

@@ -138,6 +138,7 @@ class NvlinkBackend(Backend):
         # auto: by EP size and the batch the buffer is sized for (plan.py)
         self._dispatch_requested = cfg.comm.dispatch_kernel  # the dispatch kernel is planned with num_sms (below)
         self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
+        self._gpu_sms = props.multi_processor_count
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
@@ -592,8 +593,11 @@ class NvlinkBackend(Backend):
             y = self._sums(T, dev, cur, capturing)
             # the pull kernel's stage by the copy engines (A/B knob): a plain call whose dispatch's receive offsets
             # are on the host already (notify done; a host-synced dispatch's always are)
+            # (the side stream's one-block releases need an SM the pull kernel's blocks leave free: the peers' loads
+            # wait on them while the kernel runs)
             offs = (_host_recv_off(handle) if mode == "pull" and rt.combine_stage_copy_engine and x_rows is None
-                    and y_blocks is None and not capturing and rt.combine_copy_engine_fits else None)
+                    and y_blocks is None and not capturing and self.num_sms < self._gpu_sms
+                    and rt.combine_copy_engine_fits else None)
             if offs is not None:
                 rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
                                        self.num_sms, sp, offs)
