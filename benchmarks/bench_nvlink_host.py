@@ -121,6 +121,9 @@ class FakeRuntime:
         self.stage_pull(x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx, out_w,
                         recv_off, recv_src, 0, R_alloc, num_sms, stream)
 
+    def stage_fork(self, stream):
+        self._log("stage_fork", (stream,))
+
     def stage_begin(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, stream):
         self._log("stage_begin", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, stream))
 

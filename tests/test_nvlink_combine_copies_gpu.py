@@ -33,8 +33,10 @@ def copies_body(rank, world):
                 rt.combine_stage_copy_engine = False
                 y_kernel = nv.combine(rows, a.handle)
                 rt.combine_stage_copy_engine, rt.combine_copy_rounds = who[rank], rounds
+                before = rt.combine_copy_calls
                 y_copies = nv.combine(rows, a.handle)
                 y_again = nv.combine(rows, a.handle)  # back to back: the next snap waits for this one's readers
+                assert rt.combine_copy_calls - before == (2 if who[rank] else 0), ctx + " (the path that ran)"
                 y_ref = ref.combine((b.x.float() * (rank + 1)).to(torch.bfloat16), b.handle)
                 assert torch.equal(y_copies, y_kernel) and torch.equal(y_again, y_kernel), ctx
                 torch.testing.assert_close(y_copies.float(), y_ref.float(), atol=3e-2, rtol=2e-2, msg=ctx)

@@ -444,15 +444,16 @@ def test_expert_major_weights_with_grad(gpu):
 
 @pytest.mark.parametrize("host_sync", [False, True])
 def test_stage_beside_notify(gpu, host_sync):
-    """backend.stage_beside_notify (on by default): a fresh split rank-major dispatch queues the copy-engine stage's
-    wait and copies before notify (stage_begin, the stage's own arguments) and its release after it (stage_end), then
-    the pull; expert-major dispatches (merged ids: the stage kernel) and cached ones do not."""
+    """backend.stage_beside_notify (on by default): a fresh split rank-major dispatch forks the copy-engine stage's
+    side stream before notify (stage_fork), launches notify, then queues the stage's wait and copies from that fork
+    (stage_begin, the stage's own arguments) and its release behind notify (stage_end), then the pull; expert-major
+    dispatches (merged ids: the stage kernel) and cached ones do not."""
     log, stream, _ = gpu
     buf = make_buf(default_stage=True, host_sync=host_sync)
     assert buf._backend.stage_beside_notify
     x, idx, w = inputs()
     res = buf.dispatch(x, idx, w)
-    assert names(log) == ["stage_begin", "notify", "stage_end", "pull"]
+    assert names(log) == ["stage_fork", "notify", "stage_begin", "stage_end", "pull"]
     sp = stream.cuda_stream
     assert dict(log)["stage_begin"] == (x.data_ptr(), T, H * 2, 0, 0, idx.data_ptr(), w.data_ptr(), K, sp)
     assert dict(log)["stage_end"] == (sp,)

@@ -68,6 +68,10 @@
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
 // make y depend on timing (rounding). Every variant sums in rank order: y is bit for bit that of variant 0.
 //
+// Copy mode (diag kDiagStagedByCopies, Runtime::combine_copy_engine, off by default): no stager in any block, all
+// of the ring loads; the rows are staged and COMBINE_READY released by combine_stage_copies.cu's copies and one-block
+// release kernels on a side stream, step 2's flags with the same values (the two modes mix across ranks).
+//
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
 //      area in the previous combine (pull) or this rank's slots in p's area were summed (push modes);

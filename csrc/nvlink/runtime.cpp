@@ -219,16 +219,29 @@ void Runtime::stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, i
   EP_CHECK(begun_T_ < 0, "stage_begin called twice without stage_end");
   set_device();
   ensure_side();
-  EP_CUDA_CHECK(cudaEventRecord(fork_, stream_of(stream)));
+  if (!forked_) EP_CUDA_CHECK(cudaEventRecord(fork_, stream_of(stream)));
+  forked_ = false;
   EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
   launch_stage_copies_begin(ctx_, ptr<const int4>(x), T, row_bytes, ptr<const float>(scales), nscales,
                             ptr<const int64_t>(topk_idx), ptr<const float>(weights), K, side_);
   begun_T_ = T;
 }
 
+void Runtime::stage_fork(uintptr_t stream) {
+  EP_CHECK(begun_T_ < 0, "stage_fork called while a stage_begin awaits its stage_end");
+  set_device();
+  ensure_side();
+  EP_CUDA_CHECK(cudaEventRecord(fork_, stream_of(stream)));
+  forked_ = true;
+}
+
 void Runtime::ensure_side() {
   if (side_ != nullptr) return;
-  EP_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  // the highest priority: the combine's releases (one block each) are waited on by the peers while their pull
+  // kernels hold SMs, and should not queue behind other work of lower priority
+  int least = 0, greatest = 0;
+  EP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  EP_CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
   for (cudaEvent_t* ev : {&fork_, &notified_, &staged_}) EP_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
 }
 
@@ -381,6 +394,12 @@ void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintp
                         ptr<int4>(y), T, false, stream_of(stream));
 }
 
+void Runtime::set_pull_diag(int d) {
+  // (bit 8 is kDiagStagedByCopies, combine_copy_engine's own: set on the plain path it would leave every peer waiting)
+  EP_CHECK_ARG(d >= 0 && d <= 7, "pull_diag must be in [0, 7] (1 stage only, 2 loads only, +4 profile), got %d", d);
+  pull_diag_ = d;
+}
+
 void Runtime::set_combine_copy_rounds(int n) {
   EP_CHECK_ARG(n >= 1 && n <= 64, "combine_copy_rounds must be in [1, 64], got %d", n);
   combine_rounds_ = n;
@@ -410,6 +429,8 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
   EP_CHECK_ARG(grid_for(num_sms) < sms, "combine_copy_engine needs an SM beside the pull kernel's %d blocks for its "
                "releases (the GPU has %d)", grid_for(num_sms), sms);
+  EP_CHECK(begun_T_ < 0 && !forked_, "combine_copy_engine called between a dispatch's stage_fork / stage_begin and "
+           "its stage_end (they share the side stream's events)");
   ensure_side();
   cudaStream_t s = stream_of(stream);
   launch_combine_snap(ctx_, s);
@@ -423,6 +444,7 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
   launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
   EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
   EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
+  ++combine_copy_calls_;
 }
 
 void Runtime::set_pull_stage_slots(int n) {

@@ -76,10 +76,13 @@ class Runtime {
   // rows by the copy engine (cudaMemcpyAsync, no SM held) or by the stage kernel on num_sms SMs
   bool stage_copy_engine() const { return stage_ce_; }
   void set_stage_copy_engine(bool on) { stage_ce_ = on; }
-  // The copy-engine stage beside notify (a fresh split rank-major dispatch): stage_begin, before notify, forks a
-  // side stream off `stream` and queues the wait and the copies there; stage_end, after notify, queues the release
-  // there behind notify (the release tells the peers the send lists are complete) and joins `stream` to it. The
-  // copies then move while notify runs. One begin, then one end, per dispatch.
+  // The copy-engine stage beside notify (a fresh split rank-major dispatch): stage_begin forks a side stream off
+  // `stream` -- at the point stage_fork marked, if it was called (before notify's launch, so that notify, the peers'
+  // critical path, is not launched behind the stage's host calls), else here -- and queues the wait and the copies
+  // there; stage_end, after notify, queues the release there behind notify (the release tells the peers the send
+  // lists are complete) and joins `stream` to it. The copies then move while notify runs. One begin, then one end,
+  // per dispatch.
+  void stage_fork(uintptr_t stream);
   void stage_begin(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
                    uintptr_t weights, int K, uintptr_t stream);
   void stage_end(uintptr_t stream);
@@ -91,7 +94,7 @@ class Runtime {
   int pull_stage_slots() const { return pull_stage_slots_; }
   void set_pull_stage_slots(int n);
   int pull_diag() const { return pull_diag_; }
-  void set_pull_diag(int d) { pull_diag_ = d; }
+  void set_pull_diag(int d);
   // The pull combine's variant (combine_pull_tma.cu, kVar*), for A/B runs; 0 is the kernel as measured
   // so far. Bits 0-1: the stager moves rows (0), halves (1) or quarters (2) through its slots; bit 2: load
   // slots from a free mask, own row loaded last; bit 3: contiguous spans per block (no work queue); bit 4:
@@ -118,6 +121,7 @@ class Runtime {
   int combine_copy_rounds() const { return combine_rounds_; }  // pieces per owner (a release behind each round)
   void set_combine_copy_rounds(int n);
   bool combine_copy_engine_fits() const;  // the pull kernel without a stager: the ring holds a token's rows
+  long long combine_copy_calls() const { return combine_copy_calls_; }  // combines that took this path (tests, benches)
   void combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T, int num_sms,
                            uintptr_t stream, const std::vector<int>& recv_off_host);
 
@@ -171,9 +175,11 @@ class Runtime {
   bool stage_ce_ = true;
   bool combine_ce_ = false;
   int combine_rounds_ = 4;
+  long long combine_copy_calls_ = 0;
   CUstream_st* side_ = nullptr;  // the copy-engine stages' stream (stage_begin, combine_copy_engine), and its events
   CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;
   int begun_T_ = -1;             // the tokens of a stage_begin awaiting its stage_end (-1: none)
+  bool forked_ = false;          // stage_fork recorded fork_ for the next stage_begin
   int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 16;  // +16 (x read L2 evict_first): 2% faster queued at EP4 24 SMs (session 5)
   Ctx ctx_{};
 };

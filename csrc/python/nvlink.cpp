@@ -49,6 +49,8 @@ void bind_nvlink(py::module_& m) {
       .def("stage_begin", &Runtime::stage_begin, py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"),
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("stream"),
            "the copy-engine stage's wait and copies on a side stream forked off `stream` (before notify)")
+      .def("stage_fork", &Runtime::stage_fork, py::arg("stream"),
+           "marks `stream`'s current point as the next stage_begin's fork (call it before notify's launch)")
       .def("stage_end", &Runtime::stage_end, py::arg("stream"),
            "its release behind what `stream` has queued (notify), then `stream` joined to it")
       .def_property("stage_copy_engine", &Runtime::stage_copy_engine, &Runtime::set_stage_copy_engine,
@@ -74,6 +76,8 @@ void bind_nvlink(py::module_& m) {
                     "the pull combine's stage by the copy engines (combine_copy_engine; off: the kernel's stager)")
       .def_property("combine_copy_rounds", &Runtime::combine_copy_rounds, &Runtime::set_combine_copy_rounds,
                     "the copy-engine combine stage's pieces per owner, a release behind each round (1..64)")
+      .def_property_readonly("combine_copy_calls", &Runtime::combine_copy_calls,
+                             "combines that ran combine_copy_engine (which path ran, for tests and benches)")
       .def_property_readonly("combine_copy_engine_fits", &Runtime::combine_copy_engine_fits,
                              "whether combine_copy_engine applies (the bulk-copy pull kernel without its stager)")
       .def("combine_copy_engine", &Runtime::combine_copy_engine, py::arg("x"), py::arg("send_pos"),

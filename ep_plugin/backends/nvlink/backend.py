@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import weakref
 from typing import Optional
 
@@ -139,6 +140,9 @@ class NvlinkBackend(Backend):
         self._dispatch_requested = cfg.comm.dispatch_kernel  # the dispatch kernel is planned with num_sms (below)
         self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
         self._gpu_sms = props.multi_processor_count
+        # the combine's copy-engine stage needs its release kernels to run beside the pull kernel: not with one
+        # hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it for overlapped TP communication)
+        self._one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
         self.combine_mode = cfg.comm.combine_kernel
@@ -310,8 +314,8 @@ class NvlinkBackend(Backend):
         stage_args = (x_ptr, T, row_bytes, scales_ptr, nscales, idx_ptr, weights_ptr, K)
         # the copy-engine stage beside notify (A/B knob): its copies on a side stream while notify runs
         beside = not together and not merge and self.stage_beside_notify and rt.stage_copy_engine
-        if beside:
-            rt.stage_begin(*stage_args, sp)
+        if beside:  # the side stream forks here; its host calls follow notify's launch (the peers wait on notify)
+            rt.stage_fork(sp)
         if worst:  # notify writes the counts into a pinned slot too: the host may read them before the rows land
             slot = -1 if capturing else self._ring.claim()  # their HostCounts made after the launch
             host_ptrs = self._ring_ptrs[slot]
@@ -322,7 +326,8 @@ class NvlinkBackend(Backend):
         else:
             rt.notify(idx_ptr, T, K, *ptrs, sp, 0, 0, merge)
             self._notify_ev.record(s)
-        if beside:  # its release behind notify, the stream joined to it
+        if beside:  # the stage's wait and copies from the fork, its release behind notify, the stream joined to it
+            rt.stage_begin(*stage_args, sp)
             rt.stage_end(sp)
         elif not together:
             rt.stage(*stage_args, self.num_sms, sp, merge)
@@ -596,7 +601,7 @@ class NvlinkBackend(Backend):
             # (the side stream's one-block releases need an SM the pull kernel's blocks leave free: the peers' loads
             # wait on them while the kernel runs)
             offs = (_host_recv_off(handle) if mode == "pull" and rt.combine_stage_copy_engine and x_rows is None
-                    and y_blocks is None and not capturing and self.num_sms < self._gpu_sms
+                    and y_blocks is None and not capturing and self.num_sms < self._gpu_sms and not self._one_queue
                     and rt.combine_copy_engine_fits else None)
             if offs is not None:
                 rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
