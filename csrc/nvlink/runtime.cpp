@@ -429,8 +429,9 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
   EP_CHECK_ARG(grid_for(num_sms) < sms, "combine_copy_engine needs an SM beside the pull kernel's %d blocks for its "
                "releases (the GPU has %d)", grid_for(num_sms), sms);
-  EP_CHECK(begun_T_ < 0 && !forked_, "combine_copy_engine called between a dispatch's stage_fork / stage_begin and "
-           "its stage_end (they share the side stream's events)");
+  EP_CHECK(begun_T_ < 0, "combine_copy_engine called between a dispatch's stage_begin and its stage_end (they share "
+           "the side stream's events)");
+  forked_ = false;  // (a stage_fork whose dispatch raised before its stage_begin: fork_ is recorded anew below)
   ensure_side();
   cudaStream_t s = stream_of(stream);
   launch_combine_snap(ctx_, s);
