@@ -144,7 +144,8 @@ def rank_main(rank, world, port, args, q):
             ops["combine"] = measure(proto, lambda: buf.combine(first.x, first.handle))
             if (dk, ck) == ("auto", "auto") and not args.combine_only:
                 ops["dispatch_fp8"] = measure(proto, lambda: buf.dispatch(inp.xf8, inp.idx, inp.w))
-            row(name, sms, ops)
+            copies = getattr(be._rt, "combine_copy_calls", 0)  # which combine path ran (the copy-engine stage's A/B)
+            row(name, sms, ops, note=f"{copies} combines by the copy-engine stage so far" if copies else None)
         del first
         buf.close()
     if not args.no_deepep:
