@@ -155,7 +155,6 @@ class FakeRuntime:
                 block_tokens=0):
         self._log("combine", (x, send_pos, recv_off, recv_src, y, T, num_sms, fused, stream))
 
-    combine_stage_copy_engine = False  # Runtime.combine_stage_copy_engine (the A/B knob, off)
     combine_copy_engine_fits = True
 
     def combine_copy_engine(self, x, send_pos, recv_off, y, T, num_sms, stream, recv_off_host):

@@ -122,7 +122,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         "dispatch cached BF16, fused": fused(lambda: buf.dispatch(x, handle=first.handle)),
         **{f"combine BF16, {k}": mode("combine_mode", k, lambda: buf.combine(first.x, first.handle))
            for k in ("split", "fused", "pipelined", "pull")},
-        "combine BF16, pull, copy-engine stage": mode("combine_mode", "pull", rt_mode(
+        "combine BF16, pull, copy-engine stage": mode("combine_mode", "pull", mode(
             "combine_stage_copy_engine", True, lambda: buf.combine(first.x, first.handle))),
         # the pull combine's halves alone (y is wrong in these rows) and its shared-memory split
         **{f"combine pull, {name}": pull_variant(slots, diag)

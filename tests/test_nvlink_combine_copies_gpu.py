@@ -1,4 +1,4 @@
-"""Runtime.combine_stage_copy_engine (an A/B knob, off by default): the pull combine with its stage by the copy
+"""backend.combine_stage_copy_engine (an A/B knob, off by default): the pull combine with its stage by the copy
 engines (csrc/nvlink/combine_stage_copies.cu: a snap kernel, the pull kernel without its stager, the copies and
 their releases on a side stream) sums bit for bit as the kernel's stager does and as the torch reference within
 BF16 rounding -- worst-case and host-synced handles, a rank that receives nothing, skewed routing, one to seven
@@ -19,7 +19,7 @@ def copies_body(rank, world):
     for host_sync in (False, True):
         nv = _buf("nvlink", E, K, HIDDEN, host_sync=host_sync, combine_kernel="pull")
         rt = nv._backend._rt
-        assert rt.combine_copy_engine_fits and not rt.combine_stage_copy_engine
+        assert rt.combine_copy_engine_fits and not nv._backend.combine_stage_copy_engine
         seed = 900 + 10 * host_sync
         for who in ((True,) * world, tuple(r % 2 == 0 for r in range(world))):  # everywhere; every other rank
             for rounds, (tokens, mode) in zip((4, 1, 7), ((300, "random"), ([0] + [40] * (world - 1), "starve_last"),
@@ -30,9 +30,9 @@ def copies_body(rank, world):
                 a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
                 torch.cuda.synchronize()  # notify done: the receive offsets are on the host
                 rows = (a.x.float() * (rank + 1)).to(torch.bfloat16)
-                rt.combine_stage_copy_engine = False
+                nv._backend.combine_stage_copy_engine = False
                 y_kernel = nv.combine(rows, a.handle)
-                rt.combine_stage_copy_engine, rt.combine_copy_rounds = who[rank], rounds
+                nv._backend.combine_stage_copy_engine, rt.combine_copy_rounds = who[rank], rounds
                 before = rt.combine_copy_calls
                 y_copies = nv.combine(rows, a.handle)
                 y_again = nv.combine(rows, a.handle)  # back to back: the next snap waits for this one's readers
@@ -40,7 +40,6 @@ def copies_body(rank, world):
                 y_ref = ref.combine((b.x.float() * (rank + 1)).to(torch.bfloat16), b.handle)
                 assert torch.equal(y_copies, y_kernel) and torch.equal(y_again, y_kernel), ctx
                 torch.testing.assert_close(y_copies.float(), y_ref.float(), atol=3e-2, rtol=2e-2, msg=ctx)
-        rt.combine_stage_copy_engine = False
         nv.close()
     ref.close()
 

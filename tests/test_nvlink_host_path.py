@@ -172,20 +172,19 @@ def test_counts_survive_the_ring_and_combine(gpu):
 
 @pytest.mark.parametrize("host_sync", [False, True])
 def test_combine_stage_by_copy_engines(gpu, host_sync):
-    """Runtime.combine_stage_copy_engine (an A/B knob, off by default): a pull combine whose dispatch's receive
+    """backend.combine_stage_copy_engine (an A/B knob, off by default): a pull combine whose dispatch's receive
     offsets are on the host (the pinned slot notify wrote, once its event is done; a host-synced dispatch's lists)
     goes to combine_copy_engine with the W + 1 offsets; off, with another combine kernel, or while notify may still
     run, the plain combine."""
     log, stream, _ = gpu
     buf = make_buf(host_sync=host_sync, combine_kernel="pull")
-    rt = buf._backend._rt
     x, idx, w = inputs()
     res = buf.dispatch(x, idx, w)
     rows = torch.zeros(res.x.shape[0], H, dtype=torch.bfloat16)
     log.clear()
     buf.combine(rows, res.handle)
     assert names(log) == ["combine"] and dict(log)["combine"][7] == 3  # off by default: the pull kernel's stager
-    rt.combine_stage_copy_engine = True
+    buf._backend.combine_stage_copy_engine = True
     log.clear()
     y = buf.combine(rows, res.handle)
     st = res.handle.state

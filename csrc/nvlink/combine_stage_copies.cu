@@ -1,5 +1,6 @@
-// The pull combine's stage by the copy engines (Runtime::combine_stage_copy_engine, off by default): each holder's
-// rows for owner o are contiguous in x (rank-major receive order) and in its own combine area (slot [o][position]),
+// The pull combine's stage by the copy engines (Runtime::combine_copy_engine; the nvlink backend's
+// combine_stage_copy_engine, off by default): each holder's rows for owner o are contiguous in x (rank-major receive
+// order) and in its own combine area (slot [o][position]),
 // so the stage is one cudaMemcpyAsync per owner and piece, and the pull kernel (combine_pull_tma.cu, diag
 // kDiagStagedByCopies) runs no stager: every slot of its shared-memory ring loads.
 //

@@ -99,8 +99,8 @@ void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int*
 // the whole ring loads)
 constexpr int kDiagStagedByCopies = 8;
 bool combine_pull_copies_fits(int row_bytes, int world);
-// combine_stage_copies.cu: the pull combine's stage by the copy engines (Runtime::combine_stage_copy_engine). The
-// snap kernel (on the call's stream, before the pull kernel) waits, as the stager would, until the peers no longer
+// combine_stage_copies.cu: the pull combine's stage by the copy engines (Runtime::combine_copy_engine). The snap
+// kernel (on the call's stream, before the pull kernel) waits, as the stager would, until the peers no longer
 // read this rank's combine area and records the epoch its releases carry; the copies then move each owner's rows
 // into the area in `rounds` pieces, interleaved over the owners, a one-block release kernel behind each round.
 // recv_off_host: the dispatch's receive offsets, W + 1 of them, known on the host.

@@ -116,8 +116,6 @@ class Runtime {
   // (W + 1). Not for a routed call (x_rows / y_blocks) nor under graph capture (the copies' sizes are the host's), and
   // only with num_sms below the GPU's SM count: the releases (one block each) must find an SM while the pull kernel,
   // whose peers wait on them, holds its own.
-  bool combine_stage_copy_engine() const { return combine_ce_; }
-  void set_combine_stage_copy_engine(bool on) { combine_ce_ = on; }
   int combine_copy_rounds() const { return combine_rounds_; }  // pieces per owner (a release behind each round)
   void set_combine_copy_rounds(int n);
   bool combine_copy_engine_fits() const;  // the pull kernel without a stager: the ring holds a token's rows
@@ -173,7 +171,6 @@ class Runtime {
   bool opened_ = false;
   bool tma_ = true;
   bool stage_ce_ = true;
-  bool combine_ce_ = false;
   int combine_rounds_ = 4;
   long long combine_copy_calls_ = 0;
   CUstream_st* side_ = nullptr;  // the copy-engine stages' stream (stage_begin, combine_copy_engine), and its events

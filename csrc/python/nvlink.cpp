@@ -71,9 +71,6 @@ void bind_nvlink(py::module_& m) {
       .def("combine", &Runtime::combine, py::arg("x"), py::arg("send_pos"), py::arg("recv_off"), py::arg("recv_src"),
            py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("mode"), py::arg("stream"), py::arg("x_rows") = 0,
            py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
-      .def_property("combine_stage_copy_engine", &Runtime::combine_stage_copy_engine,
-                    &Runtime::set_combine_stage_copy_engine,
-                    "the pull combine's stage by the copy engines (combine_copy_engine; off: the kernel's stager)")
       .def_property("combine_copy_rounds", &Runtime::combine_copy_rounds, &Runtime::set_combine_copy_rounds,
                     "the copy-engine combine stage's pieces per owner, a release behind each round (1..64)")
       .def_property_readonly("combine_copy_calls", &Runtime::combine_copy_calls,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 import weakref
 from typing import Optional
@@ -104,12 +105,7 @@ def _host_recv_off(handle: Handle) -> Optional[list]:
     if offs is not None:
         return offs
     recv = counts.peek("recv_counts")
-    if recv is None:
-        return None
-    out = [0]
-    for n in recv:
-        out.append(out[-1] + n)
-    return out
+    return None if recv is None else [0, *itertools.accumulate(recv)]
 
 
 class NvlinkBackend(Backend):
@@ -178,6 +174,9 @@ class NvlinkBackend(Backend):
         # 2026-11-27 (benchmarks/NOTES_nvlink.md, session 14) per call 440.5 against 466.0 us at 8 SMs, 268.4
         # against 294.4 at 16 (the split kernel auto picks there at EP2).
         self.stage_beside_notify = True
+        # The pull combine's stage by the copy engines (Runtime.combine_copy_engine) where the dispatch's receive
+        # offsets are on the host without a wait; False: the kernel's stager. The A/B knob, off until measured.
+        self.combine_stage_copy_engine = False
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
         self._ring = PinnedRing({"tokens_per_expert": ((self.experts_per_rank,), torch.int64),
@@ -593,25 +592,24 @@ class NvlinkBackend(Backend):
         y = None
         rt = self._rt
         mode = plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)
+        offs = None
         if sums:
             capturing = _is_capturing()
             y = self._sums(T, dev, cur, capturing)
-            # the pull kernel's stage by the copy engines (A/B knob): a plain call whose dispatch's receive offsets
-            # are on the host already (notify done; a host-synced dispatch's always are)
-            # (the side stream's one-block releases need an SM the pull kernel's blocks leave free: the peers' loads
-            # wait on them while the kernel runs)
-            offs = (_host_recv_off(handle) if mode == "pull" and rt.combine_stage_copy_engine and x_rows is None
-                    and y_blocks is None and not capturing and self.num_sms < self._gpu_sms and not self._one_queue
-                    and rt.combine_copy_engine_fits else None)
-            if offs is not None:
-                rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
-                                       self.num_sms, sp, offs)
-                self._sums_next(T, dev, cur, capturing)
-                return y, (self._finish(s, (x, y)) if async_op else None)
-        rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                   0 if y is None else y.data_ptr(), T, self.num_sms, COMBINE_MODES[mode], sp,
-                   0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
-                   block_tokens)
+            # the pull kernel's stage by the copy engines (the A/B knob): a plain call whose dispatch's receive offsets
+            # are on the host already (notify done; a host-synced dispatch's always are), with an SM left free for the
+            # side stream's one-block releases, which the peers' loads wait on while the pull kernel runs
+            if (self.combine_stage_copy_engine and mode == "pull" and x_rows is None and not capturing
+                    and self.num_sms < self._gpu_sms and not self._one_queue and rt.combine_copy_engine_fits):
+                offs = _host_recv_off(handle)
+        if offs is not None:
+            rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
+                                   self.num_sms, sp, offs)
+        else:
+            rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
+                       0 if y is None else y.data_ptr(), T, self.num_sms, COMBINE_MODES[mode], sp,
+                       0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
+                       block_tokens)
         if sums:
             self._sums_next(T, dev, cur, capturing)
         return y, (self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None)
