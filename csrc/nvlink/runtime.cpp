@@ -437,12 +437,16 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
   launch_combine_snap(ctx_, s);
   EP_CUDA_CHECK(cudaEventRecord(fork_, s));
   EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  // the pull kernel first: its launch is on the way to the rows, the copies' are not (the side stream waits only for
-  // the snap)
-  launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
-                          ptr<const int>(recv_off), ptr<int4>(y), T, 0,
-                          pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
+  // Copies first (the default): where the side stream shares a hardware queue with the call's stream, a release
+  // queued behind the spinning pull kernel may not start before it ends (which waits on the peers' releases).
+  auto pull = [&] {
+    launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
+                            ptr<const int>(recv_off), ptr<int4>(y), T, 0,
+                            pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
+  };
+  if (!combine_copies_first_) pull();
   launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
+  if (combine_copies_first_) pull();
   EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
   EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
   ++combine_copy_calls_;
