@@ -175,7 +175,9 @@ class NvlinkBackend(Backend):
         # against 294.4 at 16 (the split kernel auto picks there at EP2).
         self.stage_beside_notify = True
         # The pull combine's stage by the copy engines (Runtime.combine_copy_engine) where the dispatch's receive
-        # offsets are on the host without a wait; False: the kernel's stager. The A/B knob, off until measured.
+        # offsets are on the host without a wait; False: the kernel's stager. Off: measured on 4x H200 (2026-11-27,
+        # benchmarks/NOTES_nvlink.md session 15) it does not pay -- EP4 cold +1.6% at 24 SMs, -1.4% at 48, queued
+        # level or slower; EP2 cold +2-12% (the copies' and releases' host calls).
         self.combine_stage_copy_engine = False
         self._failed: Optional[EPTimeoutError] = None
         # pinned copies of the counts of no-sync dispatches
