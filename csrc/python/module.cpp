@@ -7,6 +7,7 @@
 #include "layout/layout.h"
 #include "layout/local_pack.h"
 #include "layout/merge_repeats.h"
+#include "layout/zero_tail.h"
 #include "python/bindings.h"
 
 namespace {
@@ -73,6 +74,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stream"),
       "The one-rank node's packing of the rail's slots: valid, order, place, num, per-expert and per-node counts "
       "from the node-local ids (int64 [slots, topk])");
+  m.def(
+      "zero_rows_from",
+      [](uintptr_t base, int64_t rows, int64_t row_bytes, uintptr_t ends, int groups, int max_blocks, uintptr_t stream) {
+        ep::launch_zero_rows_from(ptr<void>(base), rows, row_bytes, ptr<const int>(ends), groups, max_blocks,
+                                  reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("base"), py::arg("rows"), py::arg("row_bytes"), py::arg("ends"), py::arg("groups"), py::arg("max_blocks"),
+      py::arg("stream"),
+      "Zero the rows past the last group's end (ends: int32 [groups] on the device), writing those rows only");
   ep::bind_nvlink(m);
   // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
 #ifdef EP_WITH_NVSHMEM

@@ -16,6 +16,8 @@ from functools import partial
 
 import torch
 
+from ep_plugin._ext import c_op, raw_stream
+
 
 def torch_grouped_mm():
     """torch's grouped GEMM (torch.nn.functional.grouped_mm, or torch._grouped_mm on older torch),
@@ -36,6 +38,48 @@ def tail_rows(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
     dispatch), found on the device."""
     rows = torch.arange(num_rows, device=ends.device, dtype=ends.dtype)
     return (rows >= ends[-1:]).unsqueeze(-1)
+
+
+# blocks of the tail kernel's grid-stride loop: enough to keep a GPU's stores busy, a few per SM
+_ZERO_TAIL_BLOCKS = 2048
+
+
+def _zero_tail_kernel(out: torch.Tensor, ends: torch.Tensor):
+    """_C.zero_rows_from where it applies to out (CUDA, contiguous 2-D rows of 16-byte multiples, int32 ends
+    on its device), else None."""
+    kernel = c_op("zero_rows_from")
+    if (kernel is None or raw_stream is None or not out.is_cuda or out.dim() != 2 or not out.is_contiguous()
+            or out.data_ptr() % 16 or (out.shape[1] * out.element_size()) % 16 or ends.dtype != torch.int32
+            or ends.dim() != 1 or ends.numel() == 0 or ends.device != out.device or not ends.is_contiguous()):
+        return None
+    return kernel
+
+
+class _ZeroTailRows(torch.autograd.Function):
+    """out's rows past ends[-1] set to 0 in place by a kernel that writes those rows only (csrc/layout/
+    zero_tail.cu); the gradient passes through unchanged: its tail rows reach only grouped_mm's backward,
+    which reads no row past the last end (and the loop form selects rows by expert)."""
+
+    @staticmethod
+    def forward(ctx, out, ends, kernel):
+        kernel(out.data_ptr(), out.shape[0], out.shape[1] * out.element_size(), ends.data_ptr(), ends.numel(),
+               _ZERO_TAIL_BLOCKS, raw_stream(out.device.index))
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def zero_tail_rows_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """out [N, C]'s rows at or past ends[-1] (ends: [G] int32 on out's device) set to 0, in place, reading
+    nothing on the host. On CUDA (where _C is built) a kernel writes the tail rows only; elsewhere
+    out.masked_fill_(tail_rows(...), 0), a pass over every row (and another over the gradient)."""
+    kernel = _zero_tail_kernel(out, ends)
+    if kernel is None:
+        return out.masked_fill_(tail_rows(ends, out.shape[0]), 0)
+    return _ZeroTailRows.apply(out, ends, kernel)
 
 
 class GroupedMMLinear(torch.nn.Module):

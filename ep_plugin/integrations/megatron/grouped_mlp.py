@@ -14,7 +14,7 @@ from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_r
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
 from .dispatcher import take_device_counts
-from .experts import GroupedMMLinear, group_ends, tail_rows
+from .experts import GroupedMMLinear, group_ends, zero_tail_rows_
 
 
 def scaled(h, probs):
@@ -115,7 +115,7 @@ class EPGroupedMLP(TEGroupedMLP):
         out = self.linear_fc2.forward_grouped(h, ends)
         # grouped_mm leaves the rows past the last end unwritten (any bits, NaN included): zero
         # them, before the recompute hook goes on the output that backward reaches first
-        out = out.masked_fill_(tail_rows(ends, out.shape[0]), 0)
+        out = zero_tail_rows_(out, ends)
         if self.activation_recompute:
             self.activation_checkpoint.discard_output_and_register_recompute(out)
         return out, None
