@@ -23,7 +23,8 @@ HostCounts/PinnedRing/Handle (ep_plugin/types.py), exactly as shipped, over stan
 Times: time.perf_counter_ns; per row the median us per call over -n calls, best of --repeats medians.
 "to notify" is from entering EPBuffer.dispatch to the fake notify being called (the host's share of the
 time before the first kernel can start); "dispatch" the whole call; "cached" a dispatch with the
-handle; "combine" EPBuffer.combine. This is Python on a CPU box, not the GPU path.
+handle; "to combine" from entering EPBuffer.combine to the fake combine launch; "combine" the whole
+EPBuffer.combine. This is Python on a CPU box, not the GPU path.
 """
 from __future__ import annotations
 
@@ -373,7 +374,7 @@ def time_calls(buf, inp, kw: Dict, n: int, warmup: int = 100) -> Dict[str, float
     calls: freeing them is the caller's time, not the call's."""
     rt = buf._backend._rt
     asyn = bool(kw.get("async_op"))
-    parts: Dict[str, List[int]] = {"to notify": [], "dispatch": [], "cached": [], "combine": []}
+    parts: Dict[str, List[int]] = {"to notify": [], "dispatch": [], "cached": [], "to combine": [], "combine": []}
     rows = None
     for i in range(warmup + n):
         t0 = clock()
@@ -395,6 +396,7 @@ def time_calls(buf, inp, kw: Dict, n: int, warmup: int = 100) -> Dict[str, float
             parts["to notify"].append(rt.stamps["notify"] - t0)
             parts["dispatch"].append(t1 - t0)
             parts["cached"].append(t3 - t2)
+            parts["to combine"].append(rt.stamps["combine"] - t4 if "combine" in rt.stamps else t5 - t4)
             parts["combine"].append(t5 - t4)
     return {k: statistics.median(v) / 1e3 for k, v in parts.items() if v}
 
@@ -410,7 +412,8 @@ def run_table(args, backends) -> None:
     print(f"HOST OVERHEAD ONLY, CPU box (Python on {cpu_name()}, torch {torch.__version__}; fake NvlinkRuntime, "
           f"fake torch.cuda, CPU tensors; no launch, no CUDA allocator). Rank 0 of {W}, E {E}, top-{K}, H {H}, "
           f"max_tokens {MAX_TOKENS}, {SMS} SMs; median us of {args.n} calls, best of {args.repeats}.")
-    head = f"{'backend':10} {'T':>5} {'mode':15} {'to notify':>9} {'dispatch':>9} {'cached':>8} {'combine':>8}"
+    head = (f"{'backend':10} {'T':>5} {'mode':15} {'to notify':>9} {'dispatch':>9} {'cached':>8} {'to combine':>10} "
+            f"{'combine':>8}")
     print(head)
     for T in args.tokens:
         for mode in args.modes:
@@ -423,7 +426,7 @@ def run_table(args, backends) -> None:
                         best = r if best is None else {k: min(best[k], r[k]) for k in r}
                     buf.close()
                 print(f"{label:10} {T:5} {mode:15} {best['to notify']:9.2f} {best['dispatch']:9.2f} "
-                      f"{best['cached']:8.2f} {best['combine']:8.2f}", flush=True)
+                      f"{best['cached']:8.2f} {best['to combine']:10.2f} {best['combine']:8.2f}", flush=True)
                 if args.verbose:  # one round after a warm-up, counted
                     with fake_gpu(mod, count=Counter()) as tally:
                         buf, inp, kw = build(mode, T)
