@@ -19,6 +19,8 @@
      ep_plugin[B]                 ep_plugin's dispatcher (comm.backend B) + ep_plugin.megatron.EPGroupedMLP:
                                   counts on the device, rows sized for the worst case (comm.host_sync
                                   false), no host read in the layer: what ep_plugin runs by default
+     ep_plugin[B]+bounded_act     the same with EPGroupedMLP.bounded_activation (--bounded-activation): its
+                                  weighted SwiGLU by kernels that stop at the last expert's end
      ep_plugin[B]+host_counts     ep_plugin's dispatcher + TEGroupedMLP (host counts, exact rows): the
                                   host-synced path, for comparison (--host-counts-backends)
    Median over iterations (CUDA events), plus a forward breakdown: communication
@@ -65,6 +67,8 @@ def parse_args():
     p.add_argument("--backends", default="torch,auto", help="ep_plugin comm.backend values to time")
     p.add_argument("--host-counts-backends", default="auto",
                    help="comm.backend values to also time with megatron's TEGroupedMLP (host counts)")
+    p.add_argument("--bounded-activation", action="store_true",
+                   help="also time EPGroupedMLP with bounded_activation (its SwiGLU stops at the last expert's end)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--profile", action="store_true", help="top GPU kernels per forward+backward step (torch profiler)")
@@ -92,6 +96,7 @@ EXPERTS = {
     "sequential": "SequentialMLP (megatron)",
     "grouped": "TEGroupedMLP(non-TE) + GroupedMMLinear (torch grouped_mm), host counts",
     "ep": "EPGroupedMLP (GroupedMMLinear, torch grouped_mm), device counts",
+    "ep_bounded": "EPGroupedMLP with bounded_activation (the SwiGLU kernels stop at the last expert's end)",
 }
 
 
@@ -109,8 +114,11 @@ def moe_layer(cfg, experts: str):
     spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)
     if experts == "sequential":
         return spec(config=cfg)
-    builder = epm.EPGroupedMLP if experts == "ep" else epm.grouped_mm_experts()
-    return MoELayer(config=cfg, submodules=dataclasses.replace(spec.keywords["submodules"], experts=builder))
+    builder = epm.EPGroupedMLP if experts in ("ep", "ep_bounded") else epm.grouped_mm_experts()
+    layer = MoELayer(config=cfg, submodules=dataclasses.replace(spec.keywords["submodules"], experts=builder))
+    if experts == "ep_bounded":
+        layer.experts.bounded_activation = True
+    return layer
 
 
 def dispatcher_kw(kind, backend=None):
@@ -360,6 +368,8 @@ def timing(world, rank, device, args):
     # (label, dispatcher, ep_plugin comm.backend, experts)
     variants = [("alltoall", "alltoall", None, "grouped"), ("deepep", "deepep", None, "grouped")]
     variants += [(f"ep_plugin[{b}]", "ep_plugin", b, "ep") for b in args.backends.split(",") if b]
+    if args.bounded_activation:
+        variants += [(f"ep_plugin[{b}]+bounded_act", "ep_plugin", b, "ep_bounded") for b in args.backends.split(",") if b]
     variants += [(f"ep_plugin[{b}]+host_counts", "ep_plugin", b, "grouped")
                  for b in args.host_counts_backends.split(",") if b]
     import ep_plugin.megatron as epm

@@ -85,6 +85,19 @@ CASES = {
         dict(moe_token_dispatcher_type="ep_plugin", bias_activation_fusion=True),
         dict(moe_token_dispatcher_type="alltoall", bias_activation_fusion=True),
         {"experts": "ep", "ref_experts": "grouped"}),
+    # EPGroupedMLP.bounded_activation: the weighted SwiGLU by kernels that stop at the last expert's end (BF16 rows
+    # on GPUs; elsewhere megatron's torch form, as without it), fused and unfused forms, and under recompute
+    "ep_experts_bounded_swiglu": (
+        dict(moe_token_dispatcher_type="ep_plugin", bias_activation_fusion=True),
+        dict(moe_token_dispatcher_type="alltoall", bias_activation_fusion=True),
+        {"experts": "ep", "ref_experts": "grouped", "bounded_activation": True}),
+    "ep_experts_bounded_plain": (
+        dict(moe_token_dispatcher_type="ep_plugin"), dict(moe_token_dispatcher_type="alltoall"),
+        {"experts": "ep", "bounded_activation": True}),
+    "ep_experts_bounded_recompute_act": (
+        dict(moe_token_dispatcher_type="ep_plugin", recompute_granularity="selective",
+             recompute_modules=["moe_act"], moe_grouped_gemm=True),
+        dict(moe_token_dispatcher_type="alltoall"), {"experts": "ep", "bounded_activation": True}),
     "ep_experts_recompute_act": (  # selective recompute of the activation (moe_act)
         dict(moe_token_dispatcher_type="ep_plugin", recompute_granularity="selective",
              recompute_modules=["moe_act"], moe_grouped_gemm=True),
@@ -240,6 +253,8 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
     if comm_backend is not None:
         epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
     ours = make_moe_layer(ours_cfg, experts=ours_experts).to(device)
+    if opts.get("bounded_activation"):
+        ours.experts.bounded_activation = True
 
     assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
     # EPGroupedMLP takes device counts from the dispatcher MoELayer built with it; others get host counts

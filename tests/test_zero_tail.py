@@ -1,5 +1,5 @@
 """zero_tail_rows_ (EPGroupedMLP's tail of a worst-case-sized expert output): the rows past the last expert's end
-zeroed in place, nothing before them touched, ends read on the device only -- the kernel (csrc/layout/zero_tail.cu,
+zeroed in place, nothing before them touched, ends read on the device only -- the kernel (csrc/experts/zero_tail.cu,
 CUDA) against the torch form (masked_fill_, everywhere), and the gradient passing through the kernel's form."""
 import pytest
 import torch

@@ -1,5 +1,5 @@
-// ep_plugin._C: the module entry point and the bindings of the layout kernels (each file of pybind11
-// bindings costs seconds of build time, so the small ones share this one).
+// ep_plugin._C: the module entry point and the bindings of the layout kernels and of EPGroupedMLP's helpers (each
+// file of pybind11 bindings costs seconds of build time, so the small ones share this one).
 #include <cuda_runtime.h>
 
 #include "common/error.h"
@@ -7,7 +7,8 @@
 #include "layout/layout.h"
 #include "layout/local_pack.h"
 #include "layout/merge_repeats.h"
-#include "layout/zero_tail.h"
+#include "experts/swiglu_rows.h"
+#include "experts/zero_tail.h"
 #include "python/bindings.h"
 
 namespace {
@@ -83,6 +84,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("base"), py::arg("rows"), py::arg("row_bytes"), py::arg("ends"), py::arg("groups"), py::arg("max_blocks"),
       py::arg("stream"),
       "Zero the rows past the last group's end (ends: int32 [groups] on the device), writing those rows only");
+  m.def(
+      "swiglu_rows_fwd",
+      [](uintptr_t h, uintptr_t w, uintptr_t y, int64_t rows, int F, uintptr_t ends, int groups, int max_blocks,
+         uintptr_t stream) {
+        ep::launch_swiglu_rows_fwd(ptr<const void>(h), ptr<const float>(w), ptr<void>(y), rows, F, ptr<const int>(ends),
+                                   groups, max_blocks, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("h"), py::arg("w"), py::arg("y"), py::arg("rows"), py::arg("F"), py::arg("ends"), py::arg("groups"),
+      py::arg("max_blocks"), py::arg("stream"),
+      "Weighted SwiGLU of the rows before the last group's end: y [rows, F] BF16 from h [rows, 2F] BF16, w [rows] f32");
+  m.def(
+      "swiglu_rows_bwd",
+      [](uintptr_t g, uintptr_t h, uintptr_t w, uintptr_t dh, uintptr_t dw, int64_t rows, int F, uintptr_t ends,
+         int groups, int max_blocks, uintptr_t stream) {
+        ep::launch_swiglu_rows_bwd(ptr<const void>(g), ptr<const void>(h), ptr<const float>(w), ptr<void>(dh),
+                                   ptr<float>(dw), rows, F, ptr<const int>(ends), groups, max_blocks,
+                                   reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("g"), py::arg("h"), py::arg("w"), py::arg("dh"), py::arg("dw"), py::arg("rows"), py::arg("F"),
+      py::arg("ends"), py::arg("groups"), py::arg("max_blocks"), py::arg("stream"),
+      "Its backward: dh [rows, 2F] BF16 and dw [rows] f32 of the rows in use (dw 0 past them; dh not written there)");
   ep::bind_nvlink(m);
   // Always present, so Python (and the doctor) can ask without probing names or the .so's bytes.
 #ifdef EP_WITH_NVSHMEM

@@ -56,7 +56,7 @@ def _zero_tail_kernel(out: torch.Tensor, ends: torch.Tensor):
 
 
 class _ZeroTailRows(torch.autograd.Function):
-    """out's rows past ends[-1] set to 0 in place by a kernel that writes those rows only (csrc/layout/
+    """out's rows past ends[-1] set to 0 in place by a kernel that writes those rows only (csrc/experts/
     zero_tail.cu); the gradient passes through unchanged: its tail rows reach only grouped_mm's backward,
     which reads no row past the last end (and the loop form selects rows by expert)."""
 
@@ -80,6 +80,52 @@ def zero_tail_rows_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     if kernel is None:
         return out.masked_fill_(tail_rows(ends, out.shape[0]), 0)
     return _ZeroTailRows.apply(out, ends, kernel)
+
+
+# blocks of the SwiGLU kernels' grid-stride loops (a warp per row): a few per SM
+_SWIGLU_BLOCKS = 2048
+
+
+class _BoundedWeightedSwiGLU(torch.autograd.Function):
+    """megatron's weighted SwiGLU (fused_bias_swiglu.weighted_swiglu and its backward) over the rows before ends[-1]
+    only (csrc/experts/swiglu_rows.cu): y's rows past them and the input gradient's are not written (they reach only
+    grouped_mm, which reads no such row), the weight gradient is 0 there."""
+
+    @staticmethod
+    def forward(ctx, h, probs, ends, fwd, bwd):
+        rows, F = h.shape[0], h.shape[1] // 2
+        y = h.new_empty((rows, F))
+        fwd(h.data_ptr(), probs.data_ptr(), y.data_ptr(), rows, F, ends.data_ptr(), ends.numel(), _SWIGLU_BLOCKS,
+            raw_stream(h.device.index))
+        ctx.save_for_backward(h, probs, ends)
+        ctx.bwd = bwd
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, probs, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        rows, F = h.shape[0], h.shape[1] // 2
+        dh = torch.empty_like(h)
+        dw = torch.empty(probs.shape, dtype=torch.float32, device=h.device)
+        ctx.bwd(grad.data_ptr(), h.data_ptr(), probs.data_ptr(), dh.data_ptr(), dw.data_ptr(), rows, F,
+                ends.data_ptr(), ends.numel(), _SWIGLU_BLOCKS, raw_stream(h.device.index))
+        return dh, dw, None, None, None
+
+
+def bounded_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, ends: torch.Tensor):
+    """silu(gate) * linear * probs of h [N, 2F] (gate | linear), megatron's weighted_swiglu, computed for the rows
+    before ends[-1] only (ends: [G] int32 on h's device, read there): [N, F], rows past the end unspecified. None where
+    the kernels do not apply (no _C, not CUDA, not BF16 rows with float32 probs [N, 1], F not a multiple of 8): the
+    caller then runs megatron's torch form."""
+    fwd, bwd = c_op("swiglu_rows_fwd"), c_op("swiglu_rows_bwd")
+    if (fwd is None or bwd is None or raw_stream is None or not h.is_cuda or h.dtype != torch.bfloat16 or h.dim() != 2
+            or not h.is_contiguous() or h.data_ptr() % 16 or h.shape[1] % 16 or probs.dtype != torch.float32
+            or tuple(probs.shape) != (h.shape[0], 1) or not probs.is_contiguous() or ends.dtype != torch.int32
+            or ends.dim() != 1 or ends.numel() == 0 or not ends.is_contiguous() or ends.device != h.device
+            or probs.device != h.device):
+        return None
+    return _BoundedWeightedSwiGLU.apply(h, probs, ends, fwd, bwd)
 
 
 class GroupedMMLinear(torch.nn.Module):

@@ -14,7 +14,7 @@ from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_r
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
 from .dispatcher import take_device_counts
-from .experts import GroupedMMLinear, group_ends, zero_tail_rows_
+from .experts import GroupedMMLinear, bounded_weighted_swiglu, group_ends, zero_tail_rows_
 
 
 def scaled(h, probs):
@@ -62,8 +62,29 @@ class EPGroupedMLP(TEGroupedMLP):
                 raise TypeError(f"EPGroupedMLP runs GroupedMMLinear fc1/fc2, got {type(lin).__name__}")
         self.fed_device_counts = take_device_counts(config, pg_collection) is not None
 
-    def _activation(self, h, probs):
+    # The weighted SwiGLU over the rows in use only (experts.bounded_weighted_swiglu: one kernel each way that stops
+    # at the last expert's end, where megatron's torch form runs a dozen passes over the worst-case rows). Not yet
+    # run on a GPU (session 15): off until its test (tests/test_swiglu_rows.py) and the layer's A/B
+    # (benchmarks/megatron_layer.py --bounded-activation) have run.
+    bounded_activation = False
+
+    def _bounded(self, h, probs, ends):
+        """bounded_weighted_swiglu's output where it applies to this config and these tensors, else None."""
         cfg = self.config
+        if not (self.bounded_activation and ends is not None and cfg.gated_linear_unit
+                and self.activation_func is F.silu and not cfg.use_te_activation_func
+                and cfg.moe_mlp_glu_interleave_size is None and cfg.activation_func_clamp_value is None
+                and not cfg.glu_linear_offset and not cfg.activation_func_fp8_input_store):
+            return None
+        if not cfg.bias_activation_fusion and cfg.activation_func is not F.silu:
+            return None  # the unfused form calls cfg.activation_func on the gate
+        return bounded_weighted_swiglu(h, probs, ends)
+
+    def _activation(self, h, probs, ends=None):
+        cfg = self.config
+        y = self._bounded(h, probs, ends)
+        if y is not None:
+            return y
         interleave = cfg.moe_mlp_glu_interleave_size if cfg.gated_linear_unit else None
         if cfg.use_te_activation_func:
             if interleave is not None:
@@ -109,9 +130,9 @@ class EPGroupedMLP(TEGroupedMLP):
             # fp8=None: no FP8 state to save (CheckpointWithoutOutput reads any other value,
             # False included, as FP8 on, which needs TransformerEngine)
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
-            h = self.activation_checkpoint.checkpoint(self._activation, h, probs)
+            h = self.activation_checkpoint.checkpoint(self._activation, h, probs, ends)
         else:
-            h = self._activation(h, probs)
+            h = self._activation(h, probs, ends)
         out = self.linear_fc2.forward_grouped(h, ends)
         # grouped_mm leaves the rows past the last end unwritten (any bits, NaN included): zero
         # them, before the recompute hook goes on the output that backward reaches first

@@ -8,7 +8,7 @@
 // the 2x H200 profile's +3.5 ms of elementwise_kernel against exact rows (benchmarks/results/
 // megatron_layer_profile_2x_h200_2026-11-23.log). Here only the tail is written, with 16-byte stores, and the
 // gradient passes through (the grouped GEMMs' backward reads no row past the last end).
-#include "layout/zero_tail.h"
+#include "experts/zero_tail.h"
 
 #include "common/error.h"
 
