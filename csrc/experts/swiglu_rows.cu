@@ -29,6 +29,12 @@ __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__floa
 __device__ __forceinline__ float silu_bf16(float a) { return bf16r(a / (1.0f + expf(-a))); }
 __device__ __forceinline__ float sigmoid_bf16(float a) { return bf16r(1.0f / (1.0f + expf(-a))); }
 
+// a warp per row over the grid: this warp's first row, and the rows between its turns
+__device__ __forceinline__ long long warp_row0() {
+  return static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+}
+__device__ __forceinline__ long long warp_rows_step() { return static_cast<long long>(gridDim.x) * kWarps; }
+
 union Vec8 {  // 16 bytes: 8 BF16
   uint4 u;
   __nv_bfloat16 b[8];
@@ -39,12 +45,11 @@ swiglu_rows_fwd_kernel(const uint4* __restrict__ h, const float* __restrict__ w,
                        int vecs, const int* __restrict__ ends, int groups) {
   const long long used = rows_in_use(ends, groups, rows);
   const int lane = threadIdx.x & 31;
-  for (long long r = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < used;
-       r += static_cast<long long>(gridDim.x) * kWarps) {
+  for (long long r = warp_row0(); r < used; r += warp_rows_step()) {
     const float wr = w[r];
-    const uint4* gate = h + r * 2 * vecs;
-    const uint4* lin = gate + vecs;
+    const uint4* gate = h + r * 2 * vecs;  // h's row: gate | linear
     uint4* out = y + r * vecs;
+    const uint4* lin = gate + vecs;
     for (int v = lane; v < vecs; v += 32) {
       Vec8 a, b, o;
       a.u = gate[v];
@@ -66,8 +71,7 @@ swiglu_rows_bwd_kernel(const uint4* __restrict__ g, const uint4* __restrict__ h,
                        const int* __restrict__ ends, int groups) {
   const long long used = rows_in_use(ends, groups, rows);
   const int lane = threadIdx.x & 31;
-  for (long long r = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < used;
-       r += static_cast<long long>(gridDim.x) * kWarps) {
+  for (long long r = warp_row0(); r < used; r += warp_rows_step()) {
     const float wr = w[r];
     const uint4* gate = h + r * 2 * vecs;
     const uint4* lin = gate + vecs;
