@@ -66,7 +66,11 @@ class EPGroupedMLP(TEGroupedMLP):
     # at the last expert's end, where megatron's torch form runs a dozen passes over the worst-case rows). Not yet
     # run on a GPU (session 15): off until its test (tests/test_swiglu_rows.py) and the layer's A/B
     # (benchmarks/megatron_layer.py --bounded-activation) have run.
+    # It applies to BF16 rows with float32 probs (megatron's moe_router_dtype="fp32"; with BF16 probs the torch form
+    # runs). It reproduces megatron's fused weighted SwiGLU run eagerly bit for bit; against the unfused form's
+    # autograd (BF16 intermediates in the backward) or a torch.compile'd fusion, its gradients differ by ~1 BF16 step.
     bounded_activation = False
+    bounded_runs = 0  # activations the kernels computed (tests, benches)
 
     def _bounded(self, h, probs, ends):
         """bounded_weighted_swiglu's output where it applies to this config and these tensors, else None."""
@@ -78,7 +82,10 @@ class EPGroupedMLP(TEGroupedMLP):
             return None
         if not cfg.bias_activation_fusion and cfg.activation_func is not F.silu:
             return None  # the unfused form calls cfg.activation_func on the gate
-        return bounded_weighted_swiglu(h, probs, ends)
+        y = bounded_weighted_swiglu(h, probs, ends)
+        if y is not None:
+            self.bounded_runs += 1
+        return y
 
     def _activation(self, h, probs, ends=None):
         cfg = self.config
