@@ -415,11 +415,14 @@ def timing(world, rank, device, args):
             r.update(time_layer(layer, x0, gy, args, cuda))
             r.update(memory_stats(start, device))
             r["experts_gemm"] = epm.GroupedMMLinear.impl
+            if experts == "ep_bounded":  # whether the kernels ran (BF16 rows, float32 probs), or the torch form
+                r["bounded_runs"] = layer.experts.bounded_runs
             out[label] = r
             if rank == 0:
                 mem = f"  peak {r['peak_mem_gib']:.2f} GiB (+{r['peak_mem_added_gib']:.2f})" if "peak_mem_gib" in r else ""
+                runs = f"  bounded SwiGLU runs {r['bounded_runs']}" if "bounded_runs" in r else ""
                 print(f"[ep{world}] {label:26s} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms  "
-                      f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f}){mem}", flush=True)
+                      f"(comm {r['fwd_comm_ms']:.2f}, permute {r['fwd_local_permute_ms']:.2f}){mem}{runs}", flush=True)
                 if "profile_us_per_step" in r:
                     print(f"[ep{world}] {label} GPU kernels per step (us): {r['profile_us_per_step']}", flush=True)
             del layer
