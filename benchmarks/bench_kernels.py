@@ -19,6 +19,10 @@ variant, checked like the others; --combine-only times the combine alone.
 
 Rows print each protocol's time (cold / queued / hidden [/ aligned]) and, for the stamped protocols, the ranks'
 host-clock spread after the barrier and at the call's return and the slowest host time in the call (protocols.py).
+With `--protocols ... traced` each op also prints the median cold call's kernels per rank under the profiler (the
+launch gap after a marker kernel, each kernel's start and length): where a cold call's time goes, ours and DeepEP's.
+
+    python3 benchmarks/bench_kernels.py --world 4 --sms 24 --pairs auto/auto --combine-only --protocols cold queued traced
 
 A cold row moves by 30-60 us from one set of processes to the next (the ranks' spread after the barrier is drawn
 per process: benchmarks/NOTES_nvlink.md, session 12), so --processes N runs the whole bench N times, each in fresh
@@ -92,6 +96,11 @@ def rank_main(rank, world, port, args, q):
             cells = "  ".join(f"{k} " + "/".join(f"{v.get(p + '_us') or float('nan'):6.1f}" for p in proto.kinds)
                               + _skews(v, proto.kinds) for k, v in r["ops"].items())
             print(f"EP{world} {sms:2d} SMs {name:24s} {cells}{'  ' + note if note else ''}", flush=True)
+            for k, v in r["ops"].items():  # --protocols traced: the median cold call's kernels per rank
+                if v.get("traced_timeline"):
+                    from bench_decode_pair import timeline_line
+                    print(f"    {k} traced (us after the ranks' first marker): {timeline_line(v['traced_timeline'])}",
+                          flush=True)
 
     runs = []  # (dispatch kernel, combine kernel, pull variant or None, its stage slots or None, pair's attrs)
     for spec in args.pairs:

@@ -16,6 +16,11 @@ aligned (optional, diagnostic): hidden's start, and then one tiny all-reduce on 
     so every GPU starts the call within NCCL's latency of the others (the queued protocol's alignment) from a
     flushed L2 with the host hidden. hidden - aligned is what the ranks' start skew costs the call; aligned -
     queued what a cold L2 (and cold translations) cost it.
+traced (optional, diagnostic): cold's start, the call between two marker kernels under the torch profiler
+    (CUDA activity; bench_decode_pair.kernel_trace): `measure` adds `traced_timeline`, the median call's kernels
+    per rank after the ranks' earliest marker -- the launch gap (the host's way from the marker to the call's
+    first kernel), each kernel's start and length, the end. Where a cold call's time goes, ours and DeepEP's
+    alike; its own times carry the profiler's overhead (read the timeline, not `traced_us`).
 skewed (optional, diagnostic): aligned's start, then the last rank alone sleeps SKEW_CYCLES more (~50 us)
     before its call, the others start at once: (skewed - aligned) / the delay is how much of one late rank's
     delay the slowest rank pays (1: the others wait it out and lose nothing more; above 1: the late start
@@ -47,7 +52,7 @@ FLUSH_BYTES = 256 * 1024 * 1024  # larger than H100/H200 L2 (50-60 MB)
 SLEEP_CYCLES = 3_000_000  # ~1.5 ms at H100/H200 clocks: more than any call's host time
 SKEW_CYCLES = 100_000  # the skewed protocol's late start: ~50 us at 1.98 GHz (timed, see skewed_delay_us)
 Hook = Optional[Callable[[], object]]  # an untimed call around the timed one
-PROTOCOLS = ("cold", "queued", "hidden", "aligned", "skewed")
+PROTOCOLS = ("cold", "queued", "hidden", "aligned", "skewed", "traced")
 STAMPED = ("cold", "hidden", "aligned", "skewed")  # protocols whose host stamps measure() summarises
 
 
@@ -66,6 +71,7 @@ class Protocols:
         self._tok = torch.zeros(1, device="cuda")
         self.stamps: Dict[str, List[tuple]] = {}  # protocol -> [(ns after the barrier, ns at return)] per call
         self.delays: List[float] = []  # skewed: the late rank's extra sleep per call (us; empty elsewhere)
+        self.traces: List = []  # traced: per call the kernels between the markers (bench_decode_pair.kernel_trace)
 
     def _events(self):
         return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -125,6 +131,31 @@ class Protocols:
             self.delays = [x.elapsed_time(y) * 1e3 for x, y in delays]
         return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
+    def traced(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
+        """Per-call times (us) of cold calls run between two marker kernels under the profiler; the kernels
+        between the markers land in self.traces (see the module)."""
+        from bench_decode_pair import kernel_trace  # (benchmarks/ on the path: the scripts run from there)
+
+        self._warm(fn, before, after)
+        evs = self._events()
+        calls = iter(evs)
+
+        def one(marker):
+            a, b = next(calls)
+            _call(before)
+            self._flush.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            marker()
+            a.record()
+            fn()
+            b.record()
+            marker()
+            _call(after)
+
+        self.traces = kernel_trace(one, self.iters)
+        return [a.elapsed_time(b) * 1e3 for a, b in evs]
+
     def queued(self, fn: Callable[[], object], before: Hook = None, after: Hook = None) -> List[float]:
         """Per-call times (us) with the iterations enqueued back to back."""
         self._warm(fn, before, after)
@@ -171,18 +202,22 @@ def measure(proto: Protocols, fn: Callable[[], object], protocols=None, *,
         except Exception:
             pass
     stamps = {p: proto.stamps.get(p) for p in protocols if p in STAMPED and not err}
+    traces = proto.traces if "traced" in protocols and not err else None
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, err, stamps))
-    out: Dict = {"error": next((f"rank {r}: {e}" for r, (_, e, _) in enumerate(every) if e), None)}
+    dist.all_gather_object(every, (mine, err, stamps, traces))
+    out: Dict = {"error": next((f"rank {r}: {e}" for r, (_, e, _, _) in enumerate(every) if e), None)}
     for p in protocols:
         for key in (f"{p}_us", f"{p}_min_us"):
-            vals = [m.get(key) for m, _, _ in every]
+            vals = [m.get(key) for m, _, _, _ in every]
             out[key] = None if out["error"] or any(v is None for v in vals) else [round(v, 2) for v in vals]
         if p in STAMPED and not out["error"]:
-            out.update(stamp_summary(p, [s.get(p) for _, _, s in every]))
+            out.update(stamp_summary(p, [s.get(p) for _, _, s, _ in every]))
         if p == "skewed" and not out["error"]:
-            late = [m["skewed_delay_us"] for m, _, _ in every if m.get("skewed_delay_us") is not None]
+            late = [m["skewed_delay_us"] for m, _, _, _ in every if m.get("skewed_delay_us") is not None]
             out["skewed_delay_us"] = round(late[0], 2) if late else None
+        if p == "traced" and not out["error"] and all(t for _, _, _, t in every):
+            from bench_decode_pair import timeline
+            out["traced_timeline"] = timeline([t for _, _, _, t in every])
     return out
 
 

@@ -81,3 +81,40 @@ def test_skewed_delays_only_the_last_rank(monkeypatch):
     assert [round(t, 3) for t in times] == [500.0] * 3 and delays == []
     assert protocols.SKEW_CYCLES not in sleeps
     assert "skewed" in protocols.PROTOCOLS and "skewed" in protocols.STAMPED
+
+
+def test_traced_runs_each_cold_call_between_markers(monkeypatch):
+    """protocols.Protocols.traced on a fake GPU: every timed call runs after the flush and the barrier, between two
+    marker launches, inside bench_decode_pair.kernel_trace (faked: it records what ran and returns one trace per call);
+    the traces are kept for measure, and the times are the calls' events."""
+    log = []
+    cuda = protocols.torch.cuda
+    monkeypatch.setattr(cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(protocols.dist, "barrier", lambda: log.append("barrier"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import bench_decode_pair
+    finally:
+        sys.path.pop(0)
+
+    def fake_trace(fn, n):
+        for i in range(n):
+            fn(lambda: log.append("marker"))
+        return [{"t0": float(i), "kernels": []} for i in range(n)]
+
+    monkeypatch.setattr(bench_decode_pair, "kernel_trace", fake_trace)
+
+    def call():
+        log.append("call")
+        _FakeEvent.clock += 0.25
+
+    proto = object.__new__(protocols.Protocols)
+    proto.warmup, proto.iters, proto.kinds = 1, 2, ("traced",)
+    proto._flush = protocols.torch.zeros(4)
+    proto.stamps, proto.delays, proto.traces = {}, [], []
+    times = proto.traced(call)
+    assert [round(t, 3) for t in times] == [250.0, 250.0]
+    assert log == ["call"] + ["barrier", "marker", "call", "marker"] * 2  # the warm-up call, then two traced ones
+    assert [t["t0"] for t in proto.traces] == [0.0, 1.0]
+    assert "traced" in protocols.PROTOCOLS and "traced" not in protocols.STAMPED
