@@ -437,16 +437,13 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
   launch_combine_snap(ctx_, s);
   EP_CUDA_CHECK(cudaEventRecord(fork_, s));
   EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  // Copies first (the default): where the side stream shares a hardware queue with the call's stream, a release
-  // queued behind the spinning pull kernel may not start before it ends (which waits on the peers' releases).
-  auto pull = [&] {
-    launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
-                            ptr<const int>(recv_off), ptr<int4>(y), T, 0,
-                            pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
-  };
-  if (!combine_copies_first_) pull();
+  // The copies and releases before the pull kernel: where the side stream shares a hardware queue with the call's
+  // stream, a release queued behind the spinning pull kernel does not start before that kernel ends, which waits on
+  // the peers' releases (4x H200, session 15: the pull-first order timed out).
   launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
-  if (combine_copies_first_) pull();
+  launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
+                          ptr<const int>(recv_off), ptr<int4>(y), T, 0,
+                          pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
   EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
   EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
   ++combine_copy_calls_;

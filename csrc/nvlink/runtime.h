@@ -117,9 +117,6 @@ class Runtime {
   // only with num_sms below the GPU's SM count: the releases (one block each) must find an SM while the pull kernel,
   // whose peers wait on them, holds its own.
   int combine_copy_rounds() const { return combine_rounds_; }  // pieces per owner (a release behind each round)
-  // whether the copies and releases are queued on the side stream before the pull kernel's launch (true) or after
-  bool combine_copies_first() const { return combine_copies_first_; }
-  void set_combine_copies_first(bool v) { combine_copies_first_ = v; }
   void set_combine_copy_rounds(int n);
   bool combine_copy_engine_fits() const;  // the pull kernel without a stager: the ring holds a token's rows
   long long combine_copy_calls() const { return combine_copy_calls_; }  // combines that took this path (tests, benches)
@@ -175,7 +172,6 @@ class Runtime {
   bool tma_ = true;
   bool stage_ce_ = true;
   int combine_rounds_ = 4;
-  bool combine_copies_first_ = true;
   long long combine_copy_calls_ = 0;
   CUstream_st* side_ = nullptr;  // the copy-engine stages' stream (stage_begin, combine_copy_engine), and its events
   CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;

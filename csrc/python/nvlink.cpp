@@ -73,8 +73,6 @@ void bind_nvlink(py::module_& m) {
            py::arg("y_blocks") = 0, py::arg("block_tokens") = 0)
       .def_property("combine_copy_rounds", &Runtime::combine_copy_rounds, &Runtime::set_combine_copy_rounds,
                     "the copy-engine combine stage's pieces per owner, a release behind each round (1..64)")
-      .def_property("combine_copies_first", &Runtime::combine_copies_first, &Runtime::set_combine_copies_first,
-                    "the copy-engine combine stage: its copies and releases queued before the pull kernel (True)")
       .def_property_readonly("combine_copy_calls", &Runtime::combine_copy_calls,
                              "combines that ran combine_copy_engine (which path ran, for tests and benches)")
       .def_property_readonly("combine_copy_engine_fits", &Runtime::combine_copy_engine_fits,

@@ -136,8 +136,9 @@ class NvlinkBackend(Backend):
         self._dispatch_requested = cfg.comm.dispatch_kernel  # the dispatch kernel is planned with num_sms (below)
         self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
         self._gpu_sms = props.multi_processor_count
-        # the combine's copy-engine stage needs its release kernels to run beside the pull kernel: not with one
-        # hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it for overlapped TP communication)
+        # the combine's copy-engine stage overlaps its copies with the pull kernel: not with one hardware queue
+        # (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it for overlapped TP communication), where the kernel
+        # would wait behind every copy
         self._one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
