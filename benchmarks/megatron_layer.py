@@ -19,8 +19,9 @@
      ep_plugin[B]                 ep_plugin's dispatcher (comm.backend B) + ep_plugin.megatron.EPGroupedMLP:
                                   counts on the device, rows sized for the worst case (comm.host_sync
                                   false), no host read in the layer: what ep_plugin runs by default
-     ep_plugin[B]+bounded_act     the same with EPGroupedMLP.bounded_activation (--bounded-activation): its
-                                  weighted SwiGLU by kernels that stop at the last expert's end
+     ep_plugin[B]+torch_act       the same with EPGroupedMLP.bounded_activation off (--torch-activation):
+                                  megatron's weighted SwiGLU over every worst-case row, where the default's
+                                  kernels stop at the last expert's end
      ep_plugin[B]+host_counts     ep_plugin's dispatcher + TEGroupedMLP (host counts, exact rows): the
                                   host-synced path, for comparison (--host-counts-backends)
    Median over iterations (CUDA events), plus a forward breakdown: communication
@@ -67,8 +68,8 @@ def parse_args():
     p.add_argument("--backends", default="torch,auto", help="ep_plugin comm.backend values to time")
     p.add_argument("--host-counts-backends", default="auto",
                    help="comm.backend values to also time with megatron's TEGroupedMLP (host counts)")
-    p.add_argument("--bounded-activation", action="store_true",
-                   help="also time EPGroupedMLP with bounded_activation (its SwiGLU stops at the last expert's end)")
+    p.add_argument("--torch-activation", action="store_true",
+                   help="also time EPGroupedMLP with bounded_activation off (megatron's SwiGLU over every worst-case row)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--profile", action="store_true", help="top GPU kernels per forward+backward step (torch profiler)")
@@ -95,8 +96,8 @@ def make_config(world, **kw):
 EXPERTS = {
     "sequential": "SequentialMLP (megatron)",
     "grouped": "TEGroupedMLP(non-TE) + GroupedMMLinear (torch grouped_mm), host counts",
-    "ep": "EPGroupedMLP (GroupedMMLinear, torch grouped_mm), device counts",
-    "ep_bounded": "EPGroupedMLP with bounded_activation (the SwiGLU kernels stop at the last expert's end)",
+    "ep": "EPGroupedMLP (GroupedMMLinear, torch grouped_mm), device counts, bounded_activation (default)",
+    "ep_torch_act": "EPGroupedMLP with bounded_activation off (megatron's SwiGLU over every worst-case row)",
 }
 
 
@@ -114,10 +115,10 @@ def moe_layer(cfg, experts: str):
     spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts)
     if experts == "sequential":
         return spec(config=cfg)
-    builder = epm.EPGroupedMLP if experts in ("ep", "ep_bounded") else epm.grouped_mm_experts()
+    builder = epm.EPGroupedMLP if experts in ("ep", "ep_torch_act") else epm.grouped_mm_experts()
     layer = MoELayer(config=cfg, submodules=dataclasses.replace(spec.keywords["submodules"], experts=builder))
-    if experts == "ep_bounded":
-        layer.experts.bounded_activation = True
+    if experts == "ep_torch_act":
+        layer.experts.bounded_activation = False
     return layer
 
 
@@ -368,8 +369,8 @@ def timing(world, rank, device, args):
     # (label, dispatcher, ep_plugin comm.backend, experts)
     variants = [("alltoall", "alltoall", None, "grouped"), ("deepep", "deepep", None, "grouped")]
     variants += [(f"ep_plugin[{b}]", "ep_plugin", b, "ep") for b in args.backends.split(",") if b]
-    if args.bounded_activation:
-        variants += [(f"ep_plugin[{b}]+bounded_act", "ep_plugin", b, "ep_bounded") for b in args.backends.split(",") if b]
+    if args.torch_activation:
+        variants += [(f"ep_plugin[{b}]+torch_act", "ep_plugin", b, "ep_torch_act") for b in args.backends.split(",") if b]
     variants += [(f"ep_plugin[{b}]+host_counts", "ep_plugin", b, "grouped")
                  for b in args.host_counts_backends.split(",") if b]
     import ep_plugin.megatron as epm
@@ -415,7 +416,7 @@ def timing(world, rank, device, args):
             r.update(time_layer(layer, x0, gy, args, cuda))
             r.update(memory_stats(start, device))
             r["experts_gemm"] = epm.GroupedMMLinear.impl
-            if experts == "ep_bounded":  # whether the kernels ran (BF16 rows, float32 probs), or the torch form
+            if experts == "ep":  # whether the kernels ran (BF16 rows, float32 probs), or the torch form
                 r["bounded_runs"] = layer.experts.bounded_runs
             out[label] = r
             if rank == 0:
@@ -485,6 +486,9 @@ def main():
     if not args.skip_timing:
         result["layer"] = timing(world, rank, device, args)
     result["wall_s"] = time.time() - t0
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result["commit"] = os.popen(f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD "
+                                "2>/dev/null").read().strip() or None
     if rank == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         data = {}

@@ -85,9 +85,9 @@ CASES = {
         dict(moe_token_dispatcher_type="ep_plugin", bias_activation_fusion=True),
         dict(moe_token_dispatcher_type="alltoall", bias_activation_fusion=True),
         {"experts": "ep", "ref_experts": "grouped"}),
-    # EPGroupedMLP.bounded_activation: the weighted SwiGLU by kernels that stop at the last expert's end (BF16 rows and
-    # float32 probs on GPUs -- compare_case asserts they ran there; elsewhere megatron's torch form, as without it),
-    # fused and unfused forms, and under recompute
+    # EPGroupedMLP.bounded_activation (on by default): the weighted SwiGLU by kernels that stop at the last expert's end
+    # (BF16 rows and float32 probs on GPUs -- compare_case asserts they ran there; elsewhere megatron's torch form, as
+    # without it), fused and unfused forms, under recompute, and switched off (megatron's torch form on GPUs too)
     "ep_experts_bounded_swiglu": (
         dict(moe_token_dispatcher_type="ep_plugin", bias_activation_fusion=True, moe_router_dtype="fp32"),
         dict(moe_token_dispatcher_type="alltoall", bias_activation_fusion=True, moe_router_dtype="fp32"),
@@ -101,6 +101,10 @@ CASES = {
              recompute_modules=["moe_act"], moe_grouped_gemm=True, moe_router_dtype="fp32"),
         dict(moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32"),
         {"experts": "ep", "bounded_activation": True}),
+    "ep_experts_torch_act": (
+        dict(moe_token_dispatcher_type="ep_plugin", moe_router_dtype="fp32"),
+        dict(moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32"),
+        {"experts": "ep", "bounded_activation": False}),
     "ep_experts_recompute_act": (  # selective recompute of the activation (moe_act)
         dict(moe_token_dispatcher_type="ep_plugin", recompute_granularity="selective",
              recompute_modules=["moe_act"], moe_grouped_gemm=True),
@@ -256,8 +260,8 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
     if comm_backend is not None:
         epm.attach_config(ours_cfg, {"comm": {"backend": comm_backend, "max_tokens_per_rank": 64}})
     ours = make_moe_layer(ours_cfg, experts=ours_experts).to(device)
-    if opts.get("bounded_activation"):
-        ours.experts.bounded_activation = True
+    if "bounded_activation" in opts:
+        ours.experts.bounded_activation = opts["bounded_activation"]
 
     assert isinstance(ours.token_dispatcher, epm.EPPluginTokenDispatcher), type(ours.token_dispatcher)
     # EPGroupedMLP takes device counts from the dispatcher MoELayer built with it; others get host counts
@@ -296,10 +300,12 @@ def compare_case(rank, world, name, device="cpu", comm_backend=None, hidden=H, d
         res[tag] = (y.detach(), x.grad.clone(),
                     {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
     (y0, gx0, gp0), (y1, gx1, gp1) = res["ref"], res["ours"]
-    if opts.get("bounded_activation") and x0.is_cuda and dtype == torch.bfloat16:
+    if "bounded_activation" in opts and x0.is_cuda and dtype == torch.bfloat16:
         from ep_plugin._ext import has_c
-        if has_c():  # BF16 rows, float32 probs: the case is about the kernels, so they must have run
-            assert ours.experts.bounded_runs > 0, f"{name}: the bounded SwiGLU kernels did not run"
+        if has_c():  # BF16 rows, float32 probs: the case is about the kernels, so they ran exactly where asked
+            want = opts["bounded_activation"]
+            assert (ours.experts.bounded_runs > 0) == want, \
+                f"{name}: bounded_activation={want} but the SwiGLU kernels ran {ours.experts.bounded_runs} times"
     if regroup:
         gp0 = grouped_layout(gp0, G)
     assert set(gp0) == set(gp1), (sorted(set(gp0) ^ set(gp1)))
