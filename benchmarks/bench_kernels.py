@@ -151,6 +151,10 @@ def rank_main(rank, world, port, args, q):
                 "dispatch": measure(proto, lambda: buf.dispatch(inp.x, inp.idx, inp.w)),
                 "cached": measure(proto, lambda: buf.dispatch(inp.x, handle=first.handle))}
             ops["combine"] = measure(proto, lambda: buf.combine(first.x, first.handle))
+            if args.combine_barrier:  # the start aligned by a device-side barrier, its own latency on the clock
+                tok = torch.zeros(1, device="cuda")
+                ops["combine_barrier"] = measure(proto, lambda: (dist.all_reduce(tok), buf.combine(first.x, first.handle)))
+                ops["barrier_only"] = measure(proto, lambda: dist.all_reduce(tok))
             if (dk, ck) == ("auto", "auto") and not args.combine_only:
                 ops["dispatch_fp8"] = measure(proto, lambda: buf.dispatch(inp.xf8, inp.idx, inp.w))
             copies = getattr(be._rt, "combine_copy_calls", 0)  # which combine path ran (the copy-engine stage's A/B)
@@ -249,8 +253,13 @@ def main(argv=None):
     ap.add_argument("--combine-variant", "--pull-variant", nargs="+", default=[], metavar="V[/S]",
                     help="run each pull (or auto) combine pair once per Runtime.pull_variant V (16: the default since "
                          "session 5, 0: the kernel before it; +1 / +2 half / quarter stager rows, +4 free load slots, +8 contiguous spans per block, +16 x "
-                         "read L2 evict_first), with S stager slots if given")
+                         "read L2 evict_first, +64 every rank's combine starts together; 80 the default since session 16), "
+                         "with S stager slots if given")
     ap.add_argument("--combine-only", action="store_true", help="time the combine alone (DeepEP's too)")
+    ap.add_argument("--combine-barrier", action="store_true",
+                    help="also time each pair's combine behind a one-float NCCL all-reduce on the stream (op "
+                         "combine_barrier, the all-reduce on the clock): what aligning the ranks' start costs or saves "
+                         "a cold combine (DeepEP's combine starts with a notify kernel that waits for every rank)")
     ap.add_argument("--backend-attr", nargs="+", default=[], metavar="NAME=V",
                     help="set attributes of the nvlink backend (NAME) or its runtime (_rt.NAME) on every pair (ints; the A/B "
                          "knobs, e.g. notify_inside=0, _rt.stage_copy_engine=0)")

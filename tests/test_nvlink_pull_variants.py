@@ -17,8 +17,9 @@ from tests._dist import spawn
 from tests.reference import make_inputs
 
 WORLDS = (2, 4)
-# +1 / +2: stager half / quarter rows; +4: free load slots; +8: contiguous spans per block; +16: x read evict_first
-VARIANTS = (0, 1, 2, 4, 5, 6, 8, 12, 16, 24, 29, 48, 52)
+# +1 / +2: stager half / quarter rows; +4: free load slots; +8: contiguous spans per block; +16: x read evict_first;
+# +64: every rank's combine starts together (F_START)
+VARIANTS = (0, 1, 2, 4, 5, 6, 8, 12, 16, 24, 29, 48, 52, 64, 80, 117)
 RING_BYTES = 224 * 1024  # combine_pull_tma.cu kPullRingBytes
 LOAD_MAX_SLOTS = 32
 
@@ -78,9 +79,9 @@ def check_variants(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, slots
 
 def body(rank, world):
     torch.cuda.set_device(rank)
-    # the knob's values: 3 would be split 8, 7 and 11 too; 64 is no bit of a variant
+    # the knob's values: 3 would be split 8, 7 and 11 too; 128 is no bit of a variant
     nv = _buf("nvlink", 8 * world, 4, 2048, 512)
-    for bad in (-1, 3, 7, 11, 64):
+    for bad in (-1, 3, 7, 11, 67, 128):
         with pytest.raises(ValueError, match="pull_variant"):
             nv._backend._rt.pull_variant = bad
     nv.close()

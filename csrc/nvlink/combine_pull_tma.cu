@@ -63,6 +63,9 @@
 //     run flat out while its own stager -- whose rows every peer is waiting for -- shares the SM's bulk
 //     copies with them: the `skewed` protocol measured one late rank costing the others 1.5x (24 SMs) to
 //     2.3x (48 SMs) its delay. The pace gives the late rank's stage the SM first.
+//   +64, start together (session 16, in the default): what the pace aimed at, by the other end -- no rank stages or
+//     loads before every rank's combine has started (kVarStartTogether below), so a late rank never finds its peers'
+//     rows staged ahead of its own stage.
 // Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
 // token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
@@ -105,8 +108,17 @@ constexpr int kPend = 64;                   // stager: ring items between loaded
 //   bit 4 (kVarEvictX): the reads of x (staged rows, own rows: read once) are L2 evict_first -- the default
 //     (Runtime::pull_variant_ = 16) since session 5: 2% faster queued and aligned at EP4 24 SMs, level at 48;
 //     +8 (spans) lost 18-36% in the same run (benchmarks/NOTES_nvlink.md, "Cold combine at EP4, session 5").
+//   bit 6 (kVarStartTogether): every block waits, before it stages or loads, until every peer's pull combine of
+//     this epoch has started (F_START, signalled by block 0 first thing) -- DeepEP's combine starts behind a notify
+//     kernel that waits for every rank the same way. Why: a rank that starts late finds its peers' rows staged, its
+//     loaders run flat out beside its own stager, whose rows every peer waits for, and the slowest rank's cold
+//     call ran ~25 us past a late start + the aligned kernel (benchmarks/NOTES_nvlink.md, session 16); with the
+//     barrier every rank runs the aligned kernel from the last start on, for one flag's round trip. In the default
+//     (Runtime::pull_variant_ = 80) since session 16: EP4 cold 719.6 -> 688.8 us at 24 SMs and 732.2 -> 686.4 at 48,
+//     queued level (587 / 586), one late rank's 55 us costing the slowest 1x its delay instead of 1.5-2.3x (4x H100).
 // Both leave every token's sum as it is (rank order, float, one rounding): y is bit for bit the same.
-constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kVarPace = 32, kMaxSplit = 4;
+constexpr int kVarSplitMask = 3, kVarFreeSlots = 4, kVarSpans = 8, kVarEvictX = 16, kVarPace = 32,
+              kVarStartTogether = 64, kMaxSplit = 4;
 constexpr int kPaceDone = 1 << 30;  // s_staged once the stager has published everything
 
 struct TokenDesc {
@@ -179,8 +191,12 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   if (tid < kLoadMaxSlots) s_freed[tid] = 0;
   if (tid < kDesc) s_dfree[tid] = 0;
   if (tid <= W) s_off[tid] = recv_off[tid];
+  const bool together = variant & kVarStartTogether;
+  if (together && blockIdx.x == 0 && tid < W && tid != me) st_release_sys(flag_at(c, tid, F_START, me), ce);
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
+  // kVarStartTogether: every peer's combine has started (a timeout names the peer that never did)
+  if (together && block_wait_peers(c, F_START, ce, me, K_REDUCE, deadline, &s_fail)) return;
 
   if (warp == 1) {  // ---- the stager (none where the copy engines stage: diag & kDiagStagedByCopies)
     if (lane == 0 && !(diag & kDiagStagedByCopies)) {

@@ -38,7 +38,8 @@ constexpr int kMaxTopk = 32;
 // Source ranks (nodes * ranks per node) a contract-order pull places (DispatchRoute): one shift each in shared memory.
 constexpr int kMaxContractRanks = 256;
 // F_LISTS: the source's send lists (notify) are complete, before any of its sub-chunks is staged.
-enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_LISTS, F_NUM };
+// F_START: the source's pull combine has started (its combine epoch; the start-together variant's barrier).
+enum FlagKind { F_COUNT = 0, F_META_ACK, F_STAGE, F_PULL_DONE, F_COMBINE, F_REDUCE_DONE, F_LISTS, F_START, F_NUM };
 enum EpochKind { E_NOTIFY = 0, E_DISPATCH, E_COMBINE, E_NUM };
 enum CounterKind { C_STAGE = 0, C_PULL, C_SEND, C_REDUCE, C_FUSED, C_QUEUE, C_META, C_NUM };
 // HostInfo::err_kernel: the step whose wait timed out (0: none), and its name in error messages.

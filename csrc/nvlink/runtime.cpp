@@ -455,8 +455,8 @@ void Runtime::set_pull_stage_slots(int n) {
 }
 
 void Runtime::set_pull_variant(int v) {
-  EP_CHECK_ARG(v >= 0 && v < 64 && (v & 3) != 3,
-               "pull_variant must be in [0, 63] with bits 0-1 not both set (3, 7, ... are not variants), got %d", v);
+  EP_CHECK_ARG(v >= 0 && v < 128 && (v & 3) != 3,
+               "pull_variant must be in [0, 127] with bits 0-1 not both set (3, 7, ... are not variants), got %d", v);
   pull_variant_ = v;
 }
 

@@ -177,7 +177,10 @@ class Runtime {
   CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;
   int begun_T_ = -1;             // the tokens of a stage_begin awaiting its stage_end (-1: none)
   bool forked_ = false;          // stage_fork recorded fork_ for the next stage_begin
-  int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 16;  // +16 (x read L2 evict_first): 2% faster queued at EP4 24 SMs (session 5)
+  // pull_variant_ 80 = +16 (x read L2 evict_first: 2% faster queued at EP4 24 SMs, session 5) + 64 (every rank's combine
+  // starts together: cold -4% at EP4 24 SMs, -6% at 48, -2% at EP2 24, queued level, a late rank costs 1x its delay;
+  // 4x H100, session 16)
+  int pull_stage_slots_ = 5, pull_diag_ = 0, pull_variant_ = 80;
   Ctx ctx_{};
 };
 
