@@ -170,6 +170,27 @@ def test_counts_survive_the_ring_and_combine(gpu):
     buf.close()
 
 
+def test_auto_combine_kernel_is_the_buffers_not_the_calls(gpu):
+    """comm.combine_kernel auto is planned from comm.max_tokens_per_rank, which every rank shares, not from the call's
+    token count: ranks with counts on either side of AUTO_COMBINE_MIN_TOKENS would otherwise run split and pull in
+    one exchange, each waiting for flags the other never sets."""
+    from ep_plugin.backends.nvlink.plan import AUTO_COMBINE_MIN_TOKENS, COMBINE_MODES, plan_combine_kernel
+    log, _, _ = gpu
+    big = 2 * AUTO_COMBINE_MIN_TOKENS
+    buf = ep_plugin.EPBuffer(None, bench.config(max_tokens=big, num_experts=E, topk=K, dispatch_kernel="split"),
+                             hidden=H)
+    buf._backend.stage_beside_notify = False
+    x, idx, w = inputs()  # T tokens, far below AUTO_COMBINE_MIN_TOKENS
+    res = buf.dispatch(x, idx, w)
+    rows = torch.zeros(res.x.shape[0], H, dtype=torch.bfloat16)
+    want = COMBINE_MODES[plan_combine_kernel("auto", big, W, SMS)]
+    assert want != COMBINE_MODES["split"]
+    log.clear()
+    buf.combine(rows, res.handle)
+    assert dict(log)["combine"][7] == want
+    buf.close()
+
+
 @pytest.mark.parametrize("host_sync", [False, True])
 def test_combine_stage_by_copy_engines(gpu, host_sync):
     """backend.combine_stage_copy_engine (an A/B knob, off by default): a pull combine whose dispatch's receive

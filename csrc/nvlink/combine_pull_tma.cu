@@ -65,7 +65,8 @@
 //     2.3x (48 SMs) its delay. The pace gives the late rank's stage the SM first.
 //   +64, start together (session 16, in the default): what the pace aimed at, by the other end -- no rank stages or
 //     loads before every rank's combine has started (kVarStartTogether below), so a late rank never finds its peers'
-//     rows staged ahead of its own stage.
+//     rows staged ahead of its own stage. (In the copy-engine mode the side stream's copies are not held back:
+//     only the pull kernel, whose loads wait with the rest.)
 // Summing each row as it arrives (releasing a slot per row) was not taken: the partial sums need FP32 (a
 // token's 7168 columns are 28 KB, two rows of the ring, or 224 registers a lane for a warp), which costs
 // about the slots it frees at EP4 (~3.6 rows a token, one of them the own row), and arrival order would
@@ -76,13 +77,17 @@
 // release kernels on a side stream, step 2's flags with the same values (the two modes mix across ranks).
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
+//   0. (start together, variant +64, the default) block 0 stores F_START[me] = ce at every peer;
 //   1. wait REDUCE_DONE[p] >= ce-1 at this rank for every peer p: p has finished reading this rank's
 //      area in the previous combine (pull) or this rank's slots in p's area were summed (push modes);
+//      with +64, then wait F_START[p] >= ce (every peer's pull combine of this epoch has started);
 //   2. stage + COMBINE_READY; load + reduce as above;
 //   3. the last block releases REDUCE_DONE[me] = ce at every peer (this rank reads their areas no more)
 //      and sets epochs[E_COMBINE] = ce unless the call was aborted, and resets the work queue.
 // Compatible with the push modes in either order (flags carry epochs; the arrival counters are not used).
-// A timeout on COMBINE_READY is recorded with K_REDUCE; the stagers never wait on a peer.
+// A timeout on COMBINE_READY or F_START is recorded with K_REDUCE; past step 1 the stagers never wait on a peer.
+// The +64 bit is part of the protocol: every rank must run the same (Runtime::pull_variant is set alike everywhere),
+// else a rank with it waits for an F_START the others never store, to the timeout.
 #include <cuda_bf16.h>
 
 #include "common/error.h"
@@ -192,11 +197,17 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   if (tid < kDesc) s_dfree[tid] = 0;
   if (tid <= W) s_off[tid] = recv_off[tid];
   const bool together = variant & kVarStartTogether;
-  if (together && blockIdx.x == 0 && tid < W && tid != me) st_release_sys(flag_at(c, tid, F_START, me), ce);
+  // (an aborted buffer does not say it started: its peers time out naming it, as without the bit)
+  if (together && blockIdx.x == 0 && tid < W && tid != me && !ld_volatile(c.aborted))
+    st_release_sys(flag_at(c, tid, F_START, me), ce);
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
   if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
-  // kVarStartTogether: every peer's combine has started (a timeout names the peer that never did)
-  if (together && block_wait_peers(c, F_START, ce, me, K_REDUCE, deadline, &s_fail)) return;
+  // kVarStartTogether: every peer's combine has started (a timeout names the peer that never did). The barrier
+  // first: every thread has read the first wait's s_fail before the second wait's thread 0 rewrites it.
+  if (together) {
+    __syncthreads();
+    if (block_wait_peers(c, F_START, ce, me, K_REDUCE, deadline, &s_fail)) return;
+  }
 
   if (warp == 1) {  // ---- the stager (none where the copy engines stage: diag & kDiagStagedByCopies)
     if (lane == 0 && !(diag & kDiagStagedByCopies)) {

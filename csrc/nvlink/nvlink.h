@@ -15,7 +15,8 @@
 //            [its rank, position] (remote stores), flags COMBINE; the source sums the slots per
 //            token in float (its own rows read in place) and flags REDUCE_DONE. The pull combine
 //            (combine_pull_tma.cu) turns it around: each rank stages its received rows into its own
-//            area and the owners read them (remote loads), flagging COMBINE_READY per sub-chunk.
+//            area and the owners read them (remote loads), flagging COMBINE_READY per sub-chunk; by
+//            default its ranks start together (F_START: none stages or loads before every peer began).
 // A timeout marks the missing rank in host-mapped memory, sets an abort word and returns: kernels
 // never trap, so the CUDA context stays usable.
 //

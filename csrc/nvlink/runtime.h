@@ -99,6 +99,7 @@ class Runtime {
   // so far. Bits 0-1: the stager moves rows (0), halves (1) or quarters (2) through its slots; bit 2: load
   // slots from a free mask, own row loaded last; bit 3: contiguous spans per block (no work queue); bit 4:
   // x read L2 evict_first. Every variant sums the same way (y bit for bit equal).
+  // the pull combine's variant (combine_pull_tma.cu); bit 64 (start together) is protocol: the same on every rank
   int pull_variant() const { return pull_variant_; }
   void set_pull_variant(int v);
   // combine: x [R_alloc, H] bf16 rows of this rank, send_pos [T,W], recv_off [W+1] -> y [T,H] bf16.

@@ -594,7 +594,10 @@ class NvlinkBackend(Backend):
         T, dev = handle.num_tokens, x.device
         y = None
         rt = self._rt
-        mode = plan_combine_kernel(self.combine_mode, T, self.world, self.num_sms)
+        # planned by the buffer's max_tokens, the same on every rank, never by this call's T: ranks whose counts lie on
+        # either side of AUTO_COMBINE_MIN_TOKENS would otherwise run split and pull in one exchange, whose flags and
+        # areas do not interoperate (each side waits for flags the other never sets, to the timeout)
+        mode = plan_combine_kernel(self.combine_mode, self.max_tokens, self.world, self.num_sms)
         offs = None
         if sums:
             capturing = _is_capturing()

@@ -34,7 +34,9 @@ def plan_num_sms(requested: Union[int, str], sm_count: int, world: int = 0, toke
 COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 # Below this many tokens the split kernels win: the queue-driven kernels pay for their work queue and
 # per-chunk counters, which a few hundred rows do not repay (4x H200, 2026-11-22: 128 tokens split
-# 59 us vs fused 170 us).
+# 59 us vs fused 170 us). Compared with the buffer's max_tokens_per_rank, not a call's token count (the kernels
+# of one combine must be the same on every rank); a small call on a large buffer runs the large kernel -- set
+# comm.combine_kernel: split for a buffer that only ever combines a few hundred tokens.
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
@@ -53,7 +55,8 @@ PULL_STAGE_SLOTS = {2: 5, 4: 4}
 
 
 def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 48) -> str:
-    """`comm.combine_kernel` for a combine of `tokens` tokens over `world` ranks on `num_sms` SMs: as given, or for
+    """`comm.combine_kernel` for a buffer of `tokens` tokens per rank (comm.max_tokens_per_rank: a value every rank
+    shares, so that every rank runs the same kernel) over `world` ranks on `num_sms` SMs: as given, or for
     `auto` what measured fastest in the cold call (4096 tokens, hidden 7168, top-8 of 256; benchmarks/NOTES_nvlink.md,
     session 7): the pull kernel inside AUTO_PULL_SMS's range, the pipelined push kernel outside it at EP2 and
     EP4, the fused push kernel at other sizes; split below AUTO_COMBINE_MIN_TOKENS."""
