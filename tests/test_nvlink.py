@@ -121,6 +121,26 @@ def body_contract(rank, world):
     check_fp8(nv, ref, rank, world, 256, 8, 7168, 4096)
     nv.close()
     ref.close()
+    check_uneven_auto(rank, world, E, K)
+
+
+def check_uneven_auto(rank, world, E, K):
+    """Token counts on either side of the auto combine's 512 (backends/nvlink/plan.py), auto kernels: every rank must
+    run the same combine kernel (planned from max_tokens_per_rank), else split meets pull and both wait to the
+    timeout."""
+    hidden = 2048
+    nv, ref = _buf("nvlink", E, K, hidden, max_tokens=1024), _buf("torch", E, K, hidden, max_tokens=1024)
+    assert nv._backend.combine_mode == "auto"
+    tokens = [700 if r % 2 == 0 else 300 for r in range(world)]
+    ctx = f"rank {rank} world {world} tokens {tokens} auto kernels"
+    _, _, _, x, idx, w = _inputs(world, rank, tokens, hidden, E, K, 999)
+    a, b = nv.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+    _same_dispatch(a, b, ctx)
+    rows = (a.x.float() * (rank + 1) + 0.25).to(torch.bfloat16)
+    ya, yb = nv.combine(rows, a.handle), ref.combine(rows, b.handle)
+    torch.testing.assert_close(ya.float(), yb.float(), atol=2e-2, rtol=1e-2, msg=ctx)
+    nv.close()
+    ref.close()
 
 
 def check_modes(nv, ref, rank, world, E, K, hidden):
