@@ -486,9 +486,9 @@ def main():
     if not args.skip_timing:
         result["layer"] = timing(world, rank, device, args)
     result["wall_s"] = time.time() - t0
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    result["commit"] = os.popen(f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD "
-                                "2>/dev/null").read().strip() or None
+    from bench_report import git_commit, utc_now  # (benchmarks/ on the path: the script runs from there)
+    result["date"] = utc_now()
+    result.update(git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if rank == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         data = {}

@@ -40,17 +40,22 @@ def tail_rows(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
     return (rows >= ends[-1:]).unsqueeze(-1)
 
 
-# blocks of the tail kernel's grid-stride loop: enough to keep a GPU's stores busy, a few per SM
-_ZERO_TAIL_BLOCKS = 2048
+# blocks of the row kernels' grid-stride loops (csrc/experts/): enough to keep a GPU busy, a few per SM
+_GRID_BLOCKS = 2048
+
+
+def _rows_kernel_args(x: torch.Tensor, ends: torch.Tensor) -> bool:
+    """What every row kernel of csrc/experts/ needs: _C's stream accessor, contiguous 16-byte-aligned CUDA rows x
+    [N, C] and the groups' ends as contiguous int32 [G >= 1] on x's device (the kernels read ends[-1] there)."""
+    return (raw_stream is not None and x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and ends.dtype == torch.int32 and ends.dim() == 1 and ends.numel() > 0 and ends.is_contiguous()
+            and ends.device == x.device)
 
 
 def _zero_tail_kernel(out: torch.Tensor, ends: torch.Tensor):
-    """_C.zero_rows_from where it applies to out (CUDA, contiguous 2-D rows of 16-byte multiples, int32 ends
-    on its device), else None."""
+    """_C.zero_rows_from where it applies to out (rows of 16-byte multiples, _rows_kernel_args), else None."""
     kernel = c_op("zero_rows_from")
-    if (kernel is None or raw_stream is None or not out.is_cuda or out.dim() != 2 or not out.is_contiguous()
-            or out.data_ptr() % 16 or (out.shape[1] * out.element_size()) % 16 or ends.dtype != torch.int32
-            or ends.dim() != 1 or ends.numel() == 0 or ends.device != out.device or not ends.is_contiguous()):
+    if kernel is None or not _rows_kernel_args(out, ends) or (out.shape[1] * out.element_size()) % 16:
         return None
     return kernel
 
@@ -63,7 +68,7 @@ class _ZeroTailRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, ends, kernel):
         kernel(out.data_ptr(), out.shape[0], out.shape[1] * out.element_size(), ends.data_ptr(), ends.numel(),
-               _ZERO_TAIL_BLOCKS, raw_stream(out.device.index))
+               _GRID_BLOCKS, raw_stream(out.device.index))
         ctx.mark_dirty(out)
         return out
 
@@ -82,10 +87,6 @@ def zero_tail_rows_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return _ZeroTailRows.apply(out, ends, kernel)
 
 
-# blocks of the SwiGLU kernels' grid-stride loops (a warp per row): a few per SM
-_SWIGLU_BLOCKS = 2048
-
-
 class _BoundedWeightedSwiGLU(torch.autograd.Function):
     """megatron's weighted SwiGLU (fused_bias_swiglu.weighted_swiglu and its backward) over the rows before ends[-1]
     only (csrc/experts/swiglu_rows.cu): y's rows past them and the input gradient's are not written (they reach only
@@ -95,7 +96,7 @@ class _BoundedWeightedSwiGLU(torch.autograd.Function):
     def forward(ctx, h, probs, ends, fwd, bwd):
         rows, F = h.shape[0], h.shape[1] // 2
         y = h.new_empty((rows, F))
-        fwd(h.data_ptr(), probs.data_ptr(), y.data_ptr(), rows, F, ends.data_ptr(), ends.numel(), _SWIGLU_BLOCKS,
+        fwd(h.data_ptr(), probs.data_ptr(), y.data_ptr(), rows, F, ends.data_ptr(), ends.numel(), _GRID_BLOCKS,
             raw_stream(h.device.index))
         ctx.save_for_backward(h, probs, ends)
         ctx.bwd = bwd
@@ -111,7 +112,7 @@ class _BoundedWeightedSwiGLU(torch.autograd.Function):
         dh = torch.empty_like(h)
         dw = torch.empty(probs.shape, dtype=torch.float32, device=h.device)
         ctx.bwd(grad.data_ptr(), h.data_ptr(), probs.data_ptr(), dh.data_ptr(), dw.data_ptr(), rows, F,
-                ends.data_ptr(), ends.numel(), _SWIGLU_BLOCKS, raw_stream(h.device.index))
+                ends.data_ptr(), ends.numel(), _GRID_BLOCKS, raw_stream(h.device.index))
         return dh, dw, None, None, None
 
 
@@ -121,10 +122,8 @@ def bounded_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, ends: torch.Te
     the kernels do not apply (no _C, not CUDA, not BF16 rows with float32 probs [N, 1], F not a multiple of 8): the
     caller then runs megatron's torch form."""
     fwd, bwd = c_op("swiglu_rows_fwd"), c_op("swiglu_rows_bwd")
-    if (fwd is None or bwd is None or raw_stream is None or not h.is_cuda or h.dtype != torch.bfloat16 or h.dim() != 2
-            or not h.is_contiguous() or h.data_ptr() % 16 or h.shape[1] % 16 or probs.dtype != torch.float32
-            or tuple(probs.shape) != (h.shape[0], 1) or not probs.is_contiguous() or ends.dtype != torch.int32
-            or ends.dim() != 1 or ends.numel() == 0 or not ends.is_contiguous() or ends.device != h.device
+    if (fwd is None or bwd is None or not _rows_kernel_args(h, ends) or h.dtype != torch.bfloat16 or h.shape[1] % 16
+            or probs.dtype != torch.float32 or tuple(probs.shape) != (h.shape[0], 1) or not probs.is_contiguous()
             or probs.device != h.device):
         return None
     return _BoundedWeightedSwiGLU.apply(h, probs, ends, fwd, bwd)
