@@ -12,16 +12,12 @@
 #include <cuda_bf16.h>
 
 #include "common/error.h"
+#include "experts/rows_in_use.cuh"
 
 namespace ep {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-
-__device__ __forceinline__ long long rows_in_use(const int* ends, int groups, long long rows) {
-  const long long end = groups > 0 ? static_cast<long long>(ends[groups - 1]) : 0;
-  return end < 0 ? 0 : (end > rows ? rows : end);
-}
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 

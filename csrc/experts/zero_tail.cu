@@ -11,6 +11,7 @@
 #include "experts/zero_tail.h"
 
 #include "common/error.h"
+#include "experts/rows_in_use.cuh"
 
 namespace ep {
 namespace {
@@ -20,8 +21,7 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
 zero_rows_from_kernel(int4* __restrict__ base, long long rows, long long row_vecs, const int* __restrict__ ends,
                       int groups) {
-  long long start = groups > 0 ? static_cast<long long>(ends[groups - 1]) : 0;
-  start = start < 0 ? 0 : (start > rows ? rows : start);
+  const long long start = rows_in_use(ends, groups, rows);
   const long long end = rows * row_vecs;
   const int4 zero = make_int4(0, 0, 0, 0);
   const long long stride = static_cast<long long>(gridDim.x) * kThreads;
