@@ -48,8 +48,9 @@ times from them beside what was measured; `cluster_table()` predicts EP16/32/64.
 
     python -m ep_plugin.plan.stage_model --from results/internode_2026-11-26.json
 
-MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 11's 2x2 and 2x1 timelines,
-2026-11-27); SESSION_8_2X2 those of the paths before session 10 (with the dispatches' reorder pass).
+MEASURED_2X2 below holds the fitted stage costs that the docs quote (session 17's 2x2 and 2x1 timelines on 4x
+H200, 2026-11-27); SESSION_11_2X2 session 11's on 4x H100; SESSION_8_2X2 those of the paths before session 10 (with
+the dispatches' reorder pass).
 A StageCosts with placeholder=True (none now) is marked so in every table printed from it.
 """
 from __future__ import annotations
@@ -97,8 +98,9 @@ class StageCosts:
 # 2026-11-27_s11call5.json). Each stage the median rank's, the start-skew wait apart. The pulled combine's P = 1 terms
 # (send_local: its send half, a copy into the rank's own rail rows; local_reduce: the stage that moves nothing at P = 1)
 # from session 12's 2x1 timeline (2x H200, 10:34 UTC, commit 24a9261; results/internode_2x1_timeline_h200x2_2026-11-27_
-# s12call1.json): no H100 was lent for it, so an H200's local copy rate stands in. Refit after the next run.
-MEASURED_2X2 = StageCosts(
+# s12call1.json): no H100 was lent for it, so an H200's local copy rate stands in. Kept beside MEASURED_2X2 (the H100
+# costs; tests/test_internode_stage_model.py pins both fits).
+SESSION_11_2X2 = StageCosts(
     dispatch={'rail_send': ('rate', 459.7), 'rail_recv': ('fixed', 24.0), 'layout': ('fixed', 3.3), 'forward': ('rate', 375.7), 'counts': ('fixed', 8.4), 'gather': ('rate', 2186.0)},
     dispatch_cached={'rail_send': ('rate', 433.3), 'rail_recv': ('fixed', 11.8), 'forward': ('rate', 518.8), 'gather': ('rate', 2535.1)},
     combine={'reduce_in_node': ('rate', 356.8), 'rail_send': ('rate', 9072.1), 'rail_recv_sum': ('rate', 826.3),
@@ -107,6 +109,21 @@ MEASURED_2X2 = StageCosts(
     source='NVIDIA H100 80GB HBM3, 2026-11-27, commit 4ad842f (dispatches, 08:43 UTC) and the pulled combine of 10274e6 '
            '(09:19 UTC), 2x2 uniform timelines; the P = 1 combine terms from a 2x1 timeline on 2x H200 (session 12, '
            '10:34 UTC, 24a9261)')
+
+# Fitted from session 17's device run (4x H200, 2026-11-27 19:50 UTC, the tree of b17bab8 -- internode code as in
+# 49739af, the inner pull combine starting together -- `bench_internode.py --timeline 10` at 2x2 and at 2x1 in one call;
+# results/internode_h200x4_2026-11-27_s17call4.json holds both): the 2x2 timeline's stages, the one-rank node's gather
+# and the pulled combine's P = 1 terms (send_local, local_reduce) from the 2x1 timeline of the same call
+# (`python -m ep_plugin.plan.stage_model --from <it> --emit`). The start-skew waits are smaller than session 11's
+# (6.7 / 13.6 / 11.8 us against 27.9 / 15.2 / 34.8): the inner combine's ranks start together since session 16.
+MEASURED_2X2 = StageCosts(
+    dispatch={'rail_send': ('rate', 466.8), 'rail_recv': ('fixed', 19.8), 'layout': ('fixed', 2.9), 'forward': ('rate', 411.7), 'counts': ('fixed', 10.6), 'gather': ('rate', 2712.3)},
+    dispatch_cached={'rail_send': ('rate', 510.7), 'rail_recv': ('fixed', 9.8), 'forward': ('rate', 504.6), 'gather': ('rate', 3246.5)},
+    combine={'reduce_in_node': ('rate', 405.6), 'rail_send': ('rate', 11821.3), 'rail_recv_sum': ('rate', 839.3),
+             'send_local': ('rate', 681.0), 'local_reduce': ('fixed', 17.4)},
+    wait={'dispatch': 6.7, 'dispatch_cached': 13.6, 'combine': 11.8},
+    source='NVIDIA H200, 2026-11-27 19:50 UTC, the tree of b17bab8 (internode as in 49739af), 2x2 uniform timeline; the '
+           'gather and the P = 1 combine terms from the 2x1 timeline of the same call')
 
 # Session 8's fit (4x H100, 2026-11-27 01:01 UTC, main after branch inter8: the combine that places its sums, the
 # dispatches still with their reorder pass; results/internode_2x2_now_h100x4_2026-11-27_s8call4.json): the costs of
@@ -320,6 +337,15 @@ def local_combine_terms(doc: dict, case: str = "uniform") -> Dict[str, Tuple[str
     return {}
 
 
+def default_label(doc: dict) -> str:
+    """The bench `costs_from_bench` fits by default: 2x2 where doc has it, else doc's only bench (else 2x2, which
+    then raises naming what doc has)."""
+    benches = _bench_docs(doc)
+    if "2x2" not in benches and len(benches) == 1:
+        return next(iter(benches))
+    return "2x2"
+
+
 def costs_from_bench(doc: dict, label: str = "2x2", case: str = "uniform") -> StageCosts:
     """Stage costs fitted from the `label` bench's timeline: fixed stages as measured, byte stages as
     bytes / measured µs, each the median rank's; the start-skew wait's θ from the waiting rank's excess
@@ -454,18 +480,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--from", dest="src", default=None,
                    help="internode.json of benchmarks/internode_device.sh (or a bench_internode JSON); default: "
                         "MEASURED_2X2")
-    p.add_argument("--label", default="2x2", help="the bench whose timeline is fitted (default 2x2)")
+    p.add_argument("--label", default=None,
+                   help="the bench whose timeline is fitted (default: 2x2, or the JSON's only bench)")
     p.add_argument("--emit", action="store_true", help="print the fitted costs as MEASURED_2X2 source text")
     p.add_argument("--timeline", action="store_true", help="print the stage tables of every bench in --from")
     p.add_argument("--p1-from", default=None, metavar="JSON",
                    help="a bench JSON with a 2x1 timeline of the pulled combine: its P = 1 terms join the fitted "
-                        "combine (local_combine_terms)")
+                        "combine (local_combine_terms); default: --from's own bench of one-rank nodes, if it has one")
     a = p.parse_args(argv)
     doc = None
     if a.src:
         with open(a.src) as f:
             doc = json.load(f)
-        costs = costs_from_bench(doc, a.label)
+        costs = costs_from_bench(doc, a.label or default_label(doc))
     else:
         costs = MEASURED_2X2
     if a.p1_from:
@@ -473,6 +500,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             terms = local_combine_terms(json.load(f))
         if not terms:
             p.error(f"{a.p1_from}: no bench of one-rank nodes with a timeline")
+    else:
+        # a one-rank-node timeline in --from prices the P = 1 combine (without it a 2x1 check prices the pulled
+        # combine's send as the dispatch's rail copy: +22% on session 17's 2x1 run)
+        terms = local_combine_terms(doc) if doc is not None else {}
+    if terms:
         costs = dataclasses.replace(costs, combine={**costs.combine, **terms})
     if a.emit:
         print(emit(costs))
