@@ -139,7 +139,11 @@ class FakeRuntime:
         return self.tma and nodes >= 1 and nodes * self.world <= 256 and self.max_tokens % nodes == 0
 
     def stage_pull_contract(self, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
-                            out_w, recv_off, recv_src, R_alloc, nodes, to_contract, counts, num_sms, stream):
+                            out_w, recv_off, recv_src, R_alloc, nodes, to_contract, counts, num_sms, stream,
+                            send_pos=0, is_in=0, tpe=0, host_tpe=0, host_recv_off=0):
+        if tpe:  # notify inside: logged as the notify it stands for, then the launch (as notify_stage_pull)
+            self.inside_launches += 1
+            self.notify(topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off, 0)
         self._log("stage_pull_contract", (x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales,
                                           out_idx, out_w, recv_off, recv_src, R_alloc, nodes, to_contract, counts,
                                           num_sms, stream))

@@ -284,25 +284,35 @@ def test_dispatch_scattered_passes_its_index(gpu, kernel):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_dispatch_contract_passes_its_outputs(gpu, fp8):
-    """dispatch_contract (the hierarchical backend's fresh dispatch in contract order) is notify then one
-    stage_pull_contract with the plain fused dispatch's pointers plus the node count, the index and the counts it
-    returns; every call that would not run the fused bulk-copy pull is refused before any launch
+@pytest.mark.parametrize("inside", [True, False])
+def test_dispatch_contract_passes_its_outputs(gpu, fp8, inside):
+    """dispatch_contract (the hierarchical backend's fresh dispatch in contract order) is one stage_pull_contract
+    with the plain fused dispatch's pointers plus the node count, the index and the counts it returns, notify inside
+    it (given notify's pointers and the counts' pinned slot as the separate notify would be; notify_inside False:
+    notify first); every call that would not run the fused bulk-copy pull is refused before any launch
     (dispatch_contract_fits says False there)."""
     log, stream, _ = gpu
     buf = make_buf(dispatch_kernel="fused")
     be = buf._backend
+    be.notify_inside = inside
+    rt = be._rt
     x, idx, w = inputs(fp8)
     xr, sc = x if fp8 else (x, None)
     assert be.dispatch_contract_fits(xr, sc, 2)
     got = be.dispatch_contract(xr, sc, idx, w, 2)
     res, st = got.out, got.out.handle.state
-    assert names(log) == ["notify", "stage_pull_contract"]
+    assert names(log) == ["notify", "stage_pull_contract"]  # the fake logs notify inside as the notify it stands for
+    assert rt.inside_launches == (1 if inside else 0)
     assert launches(log)["stage_pull_contract"] == (
         xr.data_ptr(), T, H * xr.element_size(), ptr(sc), H // 128 if fp8 else 0, idx.data_ptr(), w.data_ptr(), K,
         res.x.data_ptr(), ptr(res.scales), res.topk_idx.data_ptr(), res.topk_weights.data_ptr(),
         st.recv_off.data_ptr(), st.recv_src.data_ptr(), R, 2, got.to_contract.data_ptr(), got.recv_counts.data_ptr(),
         SMS, stream.cuda_stream)
+    notified = launches(log)["notify"]  # the same pointers either way: send_pos, is_in, recv_off, tpe, pinned slot
+    assert notified[:3] == (idx.data_ptr(), T, K)
+    assert notified[3:7] == (st.send_pos.data_ptr(), res.handle.is_token_in_rank.data_ptr(), st.recv_off.data_ptr(),
+                             res.handle.num_tokens_per_expert.data_ptr())
+    assert res.handle.counts is not None
     assert got.to_contract.shape == (R,) and got.to_contract.dtype == torch.int64
     assert got.recv_counts.shape == (2 * W,) and got.recv_counts.dtype == torch.int64
     assert res.handle.num_recv == R and res.x.shape[0] == R

@@ -346,7 +346,8 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
                                   uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,
                                   uintptr_t out_idx, uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src,
                                   int R_alloc, int nodes, uintptr_t to_contract, uintptr_t counts, int num_sms,
-                                  uintptr_t stream) {
+                                  uintptr_t stream, uintptr_t send_pos, uintptr_t is_in, uintptr_t tpe,
+                                  uintptr_t host_tpe, uintptr_t host_recv_off) {
   check_open();
   EP_CHECK_ARG(stage_pull_contract_fits(row_bytes, nodes),
                "stage_pull_contract runs the bulk-copy stage_pull only (tma on: %d, rows of %d bytes fit its ring: "
@@ -356,8 +357,15 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
   EP_CHECK_ARG(to_contract != 0 && counts != 0, "stage_pull_contract writes to_contract and counts: both are needed");
   Ctx c = ctx_;  // the route in a per-call copy, as routed()'s
   c.out_route = DispatchRoute{nullptr, ptr<int64_t>(to_contract), ptr<int64_t>(counts), nodes, max_tokens_ / nodes};
+  // tpe given: notify inside, as notify_stage_pull (the contract's shifts read the send lists once LISTS, and
+  // recv_off once NOTIFIED, both released by block 0's notify); where the ring cannot hold the per-expert
+  // counts, notify first
+  const bool inside = tpe != 0 && stage_pull_notify_fits(row_bytes, num_experts_);
+  if (tpe != 0 && !inside) notify(topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off, 0);
+  const NotifyOut nout{ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off), ptr<int64_t>(tpe),
+                       mapped<int64_t>(host_tpe), mapped<int>(host_recv_off)};
   launch_stage_pull_checked(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
-                            out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream);
+                            out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream, inside ? &nout : nullptr);
 }
 
 void Runtime::combine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t recv_src, uintptr_t y, int T,

@@ -63,11 +63,15 @@ class Runtime {
   // rail slots; row i and its scales, ids and weights go to its contract position, to_contract [R_alloc] int64
   // and counts [nodes * world] int64 (rows per source rank) are written. Bulk-copy kernel only: no fallback
   // (stage_pull_contract_fits says whether it runs; the caller picks the plain path before any launch).
+  // With tpe (and notify's other outputs) given, notify runs inside it, as in notify_stage_pull (notify first
+  // where the ring cannot hold the per-expert counts); without, the caller's notify ran before it.
   bool stage_pull_contract_fits(int row_bytes, int nodes) const;
   void stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales, uintptr_t topk_idx,
                            uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_idx,
                            uintptr_t out_w, uintptr_t recv_off, uintptr_t recv_src, int R_alloc, int nodes,
-                           uintptr_t to_contract, uintptr_t counts, int num_sms, uintptr_t stream);
+                           uintptr_t to_contract, uintptr_t counts, int num_sms, uintptr_t stream,
+                           uintptr_t send_pos = 0, uintptr_t is_in = 0, uintptr_t tpe = 0, uintptr_t host_tpe = 0,
+                           uintptr_t host_recv_off = 0);
   // whether the pulls (rank-major, expert-major) move rows by bulk copies (TMA, the default; rows too
   // large for the ring still use registers) or by register copies
   bool tma() const { return tma_; }

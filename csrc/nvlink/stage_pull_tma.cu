@@ -40,7 +40,9 @@
 // (contract_shifts: lower bounds in every forwarder's send list, read once LISTS[l] >= e, the wait the fresh
 // pull makes anyway, bounded by the same deadline), then place each row as the routed kernel does, at the
 // position its forwarder and slot give, recording it in to_contract; block 0 writes the per-source counts.
-// No new flag: the lists are complete before any row of them moves, as for the plain fresh pull.
+// No new flag: the lists are complete before any row of them moves, as for the plain fresh pull. With notify
+// inside (block 0's stage half) the shifts read recv_off once NOTIFIED, after the pull half's barrier, and the
+// lists once notify released LISTS, as the plain pull with notify inside does.
 #include "common/copy.cuh"
 #include "common/error.h"
 #include "common/tma.cuh"
@@ -416,12 +418,10 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
   const NotifyOut nout = notify != nullptr ? *notify : NotifyOut{};
   const int inside = notify != nullptr ? 1 : 0;
   // (topk_idx is null for a rank with no tokens: notify reads none)
-  EP_CHECK_ARG(!inside || (!cached && c.out_route.to_contract == nullptr && c.out_route.out_rows == nullptr &&
-                           stage_pull_notify_fits(row_bytes, c.num_experts)),
-               "stage_pull with notify inside: a fresh rank-major dispatch whose per-expert counts "
-               "(%d experts) fit the ring of rows of %d bytes; got cached=%d, contract %s, out_rows %s",
-               c.num_experts, row_bytes, cached, c.out_route.to_contract ? "set" : "null",
-               c.out_route.out_rows ? "set" : "null");
+  EP_CHECK_ARG(!inside || (!cached && c.out_route.out_rows == nullptr && stage_pull_notify_fits(row_bytes, c.num_experts)),
+               "stage_pull with notify inside: a fresh rank-major dispatch (plain or in contract order) whose "
+               "per-expert counts (%d experts) fit the ring of rows of %d bytes; got cached=%d, out_rows %s",
+               c.num_experts, row_bytes, cached, c.out_route.out_rows ? "set" : "null");
   if (c.out_route.to_contract != nullptr) {
     EP_CHECK_ARG(!out.cached && c.out_route.out_rows == nullptr && c.out_route.counts != nullptr &&
                      c.out_route.nodes >= 1 && c.out_route.nodes * c.world <= kMaxContractRanks &&

@@ -45,7 +45,9 @@ void bind_nvlink(py::module_& m) {
            py::arg("scales"), py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"),
            py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("recv_off"),
            py::arg("recv_src"), py::arg("R_alloc"), py::arg("nodes"), py::arg("to_contract"), py::arg("counts"),
-           py::arg("num_sms"), py::arg("stream"))
+           py::arg("num_sms"), py::arg("stream"), py::arg("send_pos") = 0, py::arg("is_in") = 0, py::arg("tpe") = 0,
+           py::arg("host_tpe") = 0, py::arg("host_recv_off") = 0,
+           "the contract-order stage_pull; with notify's outputs (tpe, ...) notify inside it")
       .def("stage_begin", &Runtime::stage_begin, py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"),
            py::arg("nscales"), py::arg("topk_idx"), py::arg("weights"), py::arg("K"), py::arg("stream"),
            "the copy-engine stage's wait and copies on a side stream forked off `stream` (before notify)")

@@ -304,10 +304,11 @@ class NvlinkBackend(Backend):
         worst = self.worst_case or capturing
         merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
         # Outputs sized before the counts exist: with comm.dispatch_kernel fused, stage and a rank-major
-        # pull go in one launch (stage_pull), each sub-chunk pulled once staged, notify inside it unless the
-        # pull orders rows for a contract. Otherwise stage right after notify, ahead of the host's wait.
+        # pull go in one launch (stage_pull), each sub-chunk pulled once staged, notify inside it (a contract's
+        # order too: its shifts wait for the forwarders' lists and counts as the pull does). Otherwise stage
+        # right after notify, ahead of the host's wait.
         together = worst and alignment is None and self.dispatch_mode == "fused"
-        inside = together and contract is None and self.notify_inside
+        inside = together and self.notify_inside
         idx_ptr = topk_idx.data_ptr()
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
@@ -352,9 +353,15 @@ class NvlinkBackend(Backend):
             outs = self._dispatch_outputs(*form)
         (out_x, out_s, out_idx, out_w, recv_src, positions, offsets, scratch), (rows_ptr, s_ptr, w_ptr) = outs
         if contract is not None:  # dispatch_contract checked that the call goes through stage_pull (together)
+            # notify inside: its outputs (send_pos, is_in, tpe; recv_off is the pull's) and the counts' pinned slot
+            notify_args = (ptrs[0], ptrs[1], ptrs[3], *host_ptrs) if inside else ()
             rt.stage_pull_contract(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                                    recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
-                                   contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp)
+                                   contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp,
+                                   *notify_args)
+            if inside:
+                counts = _DispatchCounts(is_in, capturing, self._ring, slot)
+                counts.written(s)
             layout = None
         elif inside:  # notify's arguments, then stage_pull's
             rt.notify_stage_pull(idx_ptr, T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales, weights_ptr,
