@@ -123,6 +123,12 @@ class NvlinkBackend(Backend):
             raise BackendUnavailableError(
                 f"the nvlink backend supports at most {MAX_RANKS} ranks, got {dist.get_world_size(group)}")
 
+    # The contract-order stage_pull (the hierarchical backend's fresh inner exchange, dispatch_contract) with notify
+    # inside it too, as the plain fused dispatch (Runtime.stage_pull_contract given notify's outputs; its shifts wait
+    # for the forwarders' lists and counts as the pull does): off until a GPU run has checked and timed it -- built in
+    # session 17 with no device time left (bench_internode.py --fresh-path inside is its A/B).
+    notify_inside_contract = False
+
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         super().__init__(group, cfg, hidden, num_experts)
         self.check_group(group, hidden)
@@ -304,11 +310,10 @@ class NvlinkBackend(Backend):
         worst = self.worst_case or capturing
         merge = 0 if alignment is None else 1  # expert-major: repeated experts merged by notify and stage
         # Outputs sized before the counts exist: with comm.dispatch_kernel fused, stage and a rank-major
-        # pull go in one launch (stage_pull), each sub-chunk pulled once staged, notify inside it (a contract's
-        # order too: its shifts wait for the forwarders' lists and counts as the pull does). Otherwise stage
-        # right after notify, ahead of the host's wait.
+        # pull go in one launch (stage_pull), each sub-chunk pulled once staged, notify inside it (for a contract's
+        # order only with notify_inside_contract). Otherwise stage right after notify, ahead of the host's wait.
         together = worst and alignment is None and self.dispatch_mode == "fused"
-        inside = together and self.notify_inside
+        inside = together and self.notify_inside and (contract is None or self.notify_inside_contract)
         idx_ptr = topk_idx.data_ptr()
         row_bytes = x.shape[1] * x.element_size()
         nscales = scales.shape[1] if scales is not None else 0
