@@ -452,7 +452,8 @@ class NvlinkBackend(Backend):
 
     def dispatch_contract(self, x, scales, topk_idx, topk_weights, nodes, async_op=False):
         """Backend.dispatch_contract: one stage_pull_tma launch in its contract-order mode (csrc/nvlink/nvlink.h,
-        DispatchRoute) after notify: each row's position computed by the pull from the forwarders' send lists.
+        DispatchRoute) after notify (notify inside the launch with notify_inside_contract): each row's position
+        computed by the pull from the forwarders' send lists.
         The handle is this backend's as ever (combine and cached dispatches take it; its recv_topk_idx is the
         output's, in the contract's order)."""
         if not self.dispatch_contract_fits(x, scales, nodes):
