@@ -177,6 +177,13 @@ T* mapped(uintptr_t host) {
   EP_CUDA_CHECK(cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(host), 0));
   return static_cast<T*>(dev);
 }
+
+// notify's outputs for a stage_pull that runs it inside (notify_stage_pull, stage_pull_contract)
+NotifyOut notify_out(uintptr_t send_pos, uintptr_t is_in, uintptr_t recv_off, uintptr_t tpe, uintptr_t host_tpe,
+                     uintptr_t host_recv_off) {
+  return NotifyOut{ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off), ptr<int64_t>(tpe),
+                   mapped<int64_t>(host_tpe), mapped<int>(host_recv_off)};
+}
 }  // namespace
 
 void Runtime::notify(uintptr_t topk_idx, int T, int K, uintptr_t send_pos, uintptr_t is_in,
@@ -311,8 +318,7 @@ void Runtime::notify_stage_pull(uintptr_t topk_idx, int T, int K, uintptr_t send
   }
   // (send_pos, is_in and topk_idx of a rank with no tokens are empty tensors: null pointers, never read)
   EP_CHECK_ARG(recv_off != 0 && tpe != 0, "notify_stage_pull writes notify's recv_off and tpe: both are needed");
-  const NotifyOut nout{ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off), ptr<int64_t>(tpe),
-                       mapped<int64_t>(host_tpe), mapped<int>(host_recv_off)};
+  const NotifyOut nout = notify_out(send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off);
   launch_stage_pull_checked(ctx_, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
                             out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream, &nout);
 }
@@ -362,8 +368,7 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
   // counts, notify first
   const bool inside = tpe != 0 && stage_pull_notify_fits(row_bytes, num_experts_);
   if (tpe != 0 && !inside) notify(topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off, 0);
-  const NotifyOut nout{ptr<int>(send_pos), ptr<bool>(is_in), ptr<int>(recv_off), ptr<int64_t>(tpe),
-                       mapped<int64_t>(host_tpe), mapped<int>(host_recv_off)};
+  const NotifyOut nout = notify_out(send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off);
   launch_stage_pull_checked(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
                             out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream, inside ? &nout : nullptr);
 }

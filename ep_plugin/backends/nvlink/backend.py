@@ -364,15 +364,10 @@ class NvlinkBackend(Backend):
                                    recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
                                    contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp,
                                    *notify_args)
-            if inside:
-                counts = _DispatchCounts(is_in, capturing, self._ring, slot)
-                counts.written(s)
             layout = None
         elif inside:  # notify's arguments, then stage_pull's
             rt.notify_stage_pull(idx_ptr, T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales, weights_ptr,
                                  rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R, self.num_sms, sp)
-            counts = _DispatchCounts(is_in, capturing, self._ring, slot)
-            counts.written(s)
             layout = None
         elif together:
             rt.stage_pull(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
@@ -388,6 +383,9 @@ class NvlinkBackend(Backend):
                            recv_off.data_ptr(), recv_src.data_ptr(), positions.data_ptr(), 0, R, alignment,
                            scratch.data_ptr(), offsets.data_ptr(), tpe.data_ptr(), num_sms, sp)
             layout = ExpertLayout(positions=positions, offsets=offsets, num_rows=N, alignment=alignment)
+        if inside:  # notify ran inside the launch (plain or contract order): its counts object, off the way to it
+            counts = _DispatchCounts(is_in, capturing, self._ring, slot)
+            counts.written(s)
         if not capturing:  # the next dispatch's tensors, while these kernels run (spares.py)
             spares.refill("notify", (T, dev), cur, lambda: self._notify_tensors(T, dev))
             if ahead:

@@ -40,7 +40,7 @@ COMBINE_MODES = {"split": 0, "fused": 1, "pipelined": 2, "pull": 3}
 AUTO_COMBINE_MIN_TOKENS = 512
 
 
-# The SM counts [lo, hi) at which `auto` picks the pull combine, per EP size. Below lo the push kernels win
+# The fewest SMs at which `auto` picks the pull combine, per EP size. Below lo the push kernels win
 # (EP2 16 SMs: pipelined 331 us queued vs pull 332, cold 372 vs 386-422; EP4 16 SMs: pipelined 659 vs fused 708
 # and pull 779 queued on 4x H200, cold 731 vs 776 / 905 on 4x H100). EP2 from 24 SMs: pull 288 vs pipelined 353 cold
 # (H100), 298 vs 344 (H200). EP4 from 24 SMs, 48 included since every rank's pull combine starts together (session
@@ -50,7 +50,7 @@ AUTO_COMBINE_MIN_TOKENS = 512
 # 4x H100, session 16: 692.0 / 585.6 / 646.4 against 692.6 / 591.2 / 630.9), and a small call on a large buffer
 # costs the pull kernel what the split kernels cost (EP4, 128 tokens, 24 SMs: pull 58 us, split 57, pipelined
 # 108; session 17 call 1). Other sizes: unmeasured (the fused push combine).
-AUTO_PULL_SMS = {2: (24, 1 << 30), 4: (24, 1 << 30)}
+AUTO_PULL_MIN_SMS = {2: 24, 4: 24}
 # The pull combine's stager slots (the rest of its 224 KB ring loads rows): at EP4 a token holds up to four
 # load slots, so one more load slot pays (24 SMs, queued, 4x H100: 4 stage slots 587 us, 5 618, 6 669, 3 702);
 # at EP2 5 measured best (3 / 8: 292 / 305 against 244 on 4x H200).
@@ -61,14 +61,13 @@ def plan_combine_kernel(requested: str, tokens: int, world: int, num_sms: int = 
     """`comm.combine_kernel` for a buffer of `tokens` tokens per rank (comm.max_tokens_per_rank: a value every rank
     shares, so that every rank runs the same kernel) over `world` ranks on `num_sms` SMs: as given, or for
     `auto` what measured fastest in the cold call (4096 tokens, hidden 7168, top-8 of 256; benchmarks/NOTES_nvlink.md,
-    session 7, 16, 17): the pull kernel inside AUTO_PULL_SMS's range, the pipelined push kernel below it at EP2 and
+    session 7, 16, 17): the pull kernel from AUTO_PULL_MIN_SMS on, the pipelined push kernel below it at EP2 and
     EP4, the fused push kernel at other sizes; split below AUTO_COMBINE_MIN_TOKENS."""
     if requested != "auto":
         return requested
     if tokens < AUTO_COMBINE_MIN_TOKENS:
         return "split"
-    lo, hi = AUTO_PULL_SMS.get(world, (1 << 30, 1 << 30))
-    if lo <= num_sms < hi:
+    if num_sms >= AUTO_PULL_MIN_SMS.get(world, 1 << 30):
         return "pull"
     return "pipelined" if world <= 4 else "fused"
 
