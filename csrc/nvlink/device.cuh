@@ -54,20 +54,20 @@ __device__ __forceinline__ int* combine_ready_at(const Ctx& c, int owner, int ho
 
 // Every thread waits for flag[kind][p] >= target at this rank for p in [0, W) except `skip`
 // (thread p waits for peer p). Returns true when the block must stop (timeout or abort); a timeout
-// is recorded against kernel_id.
+// is recorded against kernel_id. The verdicts are reduced by the barriers themselves (__syncthreads_or):
+// a shared flag read after a barrier could be written by a waiter, or by the next call's thread 0, before
+// a slower thread reads it, sending that thread away from the rest.
 __device__ inline bool block_wait_peers(const Ctx& c, int kind, int target, int skip, int kernel_id,
-                                        unsigned long long deadline, int* s_fail) {
+                                        unsigned long long deadline) {
   const int tid = threadIdx.x;
-  if (tid == 0) *s_fail = ld_volatile(c.aborted);
-  __syncthreads();
-  if (*s_fail) return true;
+  if (__syncthreads_or(tid == 0 && ld_volatile(c.aborted) != 0)) return true;
+  bool failed = false;
   if (tid < c.world && tid != skip) {
-    int r = wait_geq(flag_at(c, c.rank, kind, tid), target, deadline, c.aborted);
+    const int r = wait_geq(flag_at(c, c.rank, kind, tid), target, deadline, c.aborted);
     if (r == kTimedOut) record_timeout(c, tid, kernel_id);
-    if (r != kArrived) *s_fail = 1;
+    failed = r != kArrived;
   }
-  __syncthreads();
-  return *s_fail != 0;
+  return __syncthreads_or(failed) != 0;
 }
 
 // The source rank of received row i, given the per-source offsets off[0..W] (rows are grouped by

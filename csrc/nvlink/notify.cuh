@@ -36,14 +36,18 @@ __device__ inline bool group_wait_peers(const Ctx& c, const NotifyGroup<kN>& g, 
                                         int kernel_id, unsigned long long deadline, int* s_fail) {
   if (g.tid == 0 && ld_volatile(c.aborted)) *s_fail = 1;
   g.sync();
-  if (*s_fail) return true;
-  if (g.tid < c.world && g.tid != skip) {
+  // Every thread goes through every barrier whatever it reads: a waiter may set *s_fail between the first
+  // barrier and a slower thread's read, and the next call's thread 0 may set it before a slower thread has
+  // read this call's verdict; an early return on either read sends one thread away from the rest.
+  if (*s_fail == 0 && g.tid < c.world && g.tid != skip) {
     const int r = wait_geq(flag_at(c, c.rank, kind, g.tid), target, deadline, c.aborted);
     if (r == kTimedOut) record_timeout(c, g.tid, kernel_id);
     if (r != kArrived) *s_fail = 1;
   }
   g.sync();
-  return *s_fail != 0;
+  const bool failed = *s_fail != 0;
+  g.sync();
+  return failed;
 }
 
 // A token's rank mask (bit r: some pick lives on rank r) from its K expert ids: token_rank_mask's rule
