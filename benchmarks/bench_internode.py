@@ -159,18 +159,18 @@ PATHS_BEFORE = {
     "fresh": ("the hierarchical fresh dispatch before session 10 (the inner dispatch in its own order, contract_order, "
               "then the reorder pass)", use_fresh_path_before),
 }
-def use_fresh_path_inside() -> None:
-    """The 2x2 fresh dispatch's inner exchange with notify inside the contract-order stage_pull (one launch, as the
-    plain fused dispatch; session 17, off by default until checked on GPUs) (--fresh-path inside)."""
+def use_fresh_path_notify_first() -> None:
+    """The 2x2 fresh dispatch's inner exchange with notify launched before the contract-order stage_pull, as it was
+    before session 18 turned notify inside it on (--fresh-path notify_first)."""
     from ep_plugin.backends.nvlink.backend import NvlinkBackend
 
-    NvlinkBackend.notify_inside_contract = True
+    NvlinkBackend.notify_inside_contract = False
 
 
 # --NAME-path VALUE beyond now/before: another path behind its switch, for an A/B; NAME -> {VALUE: (what, the switch)}
 PATHS_NEW = {
-    "fresh": {"inside": ("the fresh dispatch with notify inside the inner contract-order stage_pull (session 17)",
-                         use_fresh_path_inside)},
+    "fresh": {"notify_first": ("the fresh dispatch with notify launched before the inner contract-order stage_pull "
+                               "(before session 18; now notify runs inside it)", use_fresh_path_notify_first)},
     "combine": {"pull": ("the pulled combine (session 11: sums kept in the forwarder's own rail rows, the origin reads "
                          "them over P2P; the default)", use_combine_path_pull),
                 "push": ("the pushed combine (sessions 8-10: the sums stored at the origin's rail rows)",

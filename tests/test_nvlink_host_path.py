@@ -288,13 +288,13 @@ def test_dispatch_scattered_passes_its_index(gpu, kernel):
 def test_dispatch_contract_passes_its_outputs(gpu, fp8, inside):
     """dispatch_contract (the hierarchical backend's fresh dispatch in contract order) is one stage_pull_contract
     with the plain fused dispatch's pointers plus the node count, the index and the counts it returns, notify inside
-    it with notify_inside_contract (given notify's pointers and the counts' pinned slot as the separate notify would
-    be; off, the default: notify first); every call that would not run the fused bulk-copy pull is refused before any launch
+    it with notify_inside_contract (the default since session 18; given notify's pointers and the counts' pinned slot
+    as the separate notify would be; off: notify first); every call that would not run the fused bulk-copy pull is refused before any launch
     (dispatch_contract_fits says False there)."""
     log, stream, _ = gpu
     buf = make_buf(dispatch_kernel="fused")
     be = buf._backend
-    assert not be.notify_inside_contract  # off by default until a GPU run has checked it
+    assert be.notify_inside_contract  # on by default (session 18's GPU run)
     be.notify_inside_contract = inside
     rt = be._rt
     x, idx, w = inputs(fp8)

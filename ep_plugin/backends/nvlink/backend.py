@@ -125,9 +125,10 @@ class NvlinkBackend(Backend):
 
     # The contract-order stage_pull (the hierarchical backend's fresh inner exchange, dispatch_contract) with notify
     # inside it too, as the plain fused dispatch (Runtime.stage_pull_contract given notify's outputs; its shifts wait
-    # for the forwarders' lists and counts as the pull does): off until a GPU run has checked and timed it -- built in
-    # session 17 with no device time left (bench_internode.py --fresh-path inside is its A/B).
-    notify_inside_contract = False
+    # for the forwarders' lists and counts as the pull does). On since session 18: its GPU tests passed, and at 2x2 on
+    # 4x H100 the fresh dispatch read 825-857 us cold against 864-880 with notify first, 1.13-1.15x a cached one
+    # against 1.14-1.17x (three processes each; bench_internode.py --fresh-path notify_first is the path before).
+    notify_inside_contract = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         super().__init__(group, cfg, hidden, num_experts)
