@@ -31,13 +31,14 @@ combine_fused_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ 
                      const int* __restrict__ recv_off, const int* __restrict__ recv_src, int4* __restrict__ y,
                      int T) {
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   if (tid <= W) s_off[tid] = recv_off[tid];
   // The sources must have finished the previous combine with their combine area and counters.
-  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline)) return;
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
   const int self_lo = s_off[me];
   const int n16 = c.hidden * 2 / 16;
   const size_t row_bytes = static_cast<size_t>(c.hidden) * 2;

@@ -52,6 +52,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   __shared__ char* s_dst[kRingMaxSlots];  // where each ring slot's row goes
   __shared__ PendUnit s_pend[kPend];
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
@@ -61,7 +62,7 @@ combine_pipe_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   if (tid == 0) ring.init();
   if (tid <= W) s_off[tid] = recv_off[tid];
   // The sources must have finished the previous combine with their combine area and counters.
-  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline)) return;
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
 
   if (tid == 0) {  // ---- the sender
     const int npeers = W - 1;

@@ -157,6 +157,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   __shared__ long long s_xown[kChunk];    // loader, CombineRoute::x_rows: the chunk's own rows in x
   __shared__ int s_nd, s_end;             // descriptors published; 1 once the loader is done
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   __shared__ unsigned s_freemask;         // kFree: bit s set while load slot s is free
   __shared__ int s_staged, s_units;       // kVarPace: units the stager has staged / will stage (-1: not yet known)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -200,9 +201,13 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   if (together && blockIdx.x == 0 && tid < W && tid != me && !ld_volatile(c.aborted))
     st_release_sys(flag_at(c, tid, F_START, me), ce);
   // Peers have finished reading this rank's area in the previous combine (and it theirs).
-  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline)) return;
-  // kVarStartTogether: every peer's combine has started (a timeout names the peer that never did).
-  if (together && block_wait_peers(c, F_START, ce, me, K_REDUCE, deadline)) return;
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
+  // kVarStartTogether: every peer's combine has started (a timeout names the peer that never did). The barrier
+  // first: every thread has read the first wait's s_fail before the second wait's thread 0 rewrites it.
+  if (together) {
+    __syncthreads();
+    if (block_wait_peers(c, F_START, ce, me, K_REDUCE, deadline, &s_fail)) return;
+  }
 
   if (warp == 1) {  // ---- the stager (none where the copy engines stage: diag & kDiagStagedByCopies)
     if (lane == 0 && !(diag & kDiagStagedByCopies)) {

@@ -21,11 +21,12 @@ template <int MAXW, int U>
 __global__ void __launch_bounds__(kThreads)
 combine_reduce_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ send_pos,
                       const int* __restrict__ recv_off, int4* __restrict__ y, int T, bool self_in_area) {
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  if (block_wait_peers(c, F_COMBINE, ce, me, K_REDUCE, deadline)) return;
+  if (block_wait_peers(c, F_COMBINE, ce, me, K_REDUCE, deadline, &s_fail)) return;
   const int self_lo = recv_off[me];
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
   for (int t = gw; t < T; t += NW) reduce_token<MAXW, U>(c, x, send_pos, self_lo, y, t, lane, self_in_area);

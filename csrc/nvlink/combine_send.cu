@@ -22,13 +22,14 @@ namespace {
 __global__ void __launch_bounds__(kThreads)
 combine_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ recv_off) {
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int W = c.world, me = c.rank;
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   if (tid <= W) s_off[tid] = recv_off[tid];
   // The source must have finished reducing the previous combine out of its combine area.
-  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline)) return;
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, me, K_SEND, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int self_lo = s_off[me], self_n = s_off[me + 1] - s_off[me];
   const int n16 = c.hidden * 2 / 16;

@@ -32,8 +32,9 @@ struct ReleaseRound {  // the sub-chunks [sub0[i], sub1[i]) of owner[i] staged b
 };
 
 __global__ void combine_snap_kernel(Ctx c) {
+  __shared__ int s_fail;
   const int ce = c.epochs[E_COMBINE] + 1;
-  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, c.rank, K_SEND, globaltimer() + c.timeout_ns)) return;
+  if (block_wait_peers(c, F_REDUCE_DONE, ce - 1, c.rank, K_SEND, globaltimer() + c.timeout_ns, &s_fail)) return;
   if (threadIdx.x == 0) *c.combine_ce = ce;
 }
 

@@ -46,9 +46,10 @@ __device__ __forceinline__ void release_stage(const Ctx& c, int T, int e) {
 __global__ void __launch_bounds__(kThreads)
 stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const float* __restrict__ scales,
              int nscales, const int64_t* __restrict__ idx, const float* __restrict__ w, int K, bool merge) {
+  __shared__ int s_fail;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  if (block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, deadline)) return;
+  if (block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, deadline, &s_fail)) return;
   char* base = c.peers[c.rank];
   const size_t gtid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t gsize = static_cast<size_t>(gridDim.x) * blockDim.x;
@@ -87,8 +88,9 @@ stage_kernel(Ctx c, const int4* __restrict__ x, int T, int row_bytes, const floa
 // The stage by the copy engine (launch_stage_copies): a wait kernel (the peers no longer read the stage area),
 // the copies, then a release kernel -- the same flags as stage_kernel's last block, unless a wait timed out.
 __global__ void stage_wait_kernel(Ctx c) {
+  __shared__ int s_fail;
   const int e = c.epochs[E_DISPATCH] + 1;
-  block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, globaltimer() + c.timeout_ns);
+  block_wait_peers(c, F_PULL_DONE, e - 1, c.rank, K_STAGE, globaltimer() + c.timeout_ns, &s_fail);
 }
 
 __global__ void stage_release_kernel(Ctx c, int T) {
@@ -109,12 +111,13 @@ pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __restrict__ 
             int64_t* __restrict__ out_idx, float* __restrict__ out_w, int K,
             const int* __restrict__ recv_off, int* __restrict__ recv_src, int cached, int R_alloc) {
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   if (tid <= W) s_off[tid] = recv_off[tid];
-  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline)) return;
+  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int n16 = row_bytes / 16;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;

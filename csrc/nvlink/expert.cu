@@ -45,13 +45,14 @@ expert_meta_kernel(Ctx c, int64_t* __restrict__ out_idx, const int* __restrict__
   int* s_mask = smem;                       // [kWarps][EL]: lanes of the batch routing to e
   int* s_run = smem + kWarps * c.local_experts;  // [kWarps][EL]: routes of e in this warp so far
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   for (int i = tid; i < 2 * kWarps * EL; i += blockDim.x) smem[i] = 0;
   if (tid <= W) s_off[tid] = recv_off[tid];
-  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline)) return;
+  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int gw = blockIdx.x * kWarps + warp, NW = gridDim.x * kWarps;
   const int64_t lo = static_cast<int64_t>(me) * EL;
@@ -164,6 +165,7 @@ expert_pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __rest
                    int cached, const int* __restrict__ scratch, const int64_t* __restrict__ offsets,
                    const int64_t* __restrict__ counts) {
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
@@ -171,7 +173,7 @@ expert_pull_kernel(Ctx c, int4* __restrict__ out_x, int row_bytes, float* __rest
   if (tid <= W) s_off[tid] = recv_off[tid];
   // A cached dispatch waits for the stage here; a fresh one's meta kernel has waited already (any
   // epoch passes), and this kernel only checks the abort word.
-  if (block_wait_peers(c, F_STAGE, cached ? e : e - (1 << 30), -1, K_PULL, deadline)) return;
+  if (block_wait_peers(c, F_STAGE, cached ? e : e - (1 << 30), -1, K_PULL, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int n16 = row_bytes / 16;
   const int gw = blockIdx.x * kWarps + warp, NW = gridDim.x * kWarps;

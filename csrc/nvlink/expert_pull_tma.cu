@@ -32,6 +32,7 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
   __shared__ int s_pos[2][kChunkRows][kMaxTopk];  // a chunk's positions (-1: not a local expert)
   __shared__ int s_slot_pos[kRingMaxSlots][kMaxTopk];  // the positions of the row in each ring slot
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
@@ -41,7 +42,7 @@ expert_pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __
   if (tid <= W) s_off[tid] = recv_off[tid];
   // A cached dispatch waits for the stage here; a fresh one's meta kernel has waited already (any
   // epoch passes), and this kernel only checks the abort word.
-  if (block_wait_peers(c, F_STAGE, cached ? e : e - (1 << 30), -1, K_PULL, deadline)) return;
+  if (block_wait_peers(c, F_STAGE, cached ? e : e - (1 << 30), -1, K_PULL, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int NW = gridDim.x * kWarps;
   const int per_warp = (R + NW - 1) / NW;

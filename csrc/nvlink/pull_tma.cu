@@ -38,6 +38,7 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   // stored after the next chunk has been resolved over its chunk's arrays)
   __shared__ int s_out[2][kRouted ? kChunkRows : 1], s_dst[kRouted ? kRingMaxSlots : 1];
   __shared__ int s_off[kMaxRanks + 1];
+  __shared__ int s_fail;
   const int tid = threadIdx.x;
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
@@ -45,7 +46,7 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   BulkRing<kRingLag> ring{s_ring, s_bar, nslot, row_bytes};
   if (tid == 0) ring.init();
   if (tid <= W) s_off[tid] = recv_off[tid];
-  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline)) return;
+  if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline, &s_fail)) return;
   const int R = s_off[W];
   const int64_t lo = static_cast<int64_t>(me) * EL, hi = lo + EL;
   const int per_block = (R + gridDim.x - 1) / gridDim.x;
