@@ -62,6 +62,7 @@ constexpr int kBatch = 16;           // received rows per hand-off: a lane each 
 constexpr int kSlots = 16;           // batches resolved ahead of thread 0
 constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
+constexpr int kScaleU4 = 2;          // the same as 16-byte loads (kVecScales: a row's scales are whole float4s)
 constexpr int kMetaThreads = kMetaWarps * 32;
 constexpr int kMetaBarrier = 2;      // named barrier of the metadata warps (contract order's shifts)
 constexpr int kPullBarrier = 3;      // named barrier of the pull half (notify inside: recv_off read once)
@@ -212,7 +213,7 @@ __device__ __forceinline__ bool resolve_row(const Ctx& c, const int* s_off, cons
   return true;
 }
 
-template <int kMode>
+template <int kMode, bool kVecScales>
 __global__ void __launch_bounds__(kFusedThreads, 1)
 stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales, int K, int nslot, NotifyOut nout,
                       int notify_inside) {
@@ -328,7 +329,30 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
         if constexpr (kRouted) s_out[slot][lane] = o;
       }
       if constexpr (kRouted) __syncwarp();  // the scales below read the batch's output rows from s_out
-      if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
+      if constexpr (kVecScales) {  // the batch's FP8 scales as 16-byte loads, kScaleU4 in flight per lane
+        const int n4 = nscales >> 2, total = nrows * n4;
+        for (int v0 = 0; v0 < total; v0 += 32 * kScaleU4) {
+          float4 f[kScaleU4];
+#pragma unroll
+          for (int u = 0; u < kScaleU4; ++u) {
+            const int vi = v0 + u * 32 + lane;
+            const int j = min(vi / n4, kBatch - 1);
+            const int s = __shfl_sync(kFull, src, j), t = __shfl_sync(kFull, tok, j);
+            if (vi < total)
+              f[u] = reinterpret_cast<const float4*>(c.peers[s] + c.off_stage_scales)[static_cast<size_t>(t) * n4 +
+                                                                                       (vi - j * n4)];
+          }
+#pragma unroll
+          for (int u = 0; u < kScaleU4; ++u) {
+            const int vi = v0 + u * 32 + lane;
+            if (vi < total) {
+              const int j = vi / n4;
+              const size_t row = kRouted ? static_cast<size_t>(s_out[slot][j]) : static_cast<size_t>(a + j);
+              reinterpret_cast<float4*>(out.scales)[row * n4 + (vi - j * n4)] = f[u];
+            }
+          }
+        }
+      } else if (out.scales) {  // the batch's FP8 scales: a flat stream of floats, kScaleU loads in flight per lane
         const int total = nrows * nscales;
         for (int v0 = 0; v0 < total; v0 += 32 * kScaleU) {
           float f[kScaleU];
@@ -407,6 +431,27 @@ bool stage_pull_notify_fits(int row_bytes, int num_experts) {
          sizeof(int) * static_cast<size_t>(num_experts) <= static_cast<size_t>(ring_slots(row_bytes)) * row_bytes;
 }
 
+namespace {
+
+// One instantiation per (mode, scale loads): each with its own shared-memory attribute, set once per device.
+template <int kMode>
+void launch_mode(bool vec, int blocks, size_t smem, cudaStream_t stream, const Ctx& c, const StageIn& in,
+                 const PullOut& out, int row_bytes, int nscales, int K, int nslot, const NotifyOut& nout, int inside) {
+  if (vec) {
+    static bool smem_set[64] = {};
+    ring_smem_once(stage_pull_tma_kernel<kMode, true>, smem_set);
+    stage_pull_tma_kernel<kMode, true>
+        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+  } else {
+    static bool smem_set[64] = {};
+    ring_smem_once(stage_pull_tma_kernel<kMode, false>, smem_set);
+    stage_pull_tma_kernel<kMode, false>
+        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+  }
+}
+
+}  // namespace
+
 void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int row_bytes, const float* scales,
                            int nscales, const int64_t* topk_idx, const float* weights, int K, int4* out_x,
                            float* out_scales, int64_t* out_idx, float* out_w, const int* recv_off, int* recv_src,
@@ -422,6 +467,9 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
                "stage_pull with notify inside: a fresh rank-major dispatch (plain or in contract order) whose "
                "per-expert counts (%d experts) fit the ring of rows of %d bytes; got cached=%d, out_rows %s",
                c.num_experts, row_bytes, cached, c.out_route.out_rows ? "set" : "null");
+  // FP8 scales as 16-byte loads where each row's are whole float4s at aligned rows (the stage area's rows are, by its
+  // layout); BF16 and other widths run the instantiation without them, as before
+  const bool vec = out_scales != nullptr && nscales % 4 == 0 && reinterpret_cast<uintptr_t>(out_scales) % 16 == 0;
   if (c.out_route.to_contract != nullptr) {
     EP_CHECK_ARG(!out.cached && c.out_route.out_rows == nullptr && c.out_route.counts != nullptr &&
                      c.out_route.nodes >= 1 && c.out_route.nodes * c.world <= kMaxContractRanks &&
@@ -431,18 +479,11 @@ void launch_stage_pull_tma(const Ctx& c, int blocks, const int4* x, int T, int r
                  "slot_tokens=%d, max_tokens=%d", kMaxContractRanks, out.cached,
                  c.out_route.out_rows ? "set" : "null", c.out_route.counts ? "set" : "null", c.out_route.nodes,
                  c.world, c.out_route.slot_tokens, c.max_tokens);
-    static bool smem_set[64] = {};  // one set per instantiation: the attribute belongs to each kernel
-    ring_smem_once(stage_pull_tma_kernel<kContract>, smem_set);
-    stage_pull_tma_kernel<kContract>
-        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+    launch_mode<kContract>(vec, blocks, smem, stream, c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   } else if (c.out_route.out_rows != nullptr) {
-    static bool smem_set[64] = {};
-    ring_smem_once(stage_pull_tma_kernel<kIndexed>, smem_set);
-    stage_pull_tma_kernel<kIndexed><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+    launch_mode<kIndexed>(vec, blocks, smem, stream, c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   } else {
-    static bool smem_set[64] = {};
-    ring_smem_once(stage_pull_tma_kernel<kPlain>, smem_set);
-    stage_pull_tma_kernel<kPlain><<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+    launch_mode<kPlain>(vec, blocks, smem, stream, c, in, out, row_bytes, nscales, K, nslot, nout, inside);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }
