@@ -265,8 +265,8 @@ def body_fresh_contract_order(rank, world, P):
     runs (worst-case, stage_pull_tma: one dispatch_contract call) the valid rows and scales, every row's ids and
     weights (padding included), the handle's to_contract, counts and num_recv_device equal the path before's bit
     for bit, and so do the combine and a cached dispatch of each handle; everywhere else it falls back (no
-    dispatch_contract call) with the same results. The stage_pull_tma case runs twice: notify launched first (the
-    default) and notify inside the contract-order stage_pull (notify_inside_contract)."""
+    dispatch_contract call) with the same results. The stage_pull_tma case runs twice: notify launched first and
+    notify inside the contract-order stage_pull (notify_inside_contract, the default since session 18)."""
     from ep_plugin.backends.hierarchical.backend import HierarchicalBackend
 
     H, x, idx, w, scales, x2 = _contract_inputs(rank, world, 43)
@@ -278,7 +278,7 @@ def body_fresh_contract_order(rank, world, P):
             for fp8 in (False, True):
                 xin = (x.to(torch.float8_e4m3fn), scales) if fp8 else x
                 again = (x2.to(torch.float8_e4m3fn), scales * 2) if fp8 else x2
-                # stage_pull_tma once more with notify inside it (NvlinkBackend.notify_inside_contract, session 17)
+                # stage_pull_tma once more with notify inside it (NvlinkBackend.notify_inside_contract, on since session 18)
                 for kernel, (dispatch_mode, use_tma), inside in [(k, v, False) for k, v in INNER_PULLS.items()] + [
                         ("stage_pull_tma", INNER_PULLS["stage_pull_tma"], True)]:
                     inner.dispatch_mode, inner._rt.tma = dispatch_mode, use_tma  # read by every fresh call

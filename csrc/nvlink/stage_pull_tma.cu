@@ -242,6 +242,9 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
   if (tid == 0) s_nfail = 0;
   if (!notify_inside && tid <= W) s_off[tid] = out.recv_off[tid];  // inside: once notify releases it (below)
   if (block_wait_peers(c, F_PULL_DONE, e - 1, me, K_STAGE, deadline, &s_fail)) return;
+  // every thread has read the wait's verdict before any writes s_fail again (wait_notified, lane_wait): a thread
+  // that read a later write would leave alone, and the named barriers below count it
+  __syncthreads();
   // Received rows in batches of up to kBatch rows of one source, global batch g = blockIdx.x + q * gridDim.x
   // being this block's q-th: batch g holds round g / W of source (me + g) % W, so the grid pulls every
   // source at once (each rank starting on another), in each source's token order, behind its staging.
