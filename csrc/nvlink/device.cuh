@@ -56,10 +56,12 @@ __device__ __forceinline__ int* combine_ready_at(const Ctx& c, int owner, int ho
 // (thread p waits for peer p). Returns true when the block must stop (timeout or abort); a timeout
 // is recorded against kernel_id. A thread may read *s_fail after a waiter has set it and return alone:
 // safe, as every caller then leaves the kernel and an exiting thread releases the CTA-wide barriers the
-// others wait at (PTX `exit`); two waits in a row take a __syncthreads between them (the second's thread 0
-// rewrites *s_fail). (Named barriers count threads and are not released so: group_wait_peers, notify.cuh,
-// reads its verdict behind one more barrier.) The verdicts reduced by __syncthreads_or instead changed the
-// pull combine's registers and cost it 5% at EP4, 24 SMs (4x H100, session 18: 619 against 589 us queued).
+// others wait at (PTX `exit`), provided nothing writes *s_fail and no counted (named) barrier comes before
+// the caller's next __syncthreads: two waits in a row take one between them (the second's thread 0 rewrites
+// *s_fail), and so does stage_pull_tma, whose later waits write it. (group_wait_peers, notify.cuh, waits at
+// named barriers and reads its verdict behind one more.) The verdicts reduced by __syncthreads_or instead
+// changed the pull combine's registers and cost it 5% at EP4, 24 SMs (4x H100, session 18: 619 against 589 us
+// queued).
 __device__ inline bool block_wait_peers(const Ctx& c, int kind, int target, int skip, int kernel_id,
                                         unsigned long long deadline, int* s_fail) {
   const int tid = threadIdx.x;
