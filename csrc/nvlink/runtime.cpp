@@ -368,7 +368,7 @@ void Runtime::stage_pull_contract(uintptr_t x, int T, int row_bytes, uintptr_t s
   // counts, notify first
   const bool inside = tpe != 0 && stage_pull_notify_fits(row_bytes, num_experts_);
   if (tpe != 0 && !inside) notify(topk_idx, T, K, send_pos, is_in, recv_off, tpe, stream, host_tpe, host_recv_off, 0);
-  const NotifyOut nout = notify_out(send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off);
+  const NotifyOut nout = inside ? notify_out(send_pos, is_in, recv_off, tpe, host_tpe, host_recv_off) : NotifyOut{};
   launch_stage_pull_checked(c, x, T, row_bytes, scales, nscales, topk_idx, weights, K, out_x, out_scales, out_idx,
                             out_w, recv_off, recv_src, 0, R_alloc, num_sms, stream, inside ? &nout : nullptr);
 }

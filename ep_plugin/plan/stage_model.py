@@ -175,13 +175,12 @@ def _stages(kind: str, P: int, reorder: bool = True) -> Tuple[str, ...]:
 def runs_reorder(meta: dict, kind: str) -> bool:
     """Whether the bench run `meta` describes had the reorder pass in its call `kind` (at P > 1): the dispatches
     write the contract's order through the inner pull since session 10 (cached: meta "cached_path" "now"; fresh:
-    "fresh_path" "now", "inside" / "notify_first" (session 17-18's notify A/B), or "direct" as its A/B run spelled
-    it before the switch was on); runs from before those
-    keys have it. The combine's has been gone since session 8 (placed_combine)."""
+    any "fresh_path" but "before": "now", session 10's A/B "direct", sessions 13-18's "overlap", "inside",
+    "notify_first"); runs from before those keys have it. The combine's has been gone since session 8 (placed_combine)."""
     if kind == "dispatch_cached":
         return meta.get("cached_path") != "now"
     if kind == "dispatch":
-        return meta.get("fresh_path") not in ("now", "direct", "inside", "notify_first")
+        return meta.get("fresh_path") in (None, "before")
     return True
 
 

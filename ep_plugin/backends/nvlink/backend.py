@@ -140,7 +140,8 @@ class NvlinkBackend(Backend):
         props = torch.cuda.get_device_properties(self.device)
         self.max_tokens = int(cfg.comm.max_tokens_per_rank)
         # auto: by EP size and the batch the buffer is sized for (plan.py)
-        self._dispatch_requested = cfg.comm.dispatch_kernel  # the dispatch kernel is planned with num_sms (below)
+        self._dispatch_requested = cfg.comm.dispatch_kernel  # both kernels are planned with num_sms (below)
+        self._combine_requested = cfg.comm.combine_kernel
         self.num_sms = plan_num_sms(cfg.comm.num_sms, props.multi_processor_count, self.world, self.max_tokens)
         self._gpu_sms = props.multi_processor_count
         # the combine's copy-engine stage overlaps its copies with the pull kernel: not with one hardware queue
@@ -149,7 +150,6 @@ class NvlinkBackend(Backend):
         self._one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worst_case = not cfg.comm.host_sync
-        self.combine_mode = cfg.comm.combine_kernel
         if cfg.comm.dispatch_dtype == "fp8":  # the caller promised FP8 pairs: refuse BF16 rows early
             self.capabilities = dataclasses.replace(self.capabilities, row_dtypes=())
         self._rt = C.NvlinkRuntime(self.device, self.rank, self.world, self.max_tokens, hidden,
@@ -425,13 +425,31 @@ class NvlinkBackend(Backend):
     @property
     def num_sms(self) -> int:
         """The SM count of the calls; setting it (the benchmarks' sweeps, the deep_ep shim's Config.num_sms) plans
-        comm.dispatch_kernel for the new count too, as a buffer built for it would."""
+        comm.dispatch_kernel and comm.combine_kernel for the new count too, as a buffer built for it would."""
         return self._num_sms
 
     @num_sms.setter
     def num_sms(self, n: int) -> None:
         self._num_sms = int(n)
         self.dispatch_mode = plan_dispatch_kernel(self._dispatch_requested, self.world, self._num_sms)
+        self._plan_combine()
+
+    @property
+    def combine_mode(self) -> str:
+        """comm.combine_kernel as asked (auto, or a kernel); setting it (the tests and benchmarks switch it on a live
+        buffer) plans the kernel the calls run."""
+        return self._combine_requested
+
+    @combine_mode.setter
+    def combine_mode(self, mode: str) -> None:
+        self._combine_requested = mode
+        self._plan_combine()
+
+    def _plan_combine(self) -> None:
+        # planned by the buffer's max_tokens, the same on every rank, never by a call's T: ranks whose counts lie on
+        # either side of AUTO_COMBINE_MIN_TOKENS would otherwise run split and pull in one exchange, whose flags and
+        # areas do not interoperate (each side waits for flags the other never sets, to the timeout)
+        self._combine_kernel = plan_combine_kernel(self._combine_requested, self.max_tokens, self.world, self._num_sms)
 
     def _notify_tensors(self, T: int, dev):
         """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
@@ -606,10 +624,7 @@ class NvlinkBackend(Backend):
         T, dev = handle.num_tokens, x.device
         y = None
         rt = self._rt
-        # planned by the buffer's max_tokens, the same on every rank, never by this call's T: ranks whose counts lie on
-        # either side of AUTO_COMBINE_MIN_TOKENS would otherwise run split and pull in one exchange, whose flags and
-        # areas do not interoperate (each side waits for flags the other never sets, to the timeout)
-        mode = plan_combine_kernel(self.combine_mode, self.max_tokens, self.world, self.num_sms)
+        mode = self._combine_kernel  # (planned with num_sms and combine_mode: _plan_combine)
         offs = None
         if sums:
             capturing = _is_capturing()
