@@ -169,4 +169,69 @@ struct BulkRing {
   }
 };
 
+// BulkRing with items of several consecutive slots (runs: rows contiguous at the source and at the
+// destination moved by one bulk load and one bulk store, so a run of n rows costs one copy's overhead instead of
+// n). An item of n slots never wraps (the caller cuts a run at the ring's end: fit), completes on its first
+// slot's barrier, and its store is one bulk group. The lag rule of BulkRing counts groups, so with items of
+// several slots the reads still pending are tracked per group (gend: the slot position each group ends at):
+// a load waits for the groups that read the slots it overwrites, wait_group.read kLag first, 0 if that is not
+// enough. kMaxSlots: the capacity of bar, len and gend (nslot <= kMaxSlots).
+template <int kLag, int kMaxSlots>
+struct RunRing {
+  char* buf;
+  uint64_t* bar;
+  int* len;   // slots of the item that starts at each slot
+  int* gend;  // per committed group (mod kMaxSlots): the slot position after its item
+  int nslot, slot_bytes;
+  int head = 0, tail = 0;  // slots loaded, slots written out (absolute positions)
+  int groups = 0;          // store groups committed
+  int read_done = 0;       // slot positions below it are no longer read by a store
+  uint32_t phase = 0;      // bit s: parity of slot s's barrier's next completion
+
+  // Thread 0 of the block, then __syncthreads before any use.
+  __device__ void init() const {
+    for (int s = 0; s < nslot; ++s) mbar_init(&bar[s], 1);
+    fence_mbar_init();
+  }
+  __device__ int slot_of(int n) const { return n % nslot; }
+  __device__ bool empty() const { return head == tail; }
+  // The most slots an item loaded next may take: up to want, no wrap, at most nslot - kLag outstanding.
+  __device__ int fit(int want) const {
+    const int room = nslot - slot_of(head);
+    return min(min(want, room), nslot - kLag);
+  }
+  __device__ bool full(int n) const { return head + n - tail > nslot - kLag; }
+  // An item of n slots (n * slot_bytes bytes from src), n from fit(); the caller made room (full(n) false).
+  __device__ void load(const void* src, int n) {
+    const int need = head + n - nslot;  // the slots' previous items end at or before it
+    if (read_done < need) {
+      tma_store_wait_read<kLag>();
+      if (groups > kLag) read_done = max(read_done, gend[(groups - kLag - 1) % kMaxSlots]);
+      if (read_done < need) {
+        tma_store_wait_read<0>();
+        read_done = tail;
+      }
+    }
+    const int s = slot_of(head);
+    len[s] = n;
+    tma_load(buf + static_cast<size_t>(s) * slot_bytes, src, static_cast<uint32_t>(n) * slot_bytes, &bar[s]);
+    head += n;
+  }
+  // The oldest item's data and its slot count, once loaded.
+  __device__ const char* wait_oldest(int& n) {
+    const int s = slot_of(tail);
+    mbar_wait(&bar[s], (phase >> s) & 1u);
+    phase ^= 1u << s;
+    n = len[s];
+    return buf + static_cast<size_t>(s) * slot_bytes;
+  }
+  // After the oldest item's tma_store: closes its group.
+  __device__ void pop(int n) {
+    tma_commit();
+    tail += n;
+    gend[groups % kMaxSlots] = tail;
+    ++groups;
+  }
+};
+
 }  // namespace ep

@@ -60,6 +60,7 @@ constexpr int kFusedThreads = 2 * kHalf;
 constexpr int kMetaWarps = kHalf / 32 - 1;
 constexpr int kBatch = 16;           // received rows per hand-off: a lane each (at most 32)
 constexpr int kSlots = 16;           // batches resolved ahead of thread 0
+constexpr int kRunRows = 4;          // rows a bulk copy may move at once (a run: consecutive tokens and rows; 4 measured best)
 constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
 constexpr int kScaleU4 = 2;          // the same as 16-byte loads (kVecScales: a row's scales are whole float4s)
@@ -233,7 +234,8 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
   const int W = c.world, me = c.rank;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  BulkRing<kRingLag> ring{s_ring, s_bar, nslot, row_bytes};
+  __shared__ int s_len[kRingMaxSlots], s_gend[kRingMaxSlots];  // the ring's items and store groups
+  RunRing<kRingLag, kRingMaxSlots> ring{s_ring, s_bar, s_len, s_gend, nslot, row_bytes};
   if (tid == 0) {
     ring.init();
     s_taken = 0;
@@ -384,11 +386,13 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       __syncwarp();
       if (lane == 0) st_release_cta_shared(&s_ready[slot], m);
     }
-  } else if (lane == 0) {  // ---- thread 0: stream the resolved batches through the ring
+  } else if (lane == 0) {  // ---- thread 0: stream the resolved batches through the ring, a run at a time
     auto store_oldest = [&]() {
       const int dst = s_dst[ring.slot_of(ring.tail)];
-      tma_store(out.x + static_cast<size_t>(dst) * row_bytes, ring.wait_oldest(), row_bytes);
-      ring.pop();
+      int n = 0;
+      const char* rows = ring.wait_oldest(n);
+      tma_store(out.x + static_cast<size_t>(dst) * row_bytes, rows, static_cast<uint32_t>(n) * row_bytes);
+      ring.pop(n);
     };
     for (int m = 0; m < nbatch; ++m) {
       const int slot = m % kSlots;
@@ -402,11 +406,17 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       fence_proxy_async();  // the sources' stage writes, acquired by the metadata warps, before the bulk loads
       int nrows = 0;
       const int a = batch_at(m, nrows);
-      for (int j = 0; j < nrows; ++j) {
-        while (ring.full()) store_oldest();
-        s_dst[ring.slot_of(ring.head)] = kRouted ? s_out[slot][j] : a + j;
-        ring.load(c.peers[s_src[slot][j]] + c.off_stage_x + static_cast<size_t>(s_tok[slot][j]) * row_bytes,
-                  row_bytes);
+      for (int j = 0; j < nrows;) {  // a run: rows of consecutive tokens of one source to consecutive output rows
+        const int src = s_src[slot][j], tok = s_tok[slot][j], dst = kRouted ? s_out[slot][j] : a + j;
+        int n = 1;
+        const int most = ring.fit(kRunRows);
+        while (n < most && j + n < nrows && s_src[slot][j + n] == src && s_tok[slot][j + n] == tok + n &&
+               (!kRouted || s_out[slot][j + n] == dst + n))
+          ++n;
+        while (ring.full(n)) store_oldest();
+        s_dst[ring.slot_of(ring.head)] = dst;
+        ring.load(c.peers[src] + c.off_stage_x + static_cast<size_t>(tok) * row_bytes, n);
+        j += n;
       }
       st_release_cta_shared(&s_taken, m + 1);
     }
