@@ -16,6 +16,10 @@ constexpr int kPullU = 8;      // 16-byte vectors in flight per lane in the warp
 constexpr int kRingBytes = 176 * 1024;
 constexpr int kRingMaxSlots = 32;
 constexpr int kRingLag = 2;
+// Rows one bulk copy of a pull may move (a run: consecutive tokens of one source to consecutive output rows,
+// common/tma.cuh's RunRing). 4 measured best in stage_pull (4x H200, session 19): FP8 rows of 7 KB paid a copy's
+// overhead per row before; runs of 8 fill a 12-slot BF16 ring with ~1 item and slowed BF16 by 4%.
+constexpr int kRunRows = 4;
 // Raises a bulk-copy kernel's dynamic shared-memory limit to kRingBytes, once per device (the
 // attribute belongs to the device's context). `done`: the calling launcher's own flags.
 template <typename Kernel>

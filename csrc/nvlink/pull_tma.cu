@@ -4,8 +4,9 @@
 //
 // Why: the register pull is bound by bytes in flight per SM (16 warps x 8 x 16 B = 64 KB; its time
 // falls almost linearly with SMs: 920 -> 409 us from 8 to 24 SMs at EP2). Here one thread per block
-// keeps whole rows in flight (common/tma.cuh's BulkRing over ~190 KB of shared memory), each a bulk
-// load from a peer's stage area followed by a bulk store into out_x.
+// keeps whole rows in flight (common/tma.cuh's RunRing over ~176 KB of shared memory), each run of rows (consecutive
+// tokens of one source to consecutive output rows, up to kRunRows) a bulk load from a peer's stage area followed
+// by a bulk store into out_x.
 //
 // Block b owns a contiguous share of the received rows, walked in chunks of kChunkRows. Warps 1..15
 // resolve chunk n+1 (source token, ids, weights, scales: independent remote loads) while thread 0
@@ -43,7 +44,8 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   const int W = c.world, me = c.rank, EL = c.local_experts;
   const int e = c.epochs[E_DISPATCH] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  BulkRing<kRingLag> ring{s_ring, s_bar, nslot, row_bytes};
+  __shared__ int s_len[kRingMaxSlots], s_gend[kRingMaxSlots];  // the ring's items and store groups
+  RunRing<kRingLag, kRingMaxSlots> ring{s_ring, s_bar, s_len, s_gend, nslot, row_bytes};
   if (tid == 0) ring.init();
   if (tid <= W) s_off[tid] = recv_off[tid];
   if (block_wait_peers(c, F_STAGE, e, -1, K_PULL, deadline, &s_fail)) return;
@@ -53,10 +55,12 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
   const int r0 = min(R, static_cast<int>(blockIdx.x) * per_block), r1 = min(R, r0 + per_block);
   const int nchunks = (r1 - r0 + kChunkRows - 1) / kChunkRows;
   const int mt = tid - 32, nmt = blockDim.x - 32;  // the metadata threads (warps 1..)
-  auto store_oldest = [&]() {  // thread 0: ring item n is row r0 + n, or the output row recorded at its load
+  auto store_oldest = [&]() {  // thread 0: ring slot n holds row r0 + n, or the output row recorded at its load
     const int dst = kRouted ? s_dst[ring.slot_of(ring.tail)] : r0 + ring.tail;
-    tma_store(out_x + static_cast<size_t>(dst) * row_bytes, ring.wait_oldest(), row_bytes);
-    ring.pop();
+    int n = 0;
+    const char* rows = ring.wait_oldest(n);
+    tma_store(out_x + static_cast<size_t>(dst) * row_bytes, rows, static_cast<uint32_t>(n) * row_bytes);
+    ring.pop(n);
   };
 
   if (tid == 0) fence_proxy_async();  // the peers' stage writes, acquired above, before the bulk loads
@@ -78,11 +82,18 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
       const int a = r0 + (n - 1) * kChunkRows, b = min(r1, a + kChunkRows);
       const int* src_of = s_src[(n - 1) & 1];
       const int* tok_of = s_tok[(n - 1) & 1];
-      for (int row = a; row < b; ++row) {
-        while (ring.full()) store_oldest();
-        if constexpr (kRouted) s_dst[ring.slot_of(ring.head)] = s_out[(n - 1) & 1][row - a];
-        ring.load(c.peers[src_of[row - a]] + c.off_stage_x + static_cast<size_t>(tok_of[row - a]) * row_bytes,
-                  row_bytes);
+      const int* out_of = kRouted ? s_out[(n - 1) & 1] : nullptr;
+      for (int row = a; row < b;) {  // a run: rows of consecutive tokens of one source to consecutive output rows
+        const int j = row - a, src = src_of[j], tok = tok_of[j];
+        int len = 1;
+        const int most = ring.fit(kRunRows);
+        while (len < most && row + len < b && src_of[j + len] == src && tok_of[j + len] == tok + len &&
+               (!kRouted || out_of[j + len] == out_of[j] + len))
+          ++len;
+        while (ring.full(len)) store_oldest();
+        if constexpr (kRouted) s_dst[ring.slot_of(ring.head)] = out_of[j];
+        ring.load(c.peers[src] + c.off_stage_x + static_cast<size_t>(tok) * row_bytes, len);
+        row += len;
       }
     }
     __syncthreads();

@@ -60,7 +60,6 @@ constexpr int kFusedThreads = 2 * kHalf;
 constexpr int kMetaWarps = kHalf / 32 - 1;
 constexpr int kBatch = 16;           // received rows per hand-off: a lane each (at most 32)
 constexpr int kSlots = 16;           // batches resolved ahead of thread 0
-constexpr int kRunRows = 4;          // rows a bulk copy may move at once (a run: consecutive tokens and rows; 4 measured best)
 constexpr int kStageBarrier = 1;     // named barrier of the stage half
 constexpr int kScaleU = 4;           // FP8 scale loads in flight per lane (64 registers a thread: 8 spill)
 constexpr int kScaleU4 = 2;          // the same as 16-byte loads (kVecScales: a row's scales are whole float4s)
