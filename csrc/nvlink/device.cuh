@@ -20,6 +20,15 @@ constexpr int kRingLag = 2;
 // common/tma.cuh's RunRing). 4 measured best in stage_pull (4x H200, session 19): FP8 rows of 7 KB paid a copy's
 // overhead per row before; runs of 8 fill a 12-slot BF16 ring with ~1 item and slowed BF16 by 4%.
 constexpr int kRunRows = 4;
+// The rows from j on (before `end`, at most `most`) that one bulk copy moves: one source, consecutive tokens and, where
+// `out` is given (a routed pull), consecutive output rows (a plain pull's output rows follow its received order).
+__device__ __forceinline__ int run_rows(const int* src, const int* tok, const int* out, int j, int end, int most) {
+  int n = 1;
+  while (n < most && j + n < end && src[j + n] == src[j] && tok[j + n] == tok[j] + n &&
+         (out == nullptr || out[j + n] == out[j] + n))
+    ++n;
+  return n;
+}
 // Raises a bulk-copy kernel's dynamic shared-memory limit to kRingBytes, once per device (the
 // attribute belongs to the device's context). `done`: the calling launcher's own flags.
 template <typename Kernel>

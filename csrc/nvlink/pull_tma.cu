@@ -85,11 +85,7 @@ pull_tma_kernel(Ctx c, char* __restrict__ out_x, int row_bytes, float* __restric
       const int* out_of = kRouted ? s_out[(n - 1) & 1] : nullptr;
       for (int row = a; row < b;) {  // a run: rows of consecutive tokens of one source to consecutive output rows
         const int j = row - a, src = src_of[j], tok = tok_of[j];
-        int len = 1;
-        const int most = ring.fit(kRunRows);
-        while (len < most && row + len < b && src_of[j + len] == src && tok_of[j + len] == tok + len &&
-               (!kRouted || out_of[j + len] == out_of[j] + len))
-          ++len;
+        const int len = run_rows(src_of, tok_of, out_of, j, b - a, ring.fit(kRunRows));
         while (ring.full(len)) store_oldest();
         if constexpr (kRouted) s_dst[ring.slot_of(ring.head)] = out_of[j];
         ring.load(c.peers[src] + c.off_stage_x + static_cast<size_t>(tok) * row_bytes, len);

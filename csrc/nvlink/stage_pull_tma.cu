@@ -407,11 +407,8 @@ stage_pull_tma_kernel(Ctx c, StageIn in, PullOut out, int row_bytes, int nscales
       const int a = batch_at(m, nrows);
       for (int j = 0; j < nrows;) {  // a run: rows of consecutive tokens of one source to consecutive output rows
         const int src = s_src[slot][j], tok = s_tok[slot][j], dst = kRouted ? s_out[slot][j] : a + j;
-        int n = 1;
-        const int most = ring.fit(kRunRows);
-        while (n < most && j + n < nrows && s_src[slot][j + n] == src && s_tok[slot][j + n] == tok + n &&
-               (!kRouted || s_out[slot][j + n] == dst + n))
-          ++n;
+        const int n = run_rows(s_src[slot], s_tok[slot], kRouted ? s_out[slot] : nullptr, j, nrows,
+                               ring.fit(kRunRows));
         while (ring.full(n)) store_oldest();
         s_dst[ring.slot_of(ring.head)] = dst;
         ring.load(c.peers[src] + c.off_stage_x + static_cast<size_t>(tok) * row_bytes, n);
