@@ -174,8 +174,9 @@ struct BulkRing {
 // n). An item of n slots never wraps (the caller cuts a run at the ring's end: fit), completes on its first
 // slot's barrier, and its store is one bulk group. The lag rule of BulkRing counts groups, so with items of
 // several slots the reads still pending are tracked per group (gend: the slot position each group ends at):
-// a load waits for the groups that read the slots it overwrites, wait_group.read kLag first, 0 if that is not
-// enough. kMaxSlots: the capacity of bar, len and gend (nslot <= kMaxSlots).
+// a load waits for the newest group that read a slot it overwrites and those before it (wait_group.read with as
+// many newer groups left pending as were committed after it), never for the stores it need not. kMaxSlots: the
+// capacity of bar, len and gend (nslot <= kMaxSlots).
 template <int kLag, int kMaxSlots>
 struct RunRing {
   char* buf;
@@ -204,18 +205,29 @@ struct RunRing {
   // An item of n slots (n * slot_bytes bytes from src), n from fit(); the caller made room (full(n) false).
   __device__ void load(const void* src, int n) {
     const int need = head + n - nslot;  // the slots' previous items end at or before it
-    if (read_done < need) {
-      tma_store_wait_read<kLag>();
-      if (groups > kLag) read_done = max(read_done, gend[(groups - kLag - 1) % kMaxSlots]);
-      if (read_done < need) {
-        tma_store_wait_read<0>();
-        read_done = tail;
-      }
+    if (read_done < need) {  // (then a group was committed: need <= tail - kLag, and positions below tail are stored)
+      int g = groups - 1;    // the group holding position need - 1: the oldest one ending after it
+      while (g > 0 && gend[(g - 1) % kMaxSlots] >= need) --g;
+      wait_reads_but(groups - 1 - g);  // the groups after it may still read
+      read_done = gend[g % kMaxSlots];
     }
     const int s = slot_of(head);
     len[s] = n;
     tma_load(buf + static_cast<size_t>(s) * slot_bytes, src, static_cast<uint32_t>(n) * slot_bytes, &bar[s]);
     head += n;
+  }
+  // Every committed group but the newest `newer` (at most 7 kept pending) done reading shared memory.
+  __device__ static void wait_reads_but(int newer) {
+    switch (newer < 7 ? newer : 7) {
+      case 0: tma_store_wait_read<0>(); break;
+      case 1: tma_store_wait_read<1>(); break;
+      case 2: tma_store_wait_read<2>(); break;
+      case 3: tma_store_wait_read<3>(); break;
+      case 4: tma_store_wait_read<4>(); break;
+      case 5: tma_store_wait_read<5>(); break;
+      case 6: tma_store_wait_read<6>(); break;
+      default: tma_store_wait_read<7>(); break;
+    }
   }
   // The oldest item's data and its slot count, once loaded.
   __device__ const char* wait_oldest(int& n) {
