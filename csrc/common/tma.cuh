@@ -206,8 +206,10 @@ struct RunRing {
   __device__ void load(const void* src, int n) {
     const int need = head + n - nslot;  // the slots' previous items end at or before it
     if (read_done < need) {  // (then a group was committed: need <= tail - kLag, and positions below tail are stored)
-      int g = groups - 1;    // the group holding position need - 1: the oldest one ending after it
-      while (g > 0 && gend[(g - 1) % kMaxSlots] >= need) --g;
+      // the group holding position need - 1: the oldest one ending after it, looked for among the kMaxSlots
+      // groups gend still holds (a newer one, where the search stops short, waits for more than it must)
+      int g = groups - 1;
+      while (g > 0 && groups - g < kMaxSlots && gend[(g - 1) % kMaxSlots] >= need) --g;
       wait_reads_but(groups - 1 - g);  // the groups after it may still read
       read_done = gend[g % kMaxSlots];
     }
