@@ -762,3 +762,26 @@ def test_num_sms_replans_the_dispatch_kernel(gpu):
             be.num_sms = sms
             assert (be.num_sms, be.dispatch_mode) == (sms, kernel), (requested, sms)
         be.close()
+
+
+def test_kernel_sms_caps_reach_the_launches(gpu, monkeypatch):
+    """plan.KERNEL_SMS_CAP's counts reach the stage_pull and pull-combine launches (the fakes' world stands in for
+    EP4, whose caps they are); every other launch keeps num_sms, and a new num_sms replans both."""
+    log = gpu[0]
+    monkeypatch.setitem(nvl.plan_kernel_sms.__globals__["KERNEL_SMS_CAP"], W, {"stage_pull": 6, "pull": 10})
+    buf = make_buf(dispatch_kernel="fused", combine_kernel="pull")
+    be = buf._backend
+    x, idx, w = inputs()
+    for sms, stage_pull_sms, pull_sms in ((SMS, 6, 10), (8, 6, 8), (4, 4, 4)):
+        be.num_sms = sms
+        log.clear()
+        res = buf.dispatch(x, idx, w)
+        assert launches(log)["stage"][8] == stage_pull_sms
+        log.clear()
+        buf.combine(torch.randn(res.x.shape[0], H).to(torch.bfloat16), res.handle)
+        assert dict(log)["combine"][6] == pull_sms, sms
+    be.combine_mode = "pipelined"  # a push combine: not capped
+    log.clear()
+    buf.combine(torch.randn(res.x.shape[0], H).to(torch.bfloat16), res.handle)
+    assert dict(log)["combine"][6] == 4
+    buf.close()

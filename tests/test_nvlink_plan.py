@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from ep_plugin.backends.nvlink.plan import (AUTO_COMBINE_MIN_TOKENS, AUTO_SMS, COMBINE_MODES, plan_combine_kernel,
-                                            plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots)
+                                            plan_dispatch_kernel, plan_kernel_sms, plan_num_sms,
+                                            plan_pull_stage_slots)
 from ep_plugin.config import load_config
 from ep_plugin.integrations.megatron.config import resolve_config
 
@@ -29,6 +30,16 @@ def test_combine_auto_pull_needs_sms():
     # session 16, so a late rank no longer costs it more than its delay)
     assert plan_combine_kernel("auto", 4096, 4, 16) == "pipelined" and plan_combine_kernel("auto", 4096, 4, 48) == "pull"
     assert plan_combine_kernel("auto", 4096, 8, 48) == "fused"  # unmeasured at EP8
+
+
+def test_kernel_sms_caps_at_ep4_only():
+    # EP4: the stage_pull dispatch on at most 24 SMs, the pull combine on at most 32; fewer SMs are kept as given
+    assert plan_kernel_sms("stage_pull", 4, 48) == 24 and plan_kernel_sms("pull", 4, 48) == 32
+    assert plan_kernel_sms("stage_pull", 4, 16) == 16 and plan_kernel_sms("pull", 4, 24) == 24
+    for kernel in ("split", "fused", "pipelined"):  # the push combines: unmeasured past 24, as given
+        assert plan_kernel_sms(kernel, 4, 48) == 48
+    for world in (2, 8):
+        assert plan_kernel_sms("stage_pull", world, 48) == 48 and plan_kernel_sms("pull", world, 48) == 48
 
 
 def test_pull_stage_slots_by_world():

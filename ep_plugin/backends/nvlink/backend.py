@@ -69,7 +69,8 @@ from ...types import (FP8_DTYPES, ContractDispatch, DispatchOutput, ExpertLayout
                       counts_from_lists)
 from ..base import Backend, Capabilities
 from .limits import HIDDEN_ALIGN, HIDDEN_MAX, HIDDEN_MIN, KERNEL_NAMES, MAX_RANKS, MAX_TOPK, check_hidden
-from .plan import COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_num_sms, plan_pull_stage_slots
+from .plan import (COMBINE_MODES, plan_combine_kernel, plan_dispatch_kernel, plan_kernel_sms, plan_num_sms,
+                   plan_pull_stage_slots)
 from .spares import Spares
 from .state import NvlinkState, _DispatchCounts
 
@@ -363,16 +364,18 @@ class NvlinkBackend(Backend):
             notify_args = (ptrs[0], ptrs[1], ptrs[3], *host_ptrs) if inside else ()
             rt.stage_pull_contract(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
                                    recv_src.data_ptr(), R, contract.recv_counts.numel() // W,
-                                   contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(), self.num_sms, sp,
+                                   contract.to_contract.data_ptr(), contract.recv_counts.data_ptr(),
+                                   self._stage_pull_sms, sp,
                                    *notify_args)
             layout = None
         elif inside:  # notify's arguments, then stage_pull's
             rt.notify_stage_pull(idx_ptr, T, K, *ptrs, *host_ptrs, x_ptr, row_bytes, scales_ptr, nscales, weights_ptr,
-                                 rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R, self.num_sms, sp)
+                                 rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_src.data_ptr(), R,
+                                 self._stage_pull_sms, sp)
             layout = None
         elif together:
             rt.stage_pull(*stage_args, rows_ptr, s_ptr, out_idx.data_ptr(), w_ptr, recv_off.data_ptr(),
-                          recv_src.data_ptr(), 0, R, self.num_sms, sp)
+                          recv_src.data_ptr(), 0, R, self._stage_pull_sms, sp)
             layout = None
         elif alignment is None:
             rt.pull(rows_ptr, row_bytes, s_ptr, nscales, out_idx.data_ptr(), w_ptr, K, recv_off.data_ptr(),
@@ -432,6 +435,7 @@ class NvlinkBackend(Backend):
     def num_sms(self, n: int) -> None:
         self._num_sms = int(n)
         self.dispatch_mode = plan_dispatch_kernel(self._dispatch_requested, self.world, self._num_sms)
+        self._stage_pull_sms = plan_kernel_sms("stage_pull", self.world, self._num_sms)
         self._plan_combine()
 
     @property
@@ -450,6 +454,7 @@ class NvlinkBackend(Backend):
         # either side of AUTO_COMBINE_MIN_TOKENS would otherwise run split and pull in one exchange, whose flags and
         # areas do not interoperate (each side waits for flags the other never sets, to the timeout)
         self._combine_kernel = plan_combine_kernel(self._combine_requested, self.max_tokens, self.world, self._num_sms)
+        self._combine_sms = plan_kernel_sms(self._combine_kernel, self.world, self._num_sms)
 
     def _notify_tensors(self, T: int, dev):
         """(send_pos [T, W] int32, is_in [T, W] bool, recv_off [W + 1] int32, tokens per expert [E_l] int64),
@@ -537,7 +542,7 @@ class NvlinkBackend(Backend):
             route = () if out_rows is None else (out_rows.data_ptr(),)  # the plain call passes nothing more
             if together:
                 rt.stage_pull(*stage_args, rows_ptr, s_ptr, 0, w_ptr, st.recv_off.data_ptr(),
-                              st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
+                              st.recv_src.data_ptr(), 1, N, self._stage_pull_sms, sp, *route)
             else:
                 rt.pull(rows_ptr, row_bytes, s_ptr, nscales, 0, w_ptr, K, st.recv_off.data_ptr(),
                         st.recv_src.data_ptr(), 1, N, self.num_sms, sp, *route)
@@ -633,14 +638,14 @@ class NvlinkBackend(Backend):
             # are on the host already (notify done; a host-synced dispatch's always are), with an SM left free for the
             # side stream's one-block releases, which the peers' loads wait on while the pull kernel runs
             if (self.combine_stage_copy_engine and mode == "pull" and x_rows is None and not capturing
-                    and self.num_sms < self._gpu_sms and not self._one_queue and rt.combine_copy_engine_fits):
+                    and self._combine_sms < self._gpu_sms and not self._one_queue and rt.combine_copy_engine_fits):
                 offs = _host_recv_off(handle)
         if offs is not None:
             rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
-                                   self.num_sms, sp, offs)
+                                   self._combine_sms, sp, offs)
         else:
             rt.combine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), st.recv_src.data_ptr(),
-                       0 if y is None else y.data_ptr(), T, self.num_sms, COMBINE_MODES[mode], sp,
+                       0 if y is None else y.data_ptr(), T, self._combine_sms, COMBINE_MODES[mode], sp,
                        0 if x_rows is None else x_rows.data_ptr(), 0 if y_blocks is None else y_blocks.data_ptr(),
                        block_tokens)
         if sums:

@@ -77,6 +77,25 @@ def plan_pull_stage_slots(world: int) -> int:
     return PULL_STAGE_SLOTS.get(world, PULL_STAGE_SLOTS[2])
 
 
+# The most SMs a kernel runs on at an EP size, whatever comm.num_sms gives it: past these counts the kernel only
+# slowed (both GPU types, queued us, 4096 tokens, hidden 7168, top-8 of 256, auto kernels; results/
+# bench_kernels_*_s20call{1,2}.json; medians of three processes, 32 SMs on H200 one). The EP4 stage_pull dispatch
+# (dispatch_kernel fused), BF16 / cached / FP8 at 24 / 32 / 48 SMs: 4x H100 (session 20 call 2) 584 / 548 / 359,
+# 589 / 559 / 377, 608 / 568 / 374; 4x H200 (call 1) 579 / 546 / 353, 577 / 557 / 355, 578 / 557 / 364. The EP4 pull
+# combine at 24 / 28 / 32 / 36 / 40 / 48 SMs: 4x H100 588 / 564 / 562 / 565 / 565 / 588; 4x H200 580 / - / 559 / - /
+# - / 578 (DeepEP's combine peaks at 32 too: 552 on H100, 548 on H200). The SMs left over go to the computation beside
+# the exchange. EP2 has no cap (its combine holds from 32 to 48: 222 / 220 / 221 us on H100; its dispatch is flat);
+# other sizes are unmeasured.
+KERNEL_SMS_CAP = {4: {"stage_pull": 24, "pull": 32}}
+
+
+def plan_kernel_sms(kernel: str, world: int, num_sms: int) -> int:
+    """The SMs `kernel` ("stage_pull", or a combine kernel: split, fused, pipelined, pull) runs on at `world` ranks
+    when given `num_sms`: num_sms, or KERNEL_SMS_CAP's count if smaller -- the same on every rank, since world and
+    num_sms are."""
+    return min(num_sms, KERNEL_SMS_CAP.get(world, {}).get(kernel, num_sms))
+
+
 def plan_dispatch_kernel(requested: str, world: int, num_sms: int) -> str:
     """`comm.dispatch_kernel`: as given, or for `auto` stage_pull ("fused") at every EP size and SM count. It ties
     stage-then-pull ("split") at EP2 (16 / 24 / 48 SMs, 4x H200, session 7: 288.6 / 223.4 / 216.3 us queued
