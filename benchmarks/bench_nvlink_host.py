@@ -168,6 +168,9 @@ class FakeRuntime:
     def combine_expert(self, x, positions, K, send_pos, recv_off, y, T, num_sms, stream):
         self._log("combine_expert", (x, positions, K, send_pos, recv_off, y, T, num_sms, stream))
 
+    def expert_sum(self, x, positions, K, recv_off, rows, blocks, stream):
+        self._log("expert_sum", (x, positions, K, recv_off, rows, blocks, stream))
+
     def results(self):  # host_sync: what a finished notify left in host-mapped memory (T rows, all local)
         T = self.max_tokens // 2
         return T, [T] + [0] * (self.world - 1), [T] + [0] * (self.world - 1), [T // self.local] * self.local, 0

@@ -445,9 +445,17 @@ def check_expert(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, alignme
     off = a.expert_offsets.tolist()
     for e in range(epr):
         seg[off[e]:off[e + 1]] = 1.0 + (rank * epr + e) / E
-    ya = nv.combine((a.x.float() * seg.unsqueeze(1)).to(torch.bfloat16), a.handle)
     yb = ref.combine((b.x.float() * seg[:b.x.shape[0]].unsqueeze(1)).to(torch.bfloat16), b.handle)
-    torch.testing.assert_close(ya.float(), yb.float(), atol=3e-2, rtol=2e-2, msg=ctx)
+    be = nv._backend
+    mode0 = be.combine_mode
+    # every combine kernel: split sums on the way out; the others take the rows summed first (expert_sum), or, with
+    # expert_sum_first off, the split kernels' way whatever the plan
+    for mode, sum_first in (("split", True), ("fused", True), ("pipelined", True), ("pull", True), ("pull", False)):
+        be.combine_mode, be.expert_sum_first = mode, sum_first
+        ya = nv.combine((a.x.float() * seg.unsqueeze(1)).to(torch.bfloat16), a.handle)
+        torch.testing.assert_close(ya.float(), yb.float(), atol=3e-2, rtol=2e-2,
+                                   msg=f"{ctx} combine {mode} sum first {sum_first}")
+    be.combine_mode, be.expert_sum_first = mode0, True
     # cached: same layout, new rows
     x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
     ca = nv.dispatch(x2, handle=a.handle)

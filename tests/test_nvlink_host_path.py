@@ -441,6 +441,38 @@ def test_expert_major(gpu, host_sync):
     buf.close()
 
 
+def test_expert_combine_sums_first_under_the_pull_kernel(gpu):
+    """combine of expert-major rows under a combine kernel other than split: each row's local experts summed into
+    rank-major rows on the whole GPU (expert_sum), then the planned kernel on num_sms SMs; expert_sum_first False
+    (or the split kernels) keeps the send-side sum (combine_expert)."""
+    log, stream, _ = gpu
+    buf = make_buf(combine_kernel="pull")
+    be = buf._backend
+    x, idx, w = inputs()
+    h = buf.dispatch(x, idx, w, layout="expert").handle
+    st, lay, n = h.state, h.expert, h.expert.num_rows
+    ex = torch.zeros(n, H, dtype=torch.bfloat16)
+    log.clear()
+    y = buf.combine(ex, h)
+    assert names(log) == ["expert_sum", "combine"] and y.shape == (T, H)
+    xs, pos, k, off, rows, blocks, sp = dict(log)["expert_sum"]
+    assert (xs, pos, k, off, blocks, sp) == (ex.data_ptr(), lay.positions.data_ptr(), K, st.recv_off.data_ptr(),
+                                             be._gpu_sms, stream.cuda_stream)
+    comb = dict(log)["combine"]
+    assert comb[0] == rows and comb[4] == y.data_ptr() and comb[6:8] == (SMS, 3)  # the rows summed, pull, num_sms
+    log.clear()
+    y, ev = buf.combine(ex, h, async_op=True)  # async: both launches on the side stream, the event after them
+    assert names(log) == ["expert_sum", "combine"] and ev is not None
+    assert dict(log)["expert_sum"][-1] == dict(log)["combine"][8] != stream.cuda_stream
+    ev.current_stream_wait()
+    for sum_first, mode in ((False, "pull"), (True, "split")):
+        be.expert_sum_first, be.combine_mode = sum_first, mode
+        log.clear()
+        buf.combine(ex, h)
+        assert names(log) == ["combine_expert"], (sum_first, mode)
+    buf.close()
+
+
 def test_expert_major_weights_with_grad(gpu):
     """Weights whose gradient is recorded go through expert_major.repeats_share_grad before notify: a view
     (no op, the kernels merge the values), whose backward gives each slot its expert's gradient; a cached

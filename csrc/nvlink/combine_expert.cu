@@ -1,9 +1,11 @@
-// combine, send half, for expert-major rows: each received row is first summed over its local
-// experts' rows (positions from the expert-major dispatch, float accumulation in slot order, so the
-// result does not depend on timing), then written as BF16 into the source's combine area, slot
-// [this rank][position on the source] -- the rows this rank sent itself too, into its own area, so
-// that the reduce kernel reads every slot from there. This is the unpermute of a grouped-GEMM MoE
-// layer, done on the way out. The reduce half is combine_reduce.cu with self_in_area = 1.
+// combine of expert-major rows. Each received row is first summed over its local experts' rows (positions from
+// the expert-major dispatch, float accumulation in slot order, so the result does not depend on timing) -- the
+// unpermute of a grouped-GEMM MoE layer -- and written as BF16 either
+//   - into the source's combine area, slot [this rank][position on the source] (the rows this rank sent itself
+//     too, into its own area, so that the reduce kernel reads every slot from there): the split combine's send
+//     half, done on the way out; the reduce half is combine_reduce.cu with self_in_area = 1; or
+//   - into local rank-major rows (expert_sum_kernel), which the pull and push combine kernels then take as any
+//     rank-major combine's x: the sum costs one local pass, and the exchange runs at the planned kernel's rate.
 //
 // Protocol as combine_send.cu, at combine epoch ce = epochs[E_COMBINE] + 1: wait REDUCE_DONE[p] >=
 // ce-1 for every peer p, write, the last block releases COMBINE[me] = ce at every peer.
@@ -20,9 +22,61 @@ namespace {
 constexpr int kU = 2;       // 16-byte vectors per lane per round and position
 constexpr int kMaxPos = 8;  // positions (local experts of a row) whose loads are in flight together
 
-// A warp per received row at a time. Per round the loads of up to kMaxPos positions x kU vectors are
-// all issued before the first is summed: a row costs one memory latency per round, not one per
-// position (a row with more local experts takes them kMaxPos at a time, in slot order).
+// Row i's local experts' rows of x (positions[i * K ..], -1 unused), summed in slot order with float
+// accumulation, written to dst in BF16 (n16 16-byte vectors); by one warp. Per round the loads of up to kMaxPos
+// positions x kU vectors are all issued before the first is summed: a row costs one memory latency per round, not
+// one per position (a row with more local experts takes them kMaxPos at a time, in slot order).
+__device__ __forceinline__ void sum_expert_row(const int4* __restrict__ x, const int* __restrict__ positions,
+                                               size_t i, int K, int n16, int lane, int4* __restrict__ dst) {
+  const int pos = lane < K ? positions[i * K + lane] : -1;
+  const unsigned valid = __ballot_sync(kFull, pos >= 0);
+  const int npos = __popc(valid);
+  // lane q holds the q-th valid position (slot order); `valid` is the same on every lane
+  int mine = -1;
+  unsigned m = valid;
+  for (int q = 0; m; ++q, m &= m - 1) {
+    const int p = __shfl_sync(kFull, pos, __ffs(m) - 1);
+    if (q == lane) mine = p;
+  }
+  for (int v0 = 0; v0 < n16; v0 += 32 * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    for (int p0 = 0; p0 < npos; p0 += kMaxPos) {
+      int4 v[kMaxPos][kU];
+#pragma unroll
+      for (int q = 0; q < kMaxPos; ++q) {
+        const int p = __shfl_sync(kFull, mine, min(p0 + q, 31));
+        const int4* row = x + static_cast<size_t>(p < 0 ? 0 : p) * n16;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int j = v0 + u * 32 + lane;
+          if (p0 + q < npos && j < n16) v[q][u] = ld_nc_v4(row + j);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kMaxPos; ++q)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (p0 + q < npos && v0 + u * 32 + lane < n16) add_bf16x8(acc[u], v[q][u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int j = v0 + u * 32 + lane;
+      if (j < n16) {
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        st_na_v4(dst + j, o);
+      }
+    }
+  }
+}
+
+// A warp per received row at a time, its sum into the source's combine area.
 __global__ void __launch_bounds__(kThreads)
 combine_expert_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ recv_off,
                            const int* __restrict__ positions, int K) {
@@ -41,57 +95,23 @@ combine_expert_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restr
   for (int i = gw; i < R; i += NW) {
     const int src = find_src(s_off, W, i);
     const int slot = me * c.max_tokens + (i - s_off[src]);
-    const int pos = lane < K ? positions[static_cast<size_t>(i) * K + lane] : -1;
-    const unsigned valid = __ballot_sync(kFull, pos >= 0);
-    const int npos = __popc(valid);
-    // lane q holds the q-th valid position (slot order); `valid` is the same on every lane
-    int mine = -1;
-    unsigned m = valid;
-    for (int q = 0; m; ++q, m &= m - 1) {
-      const int p = __shfl_sync(kFull, pos, __ffs(m) - 1);
-      if (q == lane) mine = p;
-    }
     int4* dst = reinterpret_cast<int4*>(c.peers[src] + c.off_combine + static_cast<size_t>(slot) * row_bytes);
-    for (int v0 = 0; v0 < n16; v0 += 32 * kU) {
-      float acc[kU][8];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-      for (int p0 = 0; p0 < npos; p0 += kMaxPos) {
-        int4 v[kMaxPos][kU];
-#pragma unroll
-        for (int q = 0; q < kMaxPos; ++q) {
-          const int p = __shfl_sync(kFull, mine, min(p0 + q, 31));
-          const int4* row = x + static_cast<size_t>(p < 0 ? 0 : p) * n16;
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int j = v0 + u * 32 + lane;
-            if (p0 + q < npos && j < n16) v[q][u] = ld_nc_v4(row + j);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kMaxPos; ++q)
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (p0 + q < npos && v0 + u * 32 + lane < n16) add_bf16x8(acc[u], v[q][u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int j = v0 + u * 32 + lane;
-        if (j < n16) {
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-          st_na_v4(dst + j, o);
-        }
-      }
-    }
+    sum_expert_row(x, positions, i, K, n16, lane, dst);
   }
   if (last_block(c.counters + C_SEND)) {
     if (tid < W && tid != me) st_release_sys(flag_at(c, tid, F_COMBINE, me), ce);
   }
+}
+
+// A warp per received row at a time, its sum into rows[i]: the rank-major rows any combine kernel takes. No
+// peer is touched: a local pass, like the unpermute of a grouped-GEMM MoE layer.
+__global__ void __launch_bounds__(kThreads)
+expert_sum_kernel(const int4* __restrict__ x, const int* __restrict__ recv_off, const int* __restrict__ positions,
+                  int K, int W, int n16, int4* __restrict__ rows) {
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int R = recv_off[W];
+  const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  for (int i = gw; i < R; i += NW) sum_expert_row(x, positions, i, K, n16, lane, rows + static_cast<size_t>(i) * n16);
 }
 
 }  // namespace
@@ -99,6 +119,12 @@ combine_expert_send_kernel(Ctx c, const int4* __restrict__ x, const int* __restr
 void launch_combine_expert_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions,
                                 int K, cudaStream_t stream) {
   combine_expert_send_kernel<<<blocks, kThreads, 0, stream>>>(c, x, recv_off, positions, K);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_expert_sum(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions, int K,
+                       int4* rows, cudaStream_t stream) {
+  expert_sum_kernel<<<blocks, kThreads, 0, stream>>>(x, recv_off, positions, K, c.world, c.hidden * 2 / 16, rows);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -81,6 +81,9 @@ void launch_combine_reduce(const Ctx& c, int blocks, const int4* x, const int* s
                            int4* y, int T, bool self_in_area, cudaStream_t stream);
 void launch_combine_expert_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions,
                                 int K, cudaStream_t stream);
+// combine_expert.cu too: each received row's local experts summed into rows [R, H] (rank-major, local).
+void launch_expert_sum(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions, int K,
+                       int4* rows, cudaStream_t stream);
 void launch_combine_fused(const Ctx& c, int blocks, const int4* x, const int* send_pos, const int* recv_off,
                           const int* recv_src, int4* y, int T, cudaStream_t stream);
 // combine_pipe_tma.cu: the fused protocol with bulk-copy sends from one thread per block while the

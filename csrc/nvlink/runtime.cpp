@@ -510,6 +510,15 @@ void Runtime::combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t 
                         ptr<int4>(y), T, true, stream_of(stream));
 }
 
+void Runtime::expert_sum(uintptr_t x, uintptr_t positions, int K, uintptr_t recv_off, uintptr_t rows, int blocks,
+                         uintptr_t stream) {
+  check_open();
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  set_device();
+  launch_expert_sum(ctx_, grid_for(blocks), ptr<const int4>(x), ptr<const int>(recv_off), ptr<const int>(positions),
+                    K, ptr<int4>(rows), stream_of(stream));
+}
+
 // The readbacks go through volatile: the kernels write this memory behind the compiler's back.
 int Runtime::num_recv() const { return static_cast<volatile HostInfo*>(host_)->num_recv; }
 std::vector<int> Runtime::recv_counts() const {

@@ -140,6 +140,10 @@ class Runtime {
   // combine of expert-major rows x [N, H] bf16 (positions from the dispatch) -> y [T, H] bf16
   void combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y,
                       int T, int num_sms, uintptr_t stream);
+  // each received row's local experts of x [N, H] bf16 summed into rows [>= recv_off[W], H] bf16 (rank-major: the
+  // x of a combine of the same handle), on `blocks` blocks
+  void expert_sum(uintptr_t x, uintptr_t positions, int K, uintptr_t recv_off, uintptr_t rows, int blocks,
+                  uintptr_t stream);
 
   // Host-side readbacks of the host-mapped info (valid after the notify has completed).
   int num_recv() const;

@@ -90,6 +90,9 @@ void bind_nvlink(py::module_& m) {
       .def("expert_scratch_ints", &Runtime::expert_scratch_ints, py::arg("num_sms"))
       .def("combine_expert", &Runtime::combine_expert, py::arg("x"), py::arg("positions"), py::arg("K"),
            py::arg("send_pos"), py::arg("recv_off"), py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("stream"))
+      .def("expert_sum", &Runtime::expert_sum, py::arg("x"), py::arg("positions"), py::arg("K"), py::arg("recv_off"),
+           py::arg("rows"), py::arg("blocks"), py::arg("stream"),
+           "each received row's local experts summed into rank-major rows (then any combine kernel takes them)")
       .def("results",
            [](const Runtime& r) {
              return py::make_tuple(r.num_recv(), r.send_counts(), r.recv_counts(), r.tokens_per_expert(),

@@ -130,6 +130,9 @@ class NvlinkBackend(Backend):
     # 4x H100 the fresh dispatch read 825-857 us cold against 864-880 with notify first, 1.13-1.15x a cached one
     # against 1.14-1.17x (three processes each; bench_internode.py --fresh-path notify_first is the path before).
     notify_inside_contract = True
+    # combine_expert under the pull / push kernels: each row's local experts summed locally first (expert_sum), then
+    # the planned kernel; False: the split kernels' send-side sum whatever the plan (the path before session 20).
+    expert_sum_first = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         super().__init__(group, cfg, hidden, num_experts)
@@ -577,16 +580,25 @@ class NvlinkBackend(Backend):
 
     # ---------------------------------------------------------------- combine
     def combine_expert(self, x, handle, async_op=False):
-        """Sum each received row's local experts on the way out, then reduce at the source (split
-        kernels whatever comm.combine_kernel says: the fused kernel reads own rows in place)."""
+        """Sum each received row's local experts (the unpermute), then combine those rank-major rows. Under the
+        split kernels the sum is the send kernel's way out (one pass over the rows); under the others (expert_sum_first,
+        the default) a local pass first (expert_sum, on the whole GPU: local work, not the exchange) into rank-major
+        rows, which the planned kernel then combines on its SMs -- 4x H200, EP4, 24 SMs, queued: the split kernels
+        with the sum on the way out ran 1603 us against the pull kernel's 580 for rank-major rows (session 20)."""
         self.check()
         st = self._state(handle)
         if handle.expert is None:
             raise ValueError("combine of expert-major rows needs the handle of an expert-major dispatch")
         if not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        s, sp, cur = self._stream(async_op)
         T, K = handle.num_tokens, handle.topk_idx.shape[1]
+        if self.expert_sum_first and self._combine_kernel != "split":
+            s, sp, _ = self._stream(async_op)
+            rows = torch.empty(handle.num_recv, self.hidden, dtype=torch.bfloat16, device=x.device)
+            self._rt.expert_sum(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.recv_off.data_ptr(),
+                                rows.data_ptr(), self._gpu_sms, sp)
+            return self._combine_routed(rows, handle, async_op, None, None, 0, True, keep=(x,))
+        s, sp, cur = self._stream(async_op)
         dev, capturing = x.device, _is_capturing()
         y = self._sums(T, dev, cur, capturing)
         self._rt.combine_expert(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.send_pos.data_ptr(),
@@ -615,7 +627,7 @@ class NvlinkBackend(Backend):
                              f"handle's {handle.num_tokens} tokens")
         return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, False)[1]
 
-    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, sums: bool):
+    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, sums: bool, keep=()):
         """(y [T, H] where `sums`, else None (the kernels store at y_blocks), the event of an async call or None)."""
         self.check()
         st = self._state(handle)
@@ -650,7 +662,7 @@ class NvlinkBackend(Backend):
                        block_tokens)
         if sums:
             self._sums_next(T, dev, cur, capturing)
-        return y, (self._finish(s, (x, x_rows, y, y_blocks)) if async_op else None)
+        return y, (self._finish(s, (x, x_rows, y, y_blocks, *keep)) if async_op else None)
 
     # ---------------------------------------------------------------- teardown
     def close(self, barrier: bool = True) -> None:
