@@ -21,7 +21,8 @@
 // never trap, so the CUDA context stays usable.
 //
 // Expert-major dispatch replaces pull with expert_meta + expert_pull (expert.cu): rows land in their
-// local experts' segments; its combine sums each row's experts on the way out (combine_expert.cu).
+// local experts' segments; its combine sums each row's experts (combine_expert.cu): on the way out of the split
+// kernels' send, or into rank-major rows that the other combine kernels take.
 //
 // Files: this header (shared types), kernels.h (one launcher per kernel), device.cuh (what the
 // kernels share), notify.cu, dispatch.cu (stage + pull), expert.cu, combine_send.cu,
