@@ -65,13 +65,7 @@ __device__ __forceinline__ void sum_expert_row(const int4* __restrict__ x, const
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int j = v0 + u * 32 + lane;
-      if (j < n16) {
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-        st_na_v4(dst + j, o);
-      }
+      if (j < n16) st_na_v4(dst + j, bf16x8_of(acc[u]));
     }
   }
 }

@@ -17,6 +17,15 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   }
 }
 
+// Eight float sums as one 16-byte vector of BF16 (round to nearest).
+__device__ __forceinline__ int4 bf16x8_of(const float* acc) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return o;
+}
+
 // The sum of one token's rows srcp[0..MAXW) (null where a rank holds none), in rank order, float
 // accumulation, written to yrow in BF16. For each chunk of 32*U vectors the loads of all rows
 // (load(p): one 16-byte vector) are issued before any is summed, so one chunk costs one memory round
@@ -48,13 +57,7 @@ __device__ __forceinline__ void sum_rows_bf16(const int4* const (&srcp)[MAXW], i
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = base + u * 32 + lane;
-      if (j < n16) {
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-        yrow[j] = o;
-      }
+      if (j < n16) yrow[j] = bf16x8_of(acc[u]);
     }
   }
 }
