@@ -15,6 +15,7 @@ import ep_plugin
 from benchmarks import bench_nvlink_host as bench
 from ep_plugin import expert_major
 from ep_plugin.backends.nvlink import backend as nvl
+from ep_plugin.backends.nvlink import plan as nvl_plan
 from ep_plugin.errors import EPTimeoutError
 
 W, E, K, H, M, T = bench.W, 8, 3, 256, 16, 6
@@ -800,7 +801,7 @@ def test_kernel_sms_caps_reach_the_launches(gpu, monkeypatch):
     """plan.KERNEL_SMS_CAP's counts reach the stage_pull and pull-combine launches (the fakes' world stands in for
     EP4, whose caps they are); every other launch keeps num_sms, and a new num_sms replans both."""
     log = gpu[0]
-    monkeypatch.setitem(nvl.plan_kernel_sms.__globals__["KERNEL_SMS_CAP"], W, {"stage_pull": 6, "pull": 10})
+    monkeypatch.setitem(nvl_plan.KERNEL_SMS_CAP, W, {"stage_pull": 6, "pull": 10})
     buf = make_buf(dispatch_kernel="fused", combine_kernel="pull")
     be = buf._backend
     x, idx, w = inputs()

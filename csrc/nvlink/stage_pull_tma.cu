@@ -443,20 +443,20 @@ bool stage_pull_notify_fits(int row_bytes, int num_experts) {
 namespace {
 
 // One instantiation per (mode, scale loads): each with its own shared-memory attribute, set once per device.
+template <int kMode, bool kVec>
+void launch_one(int blocks, size_t smem, cudaStream_t stream, const Ctx& c, const StageIn& in, const PullOut& out,
+                int row_bytes, int nscales, int K, int nslot, const NotifyOut& nout, int inside) {
+  static bool smem_set[64] = {};
+  ring_smem_once(stage_pull_tma_kernel<kMode, kVec>, smem_set);
+  stage_pull_tma_kernel<kMode, kVec>
+      <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
+}
+
 template <int kMode>
 void launch_mode(bool vec, int blocks, size_t smem, cudaStream_t stream, const Ctx& c, const StageIn& in,
                  const PullOut& out, int row_bytes, int nscales, int K, int nslot, const NotifyOut& nout, int inside) {
-  if (vec) {
-    static bool smem_set[64] = {};
-    ring_smem_once(stage_pull_tma_kernel<kMode, true>, smem_set);
-    stage_pull_tma_kernel<kMode, true>
-        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
-  } else {
-    static bool smem_set[64] = {};
-    ring_smem_once(stage_pull_tma_kernel<kMode, false>, smem_set);
-    stage_pull_tma_kernel<kMode, false>
-        <<<blocks, kFusedThreads, smem, stream>>>(c, in, out, row_bytes, nscales, K, nslot, nout, inside);
-  }
+  (vec ? launch_one<kMode, true> : launch_one<kMode, false>)(blocks, smem, stream, c, in, out, row_bytes, nscales, K,
+                                                             nslot, nout, inside);
 }
 
 }  // namespace

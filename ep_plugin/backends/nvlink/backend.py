@@ -585,20 +585,16 @@ class NvlinkBackend(Backend):
         the default) a local pass first (expert_sum, on the whole GPU: local work, not the exchange) into rank-major
         rows, which the planned kernel then combines on its SMs -- 4x H200, EP4, 24 SMs, queued: the split kernels
         with the sum on the way out ran 1603 us against the pull kernel's 580 for rank-major rows (session 20)."""
-        self.check()
-        st = self._state(handle)
         if handle.expert is None:
             raise ValueError("combine of expert-major rows needs the handle of an expert-major dispatch")
+        if self.expert_sum_first and self._combine_kernel != "split":
+            return self._combine_routed(x, handle, async_op, None, None, 0, True, expert=handle.expert)
+        self.check()
+        st = self._state(handle)
         if not x.is_contiguous() or x.data_ptr() % 16:
             raise ValueError("x must be contiguous and 16-byte aligned for the nvlink kernels")
-        T, K = handle.num_tokens, handle.topk_idx.shape[1]
-        if self.expert_sum_first and self._combine_kernel != "split":
-            s, sp, _ = self._stream(async_op)
-            rows = torch.empty(handle.num_recv, self.hidden, dtype=torch.bfloat16, device=x.device)
-            self._rt.expert_sum(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.recv_off.data_ptr(),
-                                rows.data_ptr(), self._gpu_sms, sp)
-            return self._combine_routed(rows, handle, async_op, None, None, 0, True, keep=(x,))
         s, sp, cur = self._stream(async_op)
+        T, K = handle.num_tokens, handle.topk_idx.shape[1]
         dev, capturing = x.device, _is_capturing()
         y = self._sums(T, dev, cur, capturing)
         self._rt.combine_expert(x.data_ptr(), handle.expert.positions.data_ptr(), K, st.send_pos.data_ptr(),
@@ -627,8 +623,10 @@ class NvlinkBackend(Backend):
                              f"handle's {handle.num_tokens} tokens")
         return self._combine_routed(x, handle, async_op, x_rows, y_blocks, block_tokens, False)[1]
 
-    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, sums: bool, keep=()):
-        """(y [T, H] where `sums`, else None (the kernels store at y_blocks), the event of an async call or None)."""
+    def _combine_routed(self, x, handle, async_op, x_rows, y_blocks, block_tokens, sums: bool, expert=None):
+        """(y [T, H] where `sums`, else None (the kernels store at y_blocks), the event of an async call or None).
+        expert: the ExpertLayout of expert-major rows x, whose local experts expert_sum adds into rank-major rows
+        first (combine_expert)."""
         self.check()
         st = self._state(handle)
         if not x.is_contiguous() or x.data_ptr() % 16:
@@ -641,6 +639,12 @@ class NvlinkBackend(Backend):
         T, dev = handle.num_tokens, x.device
         y = None
         rt = self._rt
+        keep = ()
+        if expert is not None:  # the rows the kernels below combine: x's experts summed per received row
+            rows = torch.empty(handle.num_recv, self.hidden, dtype=torch.bfloat16, device=dev)
+            rt.expert_sum(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1], st.recv_off.data_ptr(),
+                          rows.data_ptr(), self._gpu_sms, sp)
+            keep, x = (x,), rows
         mode = self._combine_kernel  # (planned with num_sms and combine_mode: _plan_combine)
         offs = None
         if sums:
