@@ -57,7 +57,8 @@ from protocols import (LL_KINDS, _short, failed, kernel_breakdown, ll_op_names, 
 
 NVLINK_OPS = ("nvlink.dispatch_bf16", "nvlink.dispatch_fp8", "nvlink.dispatch_cached", "nvlink.combine_bf16",
               "nvlink_sync.dispatch_bf16", "nvlink_sync.combine_bf16", "nvlink.dispatch_expert_bf16",
-              "nvlink.combine_expert_bf16", "nvlink.combine_expert_send_sum_bf16", "nvlink.dispatch_expert_fp8",
+              "nvlink.combine_expert_bf16", "nvlink.combine_expert_send_sum_bf16", "nvlink.combine_expert_sum_first_bf16",
+              "nvlink.dispatch_expert_fp8",
               "nvlink.dispatch_then_permute", "nvlink.unpermute_then_combine")
 EP_LL_OPS = ll_op_names("ep_ll")
 # the same calls with comm.low_latency.output_buffers: 2 (outputs from two sets used in turn): the
@@ -233,6 +234,12 @@ class RankBench:
                 self.timed(rec, "nvlink.combine_expert_send_sum_bf16", lambda: nv.combine(ea.x, ea.handle))
             finally:
                 be.expert_sum_first = True
+        if getattr(be, "expert_sum_beside", False):  # the sum as a pass of its own before the pull kernel (session 20)
+            be.expert_sum_beside = False
+            try:
+                self.timed(rec, "nvlink.combine_expert_sum_first_bf16", lambda: nv.combine(ea.x, ea.handle))
+            finally:
+                be.expert_sum_beside = True
         EL = nv.num_local_experts
 
         def then_permute():

@@ -168,6 +168,9 @@ class FakeRuntime:
     def combine_expert(self, x, positions, K, send_pos, recv_off, y, T, num_sms, stream):
         self._log("combine_expert", (x, positions, K, send_pos, recv_off, y, T, num_sms, stream))
 
+    def combine_expert_staged(self, x, positions, K, send_pos, recv_off, y, T, num_sms, stream):
+        self._log("combine_expert_staged", (x, positions, K, send_pos, recv_off, y, T, num_sms, stream))
+
     def expert_sum(self, x, positions, K, recv_off, rows, blocks, stream):
         self._log("expert_sum", (x, positions, K, recv_off, rows, blocks, stream))
 

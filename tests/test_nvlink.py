@@ -448,14 +448,19 @@ def check_expert(nv, ref, rank, world, E, K, hidden, tokens, seed, mode, alignme
     yb = ref.combine((b.x.float() * seg[:b.x.shape[0]].unsqueeze(1)).to(torch.bfloat16), b.handle)
     be = nv._backend
     mode0 = be.combine_mode
-    # every combine kernel: split sums on the way out; the others take the rows summed first (expert_sum), or, with
-    # expert_sum_first off, the split kernels' way whatever the plan
-    for mode, sum_first in (("split", True), ("fused", True), ("pipelined", True), ("pull", True), ("pull", False)):
-        be.combine_mode, be.expert_sum_first = mode, sum_first
+    # every combine kernel: split sums on the way out; pull takes the sum as its stage, beside it (expert_sum_beside),
+    # or the rows summed first (expert_sum), as the push kernels do; with expert_sum_first off, the split kernels' way
+    # whatever the plan
+    for mode, sum_first, beside in (("split", True, True), ("fused", True, True), ("pipelined", True, True),
+                                    ("pull", True, True), ("pull", True, False), ("pull", False, True)):
+        be.combine_mode, be.expert_sum_first, be.expert_sum_beside = mode, sum_first, beside
+        staged0 = be._rt.combine_expert_staged_calls
         ya = nv.combine((a.x.float() * seg.unsqueeze(1)).to(torch.bfloat16), a.handle)
+        ran = be._rt.combine_expert_staged_calls - staged0
+        assert ran == (mode == "pull" and sum_first and beside and be._combine_sms < be._gpu_sms), f"{ctx} {mode}"
         torch.testing.assert_close(ya.float(), yb.float(), atol=3e-2, rtol=2e-2,
-                                   msg=f"{ctx} combine {mode} sum first {sum_first}")
-    be.combine_mode, be.expert_sum_first = mode0, True
+                                   msg=f"{ctx} combine {mode} sum first {sum_first} beside {beside}")
+    be.combine_mode, be.expert_sum_first, be.expert_sum_beside = mode0, True, True
     # cached: same layout, new rows
     x2 = (x.float() * 0.5 - 1).to(torch.bfloat16)
     ca = nv.dispatch(x2, handle=a.handle)

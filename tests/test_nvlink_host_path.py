@@ -442,13 +442,40 @@ def test_expert_major(gpu, host_sync):
     buf.close()
 
 
+def test_expert_combine_stages_by_the_sum_under_the_pull_kernel(gpu):
+    """combine of expert-major rows under the pull kernel: one combine_expert_staged launch (the expert sum as the
+    pull kernel's stage, beside it), on num_sms SMs, y from the spares; async on the side stream."""
+    log, stream, _ = gpu
+    buf = make_buf(combine_kernel="pull")
+    x, idx, w = inputs()
+    h = buf.dispatch(x, idx, w, layout="expert").handle
+    st, lay, n = h.state, h.expert, h.expert.num_rows
+    ex = torch.zeros(n, H, dtype=torch.bfloat16)
+    log.clear()
+    y = buf.combine(ex, h)
+    assert names(log) == ["combine_expert_staged"] and y.shape == (T, H)
+    assert dict(log)["combine_expert_staged"] == (ex.data_ptr(), lay.positions.data_ptr(), K, st.send_pos.data_ptr(),
+                                                  st.recv_off.data_ptr(), y.data_ptr(), T, SMS, stream.cuda_stream)
+    log.clear()
+    y, ev = buf.combine(ex, h, async_op=True)
+    assert names(log) == ["combine_expert_staged"] and ev is not None
+    assert dict(log)["combine_expert_staged"][-1] != stream.cuda_stream
+    ev.current_stream_wait()
+    buf._backend._combine_sms = buf._backend._gpu_sms  # no SM left for the sum beside the pull kernel: sum first
+    log.clear()
+    buf.combine(ex, h)
+    assert names(log) == ["expert_sum", "combine"]
+    buf.close()
+
+
 def test_expert_combine_sums_first_under_the_pull_kernel(gpu):
-    """combine of expert-major rows under a combine kernel other than split: each row's local experts summed into
-    rank-major rows on the whole GPU (expert_sum), then the planned kernel on num_sms SMs; expert_sum_first False
-    (or the split kernels) keeps the send-side sum (combine_expert)."""
+    """combine of expert-major rows under a combine kernel other than split, expert_sum_beside off: each row's local
+    experts summed into rank-major rows on the whole GPU (expert_sum), then the planned kernel on num_sms SMs;
+    expert_sum_first False (or the split kernels) keeps the send-side sum (combine_expert)."""
     log, stream, _ = gpu
     buf = make_buf(combine_kernel="pull")
     be = buf._backend
+    be.expert_sum_beside = False
     x, idx, w = inputs()
     h = buf.dispatch(x, idx, w, layout="expert").handle
     st, lay, n = h.state, h.expert, h.expert.num_rows

@@ -5,7 +5,12 @@
 //     too, into its own area, so that the reduce kernel reads every slot from there): the split combine's send
 //     half, done on the way out; the reduce half is combine_reduce.cu with self_in_area = 1; or
 //   - into local rank-major rows (expert_sum_kernel), which the pull and push combine kernels then take as any
-//     rank-major combine's x: the sum costs one local pass, and the exchange runs at the planned kernel's rate.
+//     rank-major combine's x: the sum costs one local pass, and the exchange runs at the planned kernel's rate; or
+//   - as the pull combine's stager (expert_stage_kernel, Runtime::combine_expert_staged): straight into this rank's
+//     combine area, slot [owner][position on this rank], a COMBINE_READY release behind every sub-chunk, on the SMs
+//     the pull kernel leaves free and beside it. Why: summed first, the expert combine took the sum's pass plus the
+//     exchange (4x H100, EP4, queued: ~280 + ~580 us); beside it the owners start loading once the first sub-chunks
+//     are summed, and the sum's write of rank-major rows and the stager's re-read of them are gone.
 //
 // Protocol as combine_send.cu, at combine epoch ce = epochs[E_COMBINE] + 1: wait REDUCE_DONE[p] >=
 // ce-1 for every peer p, write, the last block releases COMBINE[me] = ce at every peer.
@@ -108,7 +113,48 @@ expert_sum_kernel(const int4* __restrict__ x, const int* __restrict__ recv_off, 
   for (int i = gw; i < R; i += NW) sum_expert_row(x, positions, i, K, n16, lane, rows + static_cast<size_t>(i) * n16);
 }
 
+// The pull combine's stage by summing (launch_expert_stage): units (owner o, sub-chunk of kCombineSub positions)
+// in the pull stager's order -- owners interleaved from this rank's successor, this rank's own rows last of each
+// round (its own pull kernel loads them from slot [me] like a peer's: kDiagOwnStaged), early positions first -- taken
+// by blocks in turn; a warp per row of the unit, then one release of COMBINE_READY[me][sub] = ce at the owner, ce the
+// snap kernel's (combine_stage_copies.cu). Never waits on a peer: the snap before it did, and a pull kernel waiting
+// on these releases always finds them coming.
+__global__ void __launch_bounds__(kThreads)
+expert_stage_kernel(Ctx c, const int4* __restrict__ x, const int* __restrict__ recv_off,
+                    const int* __restrict__ positions, int K) {
+  __shared__ int s_off[kMaxRanks + 1];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int W = c.world, me = c.rank;
+  if (ld_volatile(c.aborted)) return;  // the snap timed out: it recorded no epoch to release
+  const int ce = *c.combine_ce;
+  if (tid <= W) s_off[tid] = recv_off[tid];
+  __syncthreads();
+  int most = 0;
+  for (int o = 0; o < W; ++o) most = max(most, s_off[o + 1] - s_off[o]);
+  const int subs = (most + kCombineSub - 1) / kCombineSub, n16 = c.hidden * 2 / 16;
+  int4* const area = reinterpret_cast<int4*>(c.peers[me] + c.off_combine);
+  for (int u = blockIdx.x; u < subs * W; u += gridDim.x) {
+    const int o = (me + 1 + u % W) % W, q0 = (u / W) * kCombineSub, cnt = s_off[o + 1] - s_off[o];
+    if (q0 >= cnt) continue;
+    const int n = min(kCombineSub, cnt - q0);
+    for (int j = warp; j < n; j += nwarps)
+      sum_expert_row(x, positions, static_cast<size_t>(s_off[o] + q0 + j), K, n16, lane,
+                     area + (static_cast<size_t>(o) * c.max_tokens + q0 + j) * n16);
+    __syncthreads();  // the unit's rows, every warp's, before its flag
+    if (tid == 0) {
+      __threadfence_system();
+      st_release_sys(combine_ready_at(c, o, me, q0 / kCombineSub), ce);
+    }
+  }
+}
+
 }  // namespace
+
+void launch_expert_stage(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions, int K,
+                         cudaStream_t stream) {
+  expert_stage_kernel<<<blocks, kThreads, 0, stream>>>(c, x, recv_off, positions, K);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch_combine_expert_send(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions,
                                 int K, cudaStream_t stream) {

@@ -75,6 +75,9 @@
 // Copy mode (diag kDiagStagedByCopies, Runtime::combine_copy_engine, off by default): no stager in any block, all
 // of the ring loads; the rows are staged and COMBINE_READY released by combine_stage_copies.cu's copies and one-block
 // release kernels on a side stream, step 2's flags with the same values (the two modes mix across ranks).
+// Expert mode (kDiagStagedByCopies | kDiagOwnStaged, Runtime::combine_expert_staged, the expert-major combine's):
+// the stage is combine_expert.cu's expert sum on the other SMs, which writes the own rows into slot [me] of this
+// rank's area too; the loader takes them from there behind COMBINE_READY[me][me] like any holder's.
 //
 // Protocol, at combine epoch ce = epochs[E_COMBINE] + 1:
 //   0. (start together, variant +64, the default) block 0 stores F_START[me] = ce at every peer;
@@ -165,7 +168,8 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
   const int ce = c.epochs[E_COMBINE] + 1;
   const unsigned long long deadline = globaltimer() + c.timeout_ns;
   const int row_bytes = c.hidden * 2;
-  const int variant = diag >> 4;
+  const bool own_staged = diag & kDiagOwnStaged;  // the own rows from this rank's area too (the expert sum's stage)
+  const int variant = (diag & ~kDiagOwnStaged) >> 4;
   diag &= 15;
   const bool spans = variant & kVarSpans, evict_x = variant & kVarEvictX, pace = variant & kVarPace;
   const uint64_t x_policy = evict_x ? l2_policy_evict_first() : 0;
@@ -410,7 +414,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
               if (r >= W || failed) continue;
               const int pos = s_pos[k * W + r];
               if (pos < 0) continue;
-              if (r == me) {
+              if (r == me && !own_staged) {
                 own = pos;
                 continue;
               }
@@ -446,7 +450,7 @@ combine_pull_tma_kernel(Ctx c, const char* __restrict__ x, const int* __restrict
               const int pos = s_pos[k * W + r];
               if (pos < 0) continue;
               const int ls = item % nload;
-              if (r == me) {  // the own row too goes through the ring: a reducer then never waits on HBM
+              if (r == me && !own_staged) {  // the own row too goes through the ring: a reducer never waits on HBM
                 const long long ts = tic();
                 while (ld_acquire_cta_shared(&s_freed[ls]) < item / nload) spin_pause();
                 p_slot += tic() - ts;

@@ -101,6 +101,9 @@ void launch_combine_pull_tma(const Ctx& c, int blocks, const int4* x, const int*
 // diag bit: the rows were (are being) staged by combine_stage_copies.cu, not by the kernel's stager (stage_slots 0:
 // the whole ring loads)
 constexpr int kDiagStagedByCopies = 8;
+// diag bit (with kDiagStagedByCopies): this rank's own rows are staged too, in its area's slot [me] (the expert sum,
+// launch_expert_stage), and loaded from there behind COMBINE_READY[me] like a peer's -- not from x
+constexpr int kDiagOwnStaged = 1 << 24;
 bool combine_pull_copies_fits(int row_bytes, int world);
 // combine_stage_copies.cu: the pull combine's stage by the copy engines (Runtime::combine_copy_engine). The snap
 // kernel (on the call's stream, before the pull kernel) waits, as the stager would, until the peers no longer
@@ -110,6 +113,12 @@ bool combine_pull_copies_fits(int row_bytes, int world);
 void launch_combine_snap(const Ctx& c, cudaStream_t stream);
 void launch_combine_stage_copies(const Ctx& c, const char* x, const int* recv_off_host, int rounds,
                                  cudaStream_t stream);
+// combine_expert.cu: the same stage by the expert sum (Runtime::combine_expert_staged): each received row's local
+// experts of x summed into this rank's combine area, slot [owner][position] (its own rows into slot [me]), a release
+// behind each sub-chunk; on a side stream after the snap, beside the pull kernel (diag kDiagStagedByCopies |
+// kDiagOwnStaged)
+void launch_expert_stage(const Ctx& c, int blocks, const int4* x, const int* recv_off, const int* positions, int K,
+                         cudaStream_t stream);
 
 }  // namespace nvl
 }  // namespace ep

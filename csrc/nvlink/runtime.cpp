@@ -510,6 +510,40 @@ void Runtime::combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t 
                         ptr<int4>(y), T, true, stream_of(stream));
 }
 
+void Runtime::combine_expert_staged(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off,
+                                    uintptr_t y, int T, int num_sms, uintptr_t stream) {
+  check_open();
+  check_tokens(T);
+  EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
+  EP_CHECK_ARG(T == 0 || y != 0, "combine_expert_staged: y is required for %d tokens", T);
+  EP_CHECK_ARG(combine_copy_engine_fits(), "combine_expert_staged runs the bulk-copy pull kernel (sm_90+, tma on, a "
+               "token's %d rows of %d bytes in its ring); ask combine_copy_engine_fits first", world_, hidden_ * 2);
+  set_device();
+  int sms = 0;
+  EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  const int blocks = grid_for(num_sms);
+  EP_CHECK_ARG(blocks < sms, "combine_expert_staged needs SMs beside the pull kernel's %d blocks for the expert sum "
+               "(the GPU has %d)", blocks, sms);
+  EP_CHECK(begun_T_ < 0, "combine_expert_staged called between a dispatch's stage_begin and its stage_end (they share "
+           "the side stream's events)");
+  forked_ = false;
+  ensure_side();
+  cudaStream_t s = stream_of(stream);
+  launch_combine_snap(ctx_, s);
+  EP_CUDA_CHECK(cudaEventRecord(fork_, s));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+  // the sum before the pull kernel, as combine_copy_engine's copies: queued behind the spinning pull kernel on a shared
+  // hardware queue it would not start, and the peers wait on its releases
+  launch_expert_stage(ctx_, sms - blocks, ptr<const int4>(x), ptr<const int>(recv_off), ptr<const int>(positions), K,
+                      side_);
+  launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                          ptr<int4>(y), T, 0,
+                          pull_diag_ | kDiagStagedByCopies | kDiagOwnStaged | (pull_variant_ << 4), s);
+  EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
+  ++combine_expert_staged_calls_;
+}
+
 void Runtime::expert_sum(uintptr_t x, uintptr_t positions, int K, uintptr_t recv_off, uintptr_t rows, int blocks,
                          uintptr_t stream) {
   check_open();

@@ -140,6 +140,13 @@ class Runtime {
   // combine of expert-major rows x [N, H] bf16 (positions from the dispatch) -> y [T, H] bf16
   void combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y,
                       int T, int num_sms, uintptr_t stream);
+  // combine of expert-major rows x [N, H] bf16 by the pull kernel on num_sms SMs, its stage the expert sum on the
+  // GPU's other SMs beside it (a side stream forked after the snap, `stream` joined to it): the sum writes the rows
+  // straight into the combine area and releases them per sub-chunk. Needs combine_copy_engine_fits and num_sms below
+  // the GPU's SM count; not for a routed call.
+  long long combine_expert_staged_calls() const { return combine_expert_staged_calls_; }  // (tests, benches)
+  void combine_expert_staged(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off,
+                             uintptr_t y, int T, int num_sms, uintptr_t stream);
   // each received row's local experts of x [N, H] bf16 summed into rows [>= recv_off[W], H] bf16 (rank-major: the
   // x of a combine of the same handle), on `blocks` blocks
   void expert_sum(uintptr_t x, uintptr_t positions, int K, uintptr_t recv_off, uintptr_t rows, int blocks,
@@ -181,7 +188,7 @@ class Runtime {
   bool tma_ = true;
   bool stage_ce_ = true;
   int combine_rounds_ = 4;
-  long long combine_copy_calls_ = 0;
+  long long combine_copy_calls_ = 0, combine_expert_staged_calls_ = 0;
   CUstream_st* side_ = nullptr;  // the copy-engine stages' stream (stage_begin, combine_copy_engine), and its events
   CUevent_st *fork_ = nullptr, *notified_ = nullptr, *staged_ = nullptr;
   int begun_T_ = -1;             // the tokens of a stage_begin awaiting its stage_end (-1: none)

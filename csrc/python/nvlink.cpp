@@ -90,6 +90,11 @@ void bind_nvlink(py::module_& m) {
       .def("expert_scratch_ints", &Runtime::expert_scratch_ints, py::arg("num_sms"))
       .def("combine_expert", &Runtime::combine_expert, py::arg("x"), py::arg("positions"), py::arg("K"),
            py::arg("send_pos"), py::arg("recv_off"), py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("stream"))
+      .def_property_readonly("combine_expert_staged_calls", &Runtime::combine_expert_staged_calls,
+                             "expert-major combines that ran combine_expert_staged (which path ran, for tests and benches)")
+      .def("combine_expert_staged", &Runtime::combine_expert_staged, py::arg("x"), py::arg("positions"), py::arg("K"),
+           py::arg("send_pos"), py::arg("recv_off"), py::arg("y"), py::arg("T"), py::arg("num_sms"), py::arg("stream"),
+           "combine of expert-major rows: the pull kernel on num_sms SMs, the expert sum staging its rows beside it")
       .def("expert_sum", &Runtime::expert_sum, py::arg("x"), py::arg("positions"), py::arg("K"), py::arg("recv_off"),
            py::arg("rows"), py::arg("blocks"), py::arg("stream"),
            "each received row's local experts summed into rank-major rows (then any combine kernel takes them)")

@@ -133,6 +133,10 @@ class NvlinkBackend(Backend):
     # combine_expert under the pull / push kernels: each row's local experts summed locally first (expert_sum), then
     # the planned kernel; False: the split kernels' send-side sum whatever the plan (the path before session 20).
     expert_sum_first = True
+    # ... and under the pull kernel the sum is its stage (Runtime.combine_expert_staged): on the SMs the pull kernel
+    # leaves free, beside it, straight into the combine area, released per sub-chunk; False: the sum first, then the
+    # pull kernel with its own stager (session 20's path).
+    expert_sum_beside = True
 
     def __init__(self, group, cfg, hidden: int, num_experts: int):
         super().__init__(group, cfg, hidden, num_experts)
@@ -640,6 +644,17 @@ class NvlinkBackend(Backend):
         y = None
         rt = self._rt
         keep = ()
+        # the sum as the pull kernel's stage, beside it on the other SMs (not under graph capture: its side stream is
+        # made at first use, which a capture would refuse)
+        if (expert is not None and sums and self.expert_sum_beside and self._combine_kernel == "pull"
+                and x_rows is None and self._combine_sms < self._gpu_sms and rt.combine_copy_engine_fits
+                and not _is_capturing()):
+            y = self._sums(T, dev, cur, False)
+            rt.combine_expert_staged(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1],
+                                     st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T, self._combine_sms,
+                                     sp)
+            self._sums_next(T, dev, cur, False)
+            return y, (self._finish(s, (x, y)) if async_op else None)
         if expert is not None:  # the rows the kernels below combine: x's experts summed per received row
             rows = torch.empty(handle.num_recv, self.hidden, dtype=torch.bfloat16, device=dev)
             rt.expert_sum(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1], st.recv_off.data_ptr(),
