@@ -442,15 +442,19 @@ def test_expert_major(gpu, host_sync):
     buf.close()
 
 
+def _expert_rows(buf):
+    """An expert-major dispatch's handle, its nvlink state and layout, and zero rows of its layout to combine."""
+    x, idx, w = inputs()
+    h = buf.dispatch(x, idx, w, layout="expert").handle
+    return h, h.state, h.expert, torch.zeros(h.expert.num_rows, H, dtype=torch.bfloat16)
+
+
 def test_expert_combine_stages_by_the_sum_under_the_pull_kernel(gpu):
     """combine of expert-major rows under the pull kernel: one combine_expert_staged launch (the expert sum as the
     pull kernel's stage, beside it), on num_sms SMs, y from the spares; async on the side stream."""
     log, stream, _ = gpu
     buf = make_buf(combine_kernel="pull")
-    x, idx, w = inputs()
-    h = buf.dispatch(x, idx, w, layout="expert").handle
-    st, lay, n = h.state, h.expert, h.expert.num_rows
-    ex = torch.zeros(n, H, dtype=torch.bfloat16)
+    h, st, lay, ex = _expert_rows(buf)
     log.clear()
     y = buf.combine(ex, h)
     assert names(log) == ["combine_expert_staged"] and y.shape == (T, H)
@@ -476,10 +480,7 @@ def test_expert_combine_sums_first_under_the_pull_kernel(gpu):
     buf = make_buf(combine_kernel="pull")
     be = buf._backend
     be.expert_sum_beside = False
-    x, idx, w = inputs()
-    h = buf.dispatch(x, idx, w, layout="expert").handle
-    st, lay, n = h.state, h.expert, h.expert.num_rows
-    ex = torch.zeros(n, H, dtype=torch.bfloat16)
+    h, st, lay, ex = _expert_rows(buf)
     log.clear()
     y = buf.combine(ex, h)
     assert names(log) == ["expert_sum", "combine"] and y.shape == (T, H)
