@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 
 #include "common/error.h"
@@ -426,10 +427,6 @@ bool Runtime::combine_copy_engine_fits() const {
 void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T,
                                   int num_sms, uintptr_t stream, const std::vector<int>& recv_off_host) {
   check_open();
-  check_tokens(T);
-  EP_CHECK_ARG(T == 0 || y != 0, "combine_copy_engine: y is required for %d tokens", T);
-  EP_CHECK_ARG(combine_copy_engine_fits(), "combine_copy_engine runs the bulk-copy pull kernel (sm_90+, tma on, a "
-               "token's %d rows of %d bytes in its ring); ask combine_copy_engine_fits first", world_, hidden_ * 2);
   EP_CHECK_ARG(static_cast<int>(recv_off_host.size()) == world_ + 1 && recv_off_host[0] == 0,
                "recv_off_host must hold the W + 1 = %d receive offsets from 0, got %zu", world_ + 1,
                recv_off_host.size());
@@ -437,29 +434,41 @@ void Runtime::combine_copy_engine(uintptr_t x, uintptr_t send_pos, uintptr_t rec
     EP_CHECK_ARG(recv_off_host[o + 1] >= recv_off_host[o] && recv_off_host[o + 1] - recv_off_host[o] <= max_tokens_,
                  "recv_off_host[%d..%d] = %d..%d: a source's rows must be between 0 and max_tokens = %d", o, o + 1,
                  recv_off_host[o], recv_off_host[o + 1], max_tokens_);
+  pull_beside_stage("combine_copy_engine", x, send_pos, recv_off, y, T, num_sms, stream, 0, [&](int) {
+    launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
+  });
+  ++combine_copy_calls_;
+}
+
+void Runtime::pull_beside_stage(const char* who, uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y,
+                                int T, int num_sms, uintptr_t stream, int diag,
+                                const std::function<void(int free_sms)>& stage) {
+  check_tokens(T);
+  EP_CHECK_ARG(T == 0 || y != 0, "%s: y is required for %d tokens", who, T);
+  EP_CHECK_ARG(combine_copy_engine_fits(), "%s runs the bulk-copy pull kernel (sm_90+, tma on, a token's %d rows of %d "
+               "bytes in its ring); ask combine_copy_engine_fits first", who, world_, hidden_ * 2);
   set_device();
   int sms = 0;
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  EP_CHECK_ARG(grid_for(num_sms) < sms, "combine_copy_engine needs an SM beside the pull kernel's %d blocks for its "
-               "releases (the GPU has %d)", grid_for(num_sms), sms);
-  EP_CHECK(begun_T_ < 0, "combine_copy_engine called between a dispatch's stage_begin and its stage_end (they share "
-           "the side stream's events)");
+  const int blocks = grid_for(num_sms);
+  EP_CHECK_ARG(blocks < sms, "%s needs SMs beside the pull kernel's %d blocks for its stage (the GPU has %d)", who,
+               blocks, sms);
+  EP_CHECK(begun_T_ < 0, "%s called between a dispatch's stage_begin and its stage_end (they share the side stream's "
+           "events)", who);
   forked_ = false;  // (a stage_fork whose dispatch raised before its stage_begin: fork_ is recorded anew below)
   ensure_side();
   cudaStream_t s = stream_of(stream);
   launch_combine_snap(ctx_, s);
   EP_CUDA_CHECK(cudaEventRecord(fork_, s));
   EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  // The copies and releases before the pull kernel: where the side stream shares a hardware queue with the call's
-  // stream, a release queued behind the spinning pull kernel does not start before that kernel ends, which waits on
-  // the peers' releases (4x H200, session 15: the pull-first order timed out).
-  launch_combine_stage_copies(ctx_, ptr<const char>(x), recv_off_host.data(), combine_rounds_, side_);
-  launch_combine_pull_tma(ctx_, grid_for(num_sms), ptr<const int4>(x), ptr<const int>(send_pos),
-                          ptr<const int>(recv_off), ptr<int4>(y), T, 0,
-                          pull_diag_ | kDiagStagedByCopies | (pull_variant_ << 4), s);
+  // The stage before the pull kernel: where the side stream shares a hardware queue with the call's stream, a release
+  // queued behind the spinning pull kernel does not start before that kernel ends, which waits on the peers' releases
+  // (4x H200, session 15: the pull-first order timed out).
+  stage(sms - blocks);
+  launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
+                          ptr<int4>(y), T, 0, pull_diag_ | kDiagStagedByCopies | diag | (pull_variant_ << 4), s);
   EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
   EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
-  ++combine_copy_calls_;
 }
 
 void Runtime::set_pull_stage_slots(int n) {
@@ -513,34 +522,12 @@ void Runtime::combine_expert(uintptr_t x, uintptr_t positions, int K, uintptr_t 
 void Runtime::combine_expert_staged(uintptr_t x, uintptr_t positions, int K, uintptr_t send_pos, uintptr_t recv_off,
                                     uintptr_t y, int T, int num_sms, uintptr_t stream) {
   check_open();
-  check_tokens(T);
   EP_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk must be in [1, %d], got %d", kMaxTopk, K);
-  EP_CHECK_ARG(T == 0 || y != 0, "combine_expert_staged: y is required for %d tokens", T);
-  EP_CHECK_ARG(combine_copy_engine_fits(), "combine_expert_staged runs the bulk-copy pull kernel (sm_90+, tma on, a "
-               "token's %d rows of %d bytes in its ring); ask combine_copy_engine_fits first", world_, hidden_ * 2);
-  set_device();
-  int sms = 0;
-  EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  const int blocks = grid_for(num_sms);
-  EP_CHECK_ARG(blocks < sms, "combine_expert_staged needs SMs beside the pull kernel's %d blocks for the expert sum "
-               "(the GPU has %d)", blocks, sms);
-  EP_CHECK(begun_T_ < 0, "combine_expert_staged called between a dispatch's stage_begin and its stage_end (they share "
-           "the side stream's events)");
-  forked_ = false;
-  ensure_side();
-  cudaStream_t s = stream_of(stream);
-  launch_combine_snap(ctx_, s);
-  EP_CUDA_CHECK(cudaEventRecord(fork_, s));
-  EP_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  // the sum before the pull kernel, as combine_copy_engine's copies: queued behind the spinning pull kernel on a shared
-  // hardware queue it would not start, and the peers wait on its releases
-  launch_expert_stage(ctx_, sms - blocks, ptr<const int4>(x), ptr<const int>(recv_off), ptr<const int>(positions), K,
-                      side_);
-  launch_combine_pull_tma(ctx_, blocks, ptr<const int4>(x), ptr<const int>(send_pos), ptr<const int>(recv_off),
-                          ptr<int4>(y), T, 0,
-                          pull_diag_ | kDiagStagedByCopies | kDiagOwnStaged | (pull_variant_ << 4), s);
-  EP_CUDA_CHECK(cudaEventRecord(staged_, side_));
-  EP_CUDA_CHECK(cudaStreamWaitEvent(s, staged_, 0));
+  pull_beside_stage("combine_expert_staged", x, send_pos, recv_off, y, T, num_sms, stream, kDiagOwnStaged,
+                    [&](int free_sms) {
+                      launch_expert_stage(ctx_, free_sms, ptr<const int4>(x), ptr<const int>(recv_off),
+                                          ptr<const int>(positions), K, side_);
+                    });
   ++combine_expert_staged_calls_;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,11 @@ class Runtime {
   void check_row_bytes(int row_bytes) const;
   void check_stage(int T, int row_bytes, int nscales, int K) const;  // a stage's arguments (stage, stage_begin)
   void ensure_side();  // the side stream and its events, made at first use
+  // The pull kernel (on num_sms SMs, without its stager: diag kDiagStagedByCopies | diag) beside a stage on the side
+  // stream: the snap, the side stream forked after it, stage(SMs the pull kernel leaves free) launched there first,
+  // then the pull kernel, `stream` joined to the side stream. `who` names the caller in its errors.
+  void pull_beside_stage(const char* who, uintptr_t x, uintptr_t send_pos, uintptr_t recv_off, uintptr_t y, int T,
+                         int num_sms, uintptr_t stream, int diag, const std::function<void(int free_sms)>& stage);
   Ctx routed(uintptr_t out_rows) const;  // ctx_ with the call's DispatchRoute
   void launch_stage_pull_checked(const Ctx& c, uintptr_t x, int T, int row_bytes, uintptr_t scales, int nscales,
                                  uintptr_t topk_idx, uintptr_t weights, int K, uintptr_t out_x, uintptr_t out_scales,

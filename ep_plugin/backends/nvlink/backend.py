@@ -644,34 +644,31 @@ class NvlinkBackend(Backend):
         y = None
         rt = self._rt
         keep = ()
-        # the sum as the pull kernel's stage, beside it on the other SMs (not under graph capture: its side stream is
-        # made at first use, which a capture would refuse)
-        if (expert is not None and sums and self.expert_sum_beside and self._combine_kernel == "pull"
-                and x_rows is None and self._combine_sms < self._gpu_sms and rt.combine_copy_engine_fits
-                and not _is_capturing()):
-            y = self._sums(T, dev, cur, False)
-            rt.combine_expert_staged(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1],
-                                     st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T, self._combine_sms,
-                                     sp)
-            self._sums_next(T, dev, cur, False)
-            return y, (self._finish(s, (x, y)) if async_op else None)
-        if expert is not None:  # the rows the kernels below combine: x's experts summed per received row
+        mode = self._combine_kernel  # (planned with num_sms and combine_mode: _plan_combine)
+        capturing = sums and _is_capturing()
+        # A stage beside the pull kernel, on the SMs it leaves free (Runtime.pull_beside_stage; not under graph
+        # capture: the side stream is made at first use, and the copies' sizes are the host's): expert-major rows
+        # summed as the stage (expert_sum_beside), or -- the A/B knob -- a plain call's rows staged by the copy engines
+        # once its dispatch's receive offsets are on the host (notify done; a host-synced dispatch's always are).
+        staged = copies = False
+        if sums and mode == "pull" and x_rows is None and not capturing and self._combine_sms < self._gpu_sms:
+            if expert is not None and self.expert_sum_beside:
+                staged = rt.combine_copy_engine_fits
+            elif self.combine_stage_copy_engine and not self._one_queue:
+                copies = rt.combine_copy_engine_fits
+        if expert is not None and not staged:  # the rows the kernels below combine: x's experts summed per row
             rows = torch.empty(handle.num_recv, self.hidden, dtype=torch.bfloat16, device=dev)
             rt.expert_sum(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1], st.recv_off.data_ptr(),
                           rows.data_ptr(), self._gpu_sms, sp)
             keep, x = (x,), rows
-        mode = self._combine_kernel  # (planned with num_sms and combine_mode: _plan_combine)
-        offs = None
+        offs = _host_recv_off(handle) if copies else None
         if sums:
-            capturing = _is_capturing()
             y = self._sums(T, dev, cur, capturing)
-            # the pull kernel's stage by the copy engines (the A/B knob): a plain call whose dispatch's receive offsets
-            # are on the host already (notify done; a host-synced dispatch's always are), with an SM left free for the
-            # side stream's one-block releases, which the peers' loads wait on while the pull kernel runs
-            if (self.combine_stage_copy_engine and mode == "pull" and x_rows is None and not capturing
-                    and self._combine_sms < self._gpu_sms and not self._one_queue and rt.combine_copy_engine_fits):
-                offs = _host_recv_off(handle)
-        if offs is not None:
+        if staged:
+            rt.combine_expert_staged(x.data_ptr(), expert.positions.data_ptr(), handle.topk_idx.shape[1],
+                                     st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T, self._combine_sms,
+                                     sp)
+        elif offs is not None:
             rt.combine_copy_engine(x.data_ptr(), st.send_pos.data_ptr(), st.recv_off.data_ptr(), y.data_ptr(), T,
                                    self._combine_sms, sp, offs)
         else:
